@@ -1,0 +1,24 @@
+"""`kvedit bench ...`: benchmarks that print one JSON object of ratios against a same-run baseline."""
+from __future__ import annotations
+
+import importlib
+
+BENCH_MODULES = [
+    "kvedit.bench.transfer",    # server: shm / socket vs memcpy / raw TCP
+    "kvedit.bench.connector",   # connector: hit TTFT vs recompute, prefill with/without store
+    "kvedit.bench.modify",      # SDK: modify vs memcpy
+    "kvedit.bench.dropping",    # headline: decode gain of DropMiddle vs its bound
+]
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="run a benchmark and print JSON")
+    bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name in BENCH_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:  # a real import error inside the module: surface it
+                raise
+            continue  # not written yet
+        mod.register(bsub)

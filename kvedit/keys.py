@@ -1,0 +1,54 @@
+"""Chunk keys: a prefix-hash chain over token ids, shared by the connector and the SDK.
+
+h_0 = H(namespace), h_i = H(h_{i-1} || little-endian uint32 tokens of chunk i). Only full
+chunks get keys. The namespace binds the model name, cache salt, KV dtype/layout and the
+tensor-parallel rank, so two of them never share a key. blake2b is deterministic across
+processes and machines (unlike Python's hash()).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvedit.layout import ModelLayout
+
+KEY_BYTES = 16
+
+
+def namespace(model: str, layout: ModelLayout, cache_salt: str = "") -> bytes:
+    parts = [
+        "kvedit-v1", model, cache_salt, layout.dtype,
+        f"L{layout.num_layers}H{layout.num_kv_heads}D{layout.head_dim}C{layout.chunk_size}",
+        f"tp{layout.tp_rank}/{layout.tp_size}",
+    ]
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    for p in parts:  # length-prefixed so ("ab","c") and ("a","bc") differ
+        b = p.encode()
+        h.update(len(b).to_bytes(4, "little") + b)
+    return h.digest()
+
+
+def chunk_keys(tokens: Sequence[int] | np.ndarray, chunk_size: int, ns: bytes,
+               max_chunks: int | None = None) -> list[bytes]:
+    """Keys of the full chunks of `tokens` (at most `max_chunks` of them)."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+        raise ValueError("token ids must be in [0, 2**32)")
+    n = len(arr) // chunk_size
+    if max_chunks is not None:
+        n = min(n, max_chunks)
+    data = arr[: n * chunk_size].astype("<u4").tobytes()
+    step = chunk_size * 4
+    keys, prev = [], ns
+    for i in range(n):
+        prev = hashlib.blake2b(prev + data[i * step:(i + 1) * step], digest_size=KEY_BYTES).digest()
+        keys.append(prev)
+    return keys
+
+
+def request_keys(model: str, layout: ModelLayout, tokens: Sequence[int] | np.ndarray,
+                 cache_salt: str = "") -> list[bytes]:
+    """The keys the connector stores `tokens` under (and the SDK looks them up with)."""
+    return chunk_keys(tokens, layout.chunk_size, namespace(model, layout, cache_salt))
