@@ -1,0 +1,1 @@
+"""The kvedit SDK: connect, request streams, batched prefill → modify → decode."""

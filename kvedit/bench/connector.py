@@ -1,0 +1,173 @@
+"""`kvedit bench connector`: what the vLLM connector saves and costs, against same-run baselines.
+
+Default (real vLLM on the tiny model, one kvedit server, two vLLMs up at once and measured
+in alternation so machine noise hits both sides of each ratio alike):
+- hit_ttft_vs_recompute: latency of a max_tokens=1 request for a 4096-token prompt whose
+  chunks come from the server (vLLM's prefix cache reset) / the same prompt's first,
+  recomputed request on the same vLLM. Target <= 0.3.
+- prefill_with_store_vs_without: prefill throughput (tokens/s) of fresh prompts on the vLLM
+  with the connector storing every chunk / on a vLLM started without it. Target >= 0.9.
+`--paged`: only the paged-KV gather/scatter copies (GB/s), on CUDA when there is a GPU.
+No torch/vllm at module level (CLI start-up).
+"""
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+
+def register(bsub) -> None:
+    p = bsub.add_parser("connector", help="connector: hit TTFT vs recompute, prefill with "
+                        "vs without store", description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=4096, help="prompt length (default 4096)")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per round (default 4)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds; medians are reported")
+    p.add_argument("--paged", action="store_true",
+                   help="only time paged gather/scatter copies (GPU if available)")
+    p.add_argument("--json", action="store_true", help="print only the JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    result = paged_bench() if args.paged else vllm_bench(args.tokens, args.prompts, args.rounds)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+# ---- paged copies -------------------------------------------------------------------------
+def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
+                chunk: int = 256, chunks: int = 16, device: str | None = None) -> dict:
+    """GB/s of PagedKV.gather / scatter for Qwen3-8B-shaped bf16 chunks (36 MiB each).
+
+    Block 16 and FlashAttention's NHD order on CUDA, block 128 and the CPU backend's layout
+    on CPU. On CUDA the host copies are timed too: device <-> pageable host memory (what a
+    store into / load from the server's shared memory costs) and pinned host memory.
+    """
+    import torch
+
+    from kvedit.vllm.paged import PagedKV
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    kind, block = ("cuda", 16) if device == "cuda" else ("cpu", 128)
+    tokens = chunk * chunks
+    nblocks = 2 * tokens // block
+    perm = (0, 1, 3, 2, 4) if kind == "cuda" else (0, 1, 2, 3, 4)  # LBNHC / LBHNC
+    logical = (num_layers, nblocks, kv_heads, block, 2 * head_dim)
+    buf = torch.randn([logical[i] for i in perm], dtype=torch.bfloat16, device=device)
+    view = buf.permute(*[perm.index(i) for i in range(5)])
+    paged = PagedKV([view[i] for i in range(num_layers)], kind, head_dim, block)
+    block_ids = torch.randperm(nblocks)[: tokens // block].tolist()
+    slots = [paged.slots(block_ids, c * chunk, (c + 1) * chunk) for c in range(chunks)]
+    shape = (2, num_layers, chunk, kv_heads * head_dim)
+    dev = [torch.empty(shape, dtype=torch.bfloat16, device=device) for _ in range(chunks)]
+    nbytes = chunks * dev[0].numel() * dev[0].element_size()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def timed(fn, reps: int = 5) -> float:
+        fn()
+        sync()
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            best = min(best, time.perf_counter() - t0)
+        return nbytes / best / 1e9
+
+    out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+           "layout": kind, "block_size": block, "chunk_bytes": nbytes // chunks,
+           "chunks": chunks,
+           "gather_GBps": timed(lambda: [paged.gather(s, d) for s, d in zip(slots, dev)]),
+           "scatter_GBps": timed(lambda: [paged.scatter(s, d) for s, d in zip(slots, dev)])}
+    # Baseline: a plain contiguous copy of the same bytes on the same device.
+    src = [torch.empty_like(d) for d in dev]
+    out["memcpy_GBps"] = timed(lambda: [d.copy_(s) for s, d in zip(src, dev)])
+    del src
+    if device == "cuda":
+        for name, pin in (("pageable", False), ("pinned", True)):
+            host = [torch.empty(shape, dtype=torch.bfloat16, pin_memory=pin) for _ in dev]
+
+            def store():
+                for s, d, h in zip(slots, dev, host):
+                    paged.gather(s, d)
+                    h.copy_(d, non_blocking=pin)
+
+            def load():
+                for s, d, h in zip(slots, dev, host):
+                    paged.scatter(s, d.copy_(h, non_blocking=pin))
+            out[f"store_to_{name}_host_GBps"] = timed(store)
+            out[f"load_from_{name}_host_GBps"] = timed(load)
+    return out
+
+
+# ---- real vLLM ----------------------------------------------------------------------------
+def _post(base_url: str, body: dict) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(base_url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+
+
+def _complete(vp, prompt: list[int]) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    r = _post(vp.base_url + "/v1/completions",
+              {"model": vp.model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    return time.perf_counter() - t0, r["usage"]
+
+
+def _prefill_tput(vp, prompts: list[list[int]]) -> float:
+    """Tokens/s of prefilling `prompts` sent at once (vLLM batches them)."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        list(pool.map(lambda p: _complete(vp, p), prompts))
+    return sum(map(len, prompts)) / (time.perf_counter() - t0)
+
+
+def vllm_bench(tokens: int, n_prompts: int, rounds: int) -> dict:
+    from kvedit.server.launch import start_server
+    from kvedit.vllm.launch import start_vllm
+    from kvedit.vllm.tiny_model import default_tiny_model
+
+    model = default_tiny_model()
+    rng = random.Random(0)
+
+    def fresh() -> list[int]:
+        return [rng.randrange(10, 8000) for _ in range(tokens)]
+
+    kw = dict(max_model_len=max(8192, tokens + 16), dtype="float32", dev_mode=True)
+    with start_server(2.0, chunk_size=256) as server, \
+            start_vllm(model, server=server, **kw) as with_conn, \
+            start_vllm(model, server=None, **kw) as without:
+        print("kvedit bench connector: servers up, measuring", file=sys.stderr)
+        for vp in (with_conn, without):  # warm-up (first requests pay one-off costs)
+            _prefill_tput(vp, [fresh() for _ in range(2)])
+        recompute, hit, hit_tokens, tput_with, tput_without = [], [], [], [], []
+        for _ in range(rounds):
+            prompts = [fresh() for _ in range(n_prompts)]
+            tput_without.append(_prefill_tput(without, prompts))
+            tput_with.append(_prefill_tput(with_conn, [fresh() for _ in range(n_prompts)]))
+            for _ in range(n_prompts):
+                p = fresh()
+                recompute.append(_complete(with_conn, p)[0])
+                _post(with_conn.base_url + "/reset_prefix_cache", {})
+                dt, usage = _complete(with_conn, p)
+                hit.append(dt)
+                hit_tokens.append(usage["prompt_tokens_details"]["cached_tokens"])
+    med = statistics.median
+    return {
+        "prompt_tokens": tokens, "prompts_per_round": n_prompts, "rounds": rounds,
+        "model": "tiny-qwen3 (float32, CPU)",
+        "recompute_ttft_s": med(recompute), "hit_ttft_s": med(hit),
+        "hit_cached_tokens": med(hit_tokens),
+        "hit_ttft_vs_recompute": med(hit) / med(recompute),
+        "prefill_tok_s_with_store": med(tput_with),
+        "prefill_tok_s_without_connector": med(tput_without),
+        "prefill_with_store_vs_without": med(tput_with) / med(tput_without),
+        "targets": {"hit_ttft_vs_recompute": "<= 0.3", "prefill_with_store_vs_without": ">= 0.9"},
+    }

@@ -1,0 +1,158 @@
+"""`kvedit bench modify`: SDK modify throughput against a same-run memcpy of the same bytes.
+
+No vLLM: a kvedit server is started (or --server-url used), synthetic KV for N streams × T
+tokens of a Qwen3-8B-shaped layout is stored straight through the client, then
+BatchedStream.modify runs with the identity edit and with a drop-half edit (keep the first
+and last quarter of the chunks, drop the middle, as DropMiddle(0.5) without re-rotation).
+`modify_vs_memcpy` = memcpy seconds / modify seconds for the same KV bytes (target >= 0.5).
+`identity_cold` is the first modify of the process: its retrieve buffers are fresh memory
+(page faults); the later runs reuse the context's touched buffers, as a long-lived process does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def register(bsub) -> None:
+    p = bsub.add_parser("modify", help="SDK modify (identity, drop-half) vs memcpy",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per stream")
+    p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--modify-concurrency", type=int, default=2)
+    p.add_argument("--server-url", help="use this running server (tcp://...) instead of starting one")
+    p.add_argument("--json", action="store_true", help="print only the JSON object")
+    p.set_defaults(func=run)
+
+
+def _identity(kv, tokens):
+    return kv, tokens
+
+
+def _drop_half(kv, tokens, layout):
+    """Keep the first and last quarter of the chunks (chunk-granular DropMiddle, no RoPE)."""
+    import torch
+
+    c = layout.chunk_size
+    quarter = len(tokens) // c // 4
+    head, tail = quarter * c, len(tokens) - quarter * c
+    return torch.cat([kv[:, :, :head], kv[:, :, tail:]], dim=2), tokens[:head] + tokens[tail:]
+
+
+def _memcpy_seconds(nbytes: int, repeats: int = 3) -> tuple[float, float]:
+    """(best warm copy, best copy into a fresh allocation) of nbytes with torch."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8).fill_(2)
+    warm = fresh = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        warm = min(warm, time.perf_counter() - t)
+    del dst
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.empty(nbytes, dtype=torch.uint8).copy_(src)
+        fresh = min(fresh, time.perf_counter() - t)
+    return warm, fresh
+
+
+def _streams(ctx, client, n: int, tokens: int, seed: int):
+    """n streams whose full chunks are stored with synthetic KV (distinct prompts)."""
+    import torch
+
+    from kvedit.sdk.batch import BatchedStream
+    from kvedit.sdk.stream import create_request
+
+    def no_engine(*_):
+        raise RuntimeError("bench modify never calls the engine")
+
+    lay = ctx.layout
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(lay.chunk_shape, generator=g).to(getattr(torch, lay.dtype))
+    batch = BatchedStream(progress=False)
+    for i in range(n):
+        prompt = torch.randint(0, 150_000, (tokens,), generator=g).tolist()
+        s = batch.add(create_request(ctx, no_engine, prompt, name=f"bench-{seed}-{i}"))
+        with client.prepare_store(ctx.model, s.keys) as h:
+            for j, buf in enumerate(h.buffers):
+                buf.copy_(base)
+                buf.view(-1)[:8] = i * 1000 + j  # distinct chunks, same bytes moved
+    return batch
+
+
+def run(args) -> int:
+    import torch
+
+    from kvedit.layout import ModelLayout
+    from kvedit.sdk.context import connect
+
+    lay = ModelLayout(num_layers=args.layers, num_kv_heads=args.kv_heads,
+                      head_dim=args.head_dim, dtype=args.dtype, chunk_size=args.chunk_size)
+    lay.validate()
+    if args.tokens % args.chunk_size:
+        raise SystemExit(f"--tokens {args.tokens} must be a multiple of --chunk-size")
+    kv_bytes = args.streams * (args.tokens // args.chunk_size) * lay.chunk_bytes
+    server = None
+    if args.server_url:
+        url, http_url = args.server_url, None
+    else:
+        from kvedit.server.launch import start_server
+
+        # originals of two batches + drop-half output + slack
+        server = start_server(kv_bytes * 2.75 / 2**30 + 0.25, chunk_size=args.chunk_size)
+        url, http_url = server.url, server.http_url
+    model = "bench-qwen3-8b-shape"
+    try:
+        from kvedit.client import KVClient
+
+        with KVClient(url) as client:
+            client.register(model, lay)
+            with connect(url, http_url, model, timeout=10) as ctx:
+                results = {}
+                edits = (("identity_cold", _identity), ("identity", _identity),
+                         ("drop_half", _drop_half))
+                for seed, (name, fn) in enumerate(edits):
+                    batch = _streams(ctx, client, args.streams, args.tokens, seed)
+                    batch.modify_concurrency = args.modify_concurrency
+                    results[name] = batch.modify(fn)
+                    if name == "identity_cold":  # free its chunks for the next batches
+                        client.delete(model, [k for s in batch for k in s.keys])
+                transfer = client.transfer_mode
+        warm, fresh = _memcpy_seconds(kv_bytes)
+    finally:
+        if server is not None:
+            server.stop()
+    out = {
+        "config": {"streams": args.streams, "tokens": args.tokens, "layout": "qwen3-8b-shape",
+                   "num_layers": lay.num_layers, "num_kv_heads": lay.num_kv_heads,
+                   "head_dim": lay.head_dim, "dtype": lay.dtype, "chunk_size": lay.chunk_size,
+                   "modify_concurrency": args.modify_concurrency, "transfer_mode": transfer,
+                   "torch_threads": torch.get_num_threads()},
+        "kv_bytes": kv_bytes,
+        "memcpy": {"seconds": warm, "gbps": kv_bytes / warm / 1e9},
+        "memcpy_fresh_alloc": {"seconds": fresh, "gbps": kv_bytes / fresh / 1e9},
+    }
+    for name, m in results.items():
+        out[name] = {"seconds": m.duration, "gbps": kv_bytes / m.duration / 1e9,
+                     "modify_vs_memcpy": warm / m.duration,
+                     "modify_vs_memcpy_fresh_alloc": fresh / m.duration,
+                     "bytes_stored": m.bytes_stored, "chunks_stored": m.chunks_stored,
+                     "chunks_reused": m.chunks_reused, "chunks_deleted": m.chunks_deleted,
+                     "salt_changes": m.salt_changes,
+                     "profile_summed_s": {"retrieve": m.retrieve_s, "fn": m.fn_s,
+                                          "store": m.store_s}}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(json.dumps(out, indent=2))
+        for name, m in results.items():
+            print(f"\n{name}:\n{m.table()}")
+    return 0

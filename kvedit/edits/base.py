@@ -1,0 +1,122 @@
+"""The shared base of token-dropping policies: score units, keep the best, re-rotate.
+
+A policy is one `score` method. The base splits the sequence into units (whole chunks or
+single tokens), asks the policy for one score per unit (higher = keep), keeps the
+`n - floor(ratio * n)` best units in their original order, gathers their K/V and tokens,
+and re-rotates the kept keys to contiguous positions (see `rope.py`).
+
+Chunk granularity keeps the edited sequence chunk-aligned, so every kept chunk is stored
+under a full key and the decode reloads all of it; token granularity may leave a partial
+last chunk, which the SDK moves into the stream's suffix and vLLM recomputes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvedit.edits.rope import rerotate
+from kvedit.layout import ModelLayout
+
+GRANULARITIES = ("chunk", "token")
+DEFAULT_CHUNK_SIZE = 256  # the server's default; a layout's chunk_size wins when known
+
+
+@dataclass
+class Units:
+    """How the T tokens of one request are grouped for scoring."""
+    size: int    # tokens per unit (the last unit may be shorter)
+    count: int   # number of units
+    tokens: int  # T
+
+    def token_indices(self, units: torch.Tensor) -> torch.Tensor:
+        """Token indices of `units` (sorted), in order."""
+        starts = units * self.size
+        idx = (starts[:, None] + torch.arange(self.size)).flatten()
+        return idx[idx < self.tokens]
+
+    def pool(self, token_scores: torch.Tensor) -> torch.Tensor:
+        """Mean of per-token scores within each unit -> [count]."""
+        if self.size == 1:
+            return token_scores
+        pad = self.count * self.size - self.tokens
+        padded = torch.cat([token_scores, token_scores.new_full((pad,), float("nan"))])
+        return padded.view(self.count, self.size).nanmean(dim=1)
+
+
+@dataclass
+class DropPolicy:
+    """Base: drop `ratio` of the units with the lowest scores. Subclasses implement `score`."""
+    ratio: float = 0.5
+    granularity: str = "chunk"
+    chunk_size: int | None = None  # None: the layout's chunk size (else 256)
+    rerotate: bool = True
+
+    def __post_init__(self):
+        if not 0.0 <= self.ratio < 1.0:
+            raise ValueError(f"{type(self).__name__}.ratio must be in [0, 1), got {self.ratio}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"{type(self).__name__}.granularity must be one of {GRANULARITIES}, "
+                             f"got {self.granularity!r}")
+        if self.chunk_size is not None and self.chunk_size <= 0:
+            raise ValueError(f"{type(self).__name__}.chunk_size must be positive, got {self.chunk_size}")
+
+    # -- what a policy implements -------------------------------------------------------
+    def score(self, kv: torch.Tensor, units: Units, layout: ModelLayout | None) -> torch.Tensor:
+        """One float score per unit ([units.count]); higher is kept. inf = always keep."""
+        raise NotImplementedError
+
+    def num_drop(self, units: Units) -> int:
+        """How many units to drop (a policy may override, e.g. to protect some units)."""
+        drop = int(self.ratio * units.count)
+        if drop == 0 and self.ratio > 0:
+            raise ValueError(
+                f"{type(self).__name__}: input too short to drop anything: {units.tokens} tokens "
+                f"make {units.count} unit(s) of {units.size} token(s) ({self.granularity} "
+                f"granularity), and ratio {self.ratio} of them rounds down to 0")
+        return drop
+
+    # -- the shared machinery ------------------------------------------------------------
+    def units(self, num_tokens: int, layout: ModelLayout | None) -> Units:
+        if self.granularity == "token":
+            size = 1
+        else:
+            size = self.chunk_size or (layout.chunk_size if layout else DEFAULT_CHUNK_SIZE)
+        return Units(size=size, count=-(-num_tokens // size), tokens=num_tokens)
+
+    def keep_indices(self, kv: torch.Tensor, layout: ModelLayout | None = None) -> torch.Tensor:
+        """Sorted token indices this policy keeps for `kv` [2, L, T, D]."""
+        if kv.dim() != 4 or kv.shape[0] != 2:
+            raise ValueError(f"{type(self).__name__}: kv must be [2, L, T, D], got {tuple(kv.shape)}")
+        units = self.units(kv.shape[2], layout)
+        drop = self.num_drop(units)
+        if drop == 0:
+            return torch.arange(units.tokens)
+        scores = self.score(kv, units, layout).float()
+        if scores.shape != (units.count,):
+            raise ValueError(f"{type(self).__name__}.score returned shape {tuple(scores.shape)}, "
+                             f"expected ({units.count},)")
+        # Stable: among equal scores the earlier unit is kept; inf scores are always kept.
+        order = torch.sort(scores, descending=True, stable=True).indices
+        kept = order[: units.count - drop].sort().values
+        return units.token_indices(kept)
+
+    def __call__(self, kv: torch.Tensor, tokens, layout: ModelLayout | None = None):
+        """Drop tokens from `kv` [2, L, T, D] and `tokens` (len T); returns (kv, tokens)."""
+        if len(tokens) != kv.shape[2]:
+            raise ValueError(f"{type(self).__name__}: {len(tokens)} tokens but kv holds "
+                             f"{kv.shape[2]} (shape {tuple(kv.shape)})")
+        if self.rerotate and (layout is None or layout.rope is None):
+            raise ValueError(f"{type(self).__name__}: re-rotation needs the model's RoPE "
+                             "parameters (layout.rope); run it through the SDK, pass "
+                             "layout=..., or set rerotate=False")
+        idx = self.keep_indices(kv, layout)
+        if len(idx) == kv.shape[2]:
+            return kv, tokens
+        out = kv.index_select(2, idx)  # compact copy of the kept tokens; rotated in place
+        if self.rerotate:
+            rerotate(out, idx, torch.arange(len(idx)), layout)
+        if isinstance(tokens, torch.Tensor):
+            return out, tokens.index_select(0, idx)
+        kept = [tokens[i] for i in idx.tolist()]
+        return out, kept

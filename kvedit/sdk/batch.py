@@ -1,0 +1,231 @@
+"""BatchedStream: prefill → modify → decode over many streams, plus a pipelined run().
+
+Every phase is a coroutine on one event loop: HTTP streams run concurrently (bounded by
+`max_concurrency`), the server's blocking calls run in the context's thread pool, and the
+CPU side of modify (retrieve copy, fn, compare, store copy) is bounded by
+`modify_concurrency`. The synchronous methods run the coroutines on kvedit's background
+loop; the `a`-prefixed ones are the async API.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from tqdm.auto import tqdm
+
+from kvedit.sdk.errors import KVEditError, StreamError, raise_batch
+from kvedit.sdk.loop import run_sync
+from kvedit.sdk.metrics import Metrics
+from kvedit.sdk.modify import ModifyResult, modify_stream
+from kvedit.sdk.stream import Generation, Stream
+
+
+def _progress_default() -> bool:
+    return os.environ.get("KVEDIT_PROGRESS", "1").lower() not in ("0", "false", "no", "off")
+
+
+class _Span:
+    """Wall time from the first start to the last end of a phase across streams."""
+
+    def __init__(self):
+        self.start: float | None = None
+        self.end: float | None = None
+
+    def __enter__(self):
+        now = time.perf_counter()
+        self.start = now if self.start is None else min(self.start, now)
+
+    def __exit__(self, *exc):
+        now = time.perf_counter()
+        self.end = now if self.end is None else max(self.end, now)
+
+    @property
+    def seconds(self) -> float:
+        return 0.0 if self.start is None else (self.end or time.perf_counter()) - self.start
+
+
+def _add_generation(m: Metrics, g: Generation) -> None:
+    m.input_tokens += g.prompt_tokens
+    m.output_tokens += len(g.token_ids)
+    m.add_cached(g.cached_tokens)
+    if g.ttft is not None:
+        m.ttft.append(g.ttft)
+    if g.tpot is not None:
+        m.tpot.append(g.tpot)
+
+
+def _add_modify(m: Metrics, r: ModifyResult) -> None:
+    m.tokens_before += r.tokens_before
+    m.tokens_after += r.tokens_after
+    m.bytes_retrieved += r.bytes_retrieved
+    m.bytes_stored += r.bytes_stored
+    m.chunks_stored += r.chunks_stored
+    m.chunks_reused += r.chunks_reused
+    m.chunks_deleted += r.chunks_deleted
+    m.salt_changes += r.salt_changed
+    m.streams_skipped += r.skipped
+    m.retrieve_s += r.retrieve_s
+    m.fn_s += r.fn_s
+    m.store_s += r.store_s
+
+
+class BatchedStream:
+    """A batch of streams. `progress` shows tqdm bars (default on; KVEDIT_PROGRESS=0 hides)."""
+
+    def __init__(self, streams=(), *, progress: bool | None = None, max_concurrency: int = 256,
+                 modify_concurrency: int = 2, wait_timeout: float = 60.0):
+        self.streams: list[Stream] = []
+        self.progress = _progress_default() if progress is None else progress
+        self.max_concurrency = max_concurrency
+        self.modify_concurrency = modify_concurrency
+        self.wait_timeout = wait_timeout
+        for s in streams:
+            self.add(s)
+
+    def add(self, stream: Stream) -> Stream:
+        if not isinstance(stream, Stream):
+            raise TypeError(f"add() takes a Stream from create_request, got {type(stream).__name__}")
+        if any(s is stream for s in self.streams):
+            raise ValueError(f"{stream.label} is already in this batch")
+        self.streams.append(stream)
+        return stream
+
+    def __len__(self) -> int:
+        return len(self.streams)
+
+    def __iter__(self):
+        return iter(self.streams)
+
+    def _bar(self, desc: str, unit: str = "stream"):
+        return tqdm(total=len(self.streams), desc=desc, unit=unit, disable=not self.progress,
+                    leave=False)
+
+    async def _each(self, phase: str, streams, work, bar) -> None:
+        """Run work(stream) for all streams; raise the stream errors once all have finished."""
+        async def one(s):
+            try:
+                await work(s)
+            finally:
+                bar.update(1)
+        results = await asyncio.gather(*(one(s) for s in streams), return_exceptions=True)
+        bar.close()
+        errors = []
+        for s, r in zip(streams, results):
+            if isinstance(r, KVEditError):
+                errors.append(r)
+            elif isinstance(r, Exception):  # unexpected: name the stream, keep the cause
+                err = StreamError(s, f"{phase} raised {type(r).__name__}: {r}")
+                err.__cause__ = r
+                errors.append(err)
+            elif isinstance(r, BaseException):  # cancellation, Ctrl-C: not a stream failure
+                raise r
+        raise_batch(phase, errors, len(streams))
+
+    # ---- async API -------------------------------------------------------------------
+    async def aprefill(self, sampling_params=None) -> Metrics:
+        """Send every prompt with max_tokens=1, concurrently; the token joins the suffix."""
+        m = Metrics("prefill", num_streams=len(self.streams))
+        http = asyncio.Semaphore(self.max_concurrency)
+
+        async def work(s: Stream):
+            async with http:
+                _add_generation(m, await s.generate(sampling_params, max_tokens=1))
+
+        start = time.perf_counter()
+        try:
+            await self._each("prefill", self.streams, work, self._bar("prefill"))
+        finally:
+            m.duration = time.perf_counter() - start
+        return m
+
+    async def amodify(self, fn, *, keep_old: bool = False,
+                      wait_timeout: float | None = None) -> Metrics:
+        """Apply fn(kv, tokens[, layout=]) -> (kv, tokens) to every stream (kvedit.sdk.modify)."""
+        m = Metrics("modify", num_streams=len(self.streams))
+        cpu = asyncio.Semaphore(self.modify_concurrency)
+        wait = self.wait_timeout if wait_timeout is None else wait_timeout
+
+        async def work(s: Stream):
+            _add_modify(m, await modify_stream(s, fn, cpu_slots=cpu, keep_old=keep_old,
+                                               wait_timeout=wait))
+
+        start = time.perf_counter()
+        try:
+            await self._each("modify", self.streams, work, self._bar("modify"))
+        finally:
+            m.duration = time.perf_counter() - start
+        return m
+
+    async def adecode(self, sampling_params=None) -> Metrics:
+        """Send tokens + suffix of every stream not done; generated tokens join the suffix."""
+        live = [s for s in self.streams if not s.done]
+        m = Metrics("decode", num_streams=len(live))
+        http = asyncio.Semaphore(self.max_concurrency)
+
+        async def work(s: Stream):
+            async with http:
+                _add_generation(m, await s.generate(sampling_params))
+
+        start = time.perf_counter()
+        try:
+            await self._each("decode", live, work, self._bar("decode"))
+        finally:
+            m.duration = time.perf_counter() - start
+        return m
+
+    async def arun(self, prefill_params, fn, decode_params, *, keep_old: bool = False,
+                   wait_timeout: float | None = None) -> Metrics:
+        """Pipelined prefill → modify → decode: each stream is modified as soon as its own
+        prefill is stored and decodes as soon as its own modify is done (no phase barriers).
+        Returns Metrics("run") with the end-to-end duration; `parts` holds each phase's
+        counters, their `duration` being the span from its first start to its last end."""
+        names = ("prefill", "modify", "decode")
+        parts = {p: Metrics(p, num_streams=len(self.streams)) for p in names}
+        spans = {p: _Span() for p in names}
+        http = asyncio.Semaphore(self.max_concurrency)
+        cpu = asyncio.Semaphore(self.modify_concurrency)
+        wait = self.wait_timeout if wait_timeout is None else wait_timeout
+
+        async def work(s: Stream):
+            async with http:
+                with spans["prefill"]:
+                    _add_generation(parts["prefill"], await s.generate(prefill_params, 1))
+            with spans["modify"]:
+                _add_modify(parts["modify"], await modify_stream(
+                    s, fn, cpu_slots=cpu, keep_old=keep_old, wait_timeout=wait))
+            async with http:
+                with spans["decode"]:
+                    _add_generation(parts["decode"], await s.generate(decode_params))
+
+        start = time.perf_counter()
+        try:
+            await self._each("run", self.streams, work, self._bar("run"))
+        finally:
+            total = time.perf_counter() - start
+            for p in names:
+                parts[p].duration = spans[p].seconds
+        run = Metrics("run", num_streams=len(self.streams), duration=total,
+                      input_tokens=parts["prefill"].input_tokens,
+                      output_tokens=parts["prefill"].output_tokens + parts["decode"].output_tokens,
+                      parts=parts)
+        run.ttft, run.tpot = parts["decode"].ttft, parts["decode"].tpot
+        return run
+
+    # ---- synchronous facade ----------------------------------------------------------
+    def prefill(self, sampling_params=None) -> Metrics:
+        return run_sync(self.aprefill(sampling_params))
+
+    def modify(self, fn, *, keep_old: bool = False, wait_timeout: float | None = None) -> Metrics:
+        return run_sync(self.amodify(fn, keep_old=keep_old, wait_timeout=wait_timeout))
+
+    def decode(self, sampling_params=None) -> Metrics:
+        return run_sync(self.adecode(sampling_params))
+
+    def run(self, prefill_params, fn, decode_params, *, keep_old: bool = False,
+            wait_timeout: float | None = None) -> Metrics:
+        return run_sync(self.arun(prefill_params, fn, decode_params, keep_old=keep_old,
+                                  wait_timeout=wait_timeout))
+
+
+LMCacheBatchedStream = BatchedStream  # the LMCache SDK's name, so ported scripts run unchanged

@@ -1,0 +1,146 @@
+"""connect() / close(): a Context binds one kvedit server, one model and its KV layout.
+
+The context owns the KVClient (sockets, the shm mapping), a small thread pool that runs the
+client's blocking calls off the event loop, and the reference counts of chunk keys across
+its streams (so modify deletes only chunks no stream of this context still uses).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from kvedit.layout import ModelLayout
+from kvedit.sdk.buffers import BufferPool
+from kvedit.sdk.errors import ConnectError
+
+REGISTRATION_POLL_S = 0.2  # connect() waits for a model registration, an event with no push
+
+
+class Context:
+    """One server + model. Use `close()` (or `with`) to release sockets, mappings and threads."""
+
+    def __init__(self, client, url: str, http_url: str | None, model: str,
+                 layout: ModelLayout, *, io_threads: int = 32):
+        self.client = client
+        self.url, self.http_url, self.model, self.layout = url, http_url, model, layout
+        self.refs: Counter[bytes] = Counter()
+        self.closed = False
+        self._ids = itertools.count()
+        self.pool = BufferPool()  # touched retrieve buffers, reused across modifies
+        # Blocking client calls (some wait server-side for stores) run here, never on the loop.
+        self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvedit-io")
+
+    @property
+    def chunk_size(self) -> int:
+        return self.layout.chunk_size
+
+    def next_stream_id(self) -> int:
+        return next(self._ids)
+
+    async def call(self, fn, *args, **kwargs):
+        """Run a blocking call (KVClient or CPU work) in the context's pool."""
+        if self.closed:
+            raise ConnectError(f"context for {self.model!r} at {self.url} is closed")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    def ref(self, keys) -> None:
+        self.refs.update(keys)
+
+    def unref(self, keys) -> list[bytes]:
+        """Drop one reference per key; returns the keys nothing references any more."""
+        dead = []
+        for k in keys:
+            self.refs[k] -= 1
+            if self.refs[k] <= 0:
+                del self.refs[k]
+                dead.append(k)
+        return dead
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.pool.clear()
+        self.client.close()
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Context(model={self.model!r}, url={self.url!r}, layout={self.layout})"
+
+
+def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
+            model_name: str = "", timeout: float = 60.0, *, use_shm: bool | None = None,
+            io_threads: int = 32) -> Context:
+    """Connect to the kvedit server at `url` and read `model_name`'s layout.
+
+    If the model is not registered yet, wait up to `timeout` seconds for the vLLM connector to
+    register it, then fail with the list of models the server has. `http_url` (the server's
+    HTTP port) is checked too when given. Errors arrive within `timeout`.
+    """
+    from kvedit.client import KVClient, KVError
+
+    if not model_name:
+        raise ConnectError("connect() needs model_name: the served model name vLLM uses")
+    deadline = time.monotonic() + timeout
+    if http_url:
+        try:
+            httpx.get(f"{http_url.rstrip('/')}/health", timeout=min(5.0, timeout)).raise_for_status()
+        except httpx.HTTPError as e:
+            raise ConnectError(f"the kvedit server's HTTP endpoint {http_url} does not answer "
+                               f"/health ({type(e).__name__}: {e}); is `kvedit server` running "
+                               f"with that --http-port?") from None
+    try:
+        client = KVClient(url, use_shm=use_shm, timeout=max(0.5, min(10.0, timeout)))
+    except KVError as e:
+        raise ConnectError(f"cannot reach the kvedit server at {url}: {e.message}; is "
+                           f"`kvedit server` running there?") from None
+    try:
+        layout = _wait_for_layout(client, model_name, deadline)
+        if layout is None:
+            models = sorted(client.list_models())
+            raise ConnectError(f"model {model_name!r} is not registered with the kvedit server "
+                               f"at {url} after {timeout:.0f} s; it has: {models or 'no models'}"
+                               f". Is vLLM running with the kvedit connector and serving this "
+                               f"name (--served-model-name)?")
+        if layout.tp_size != 1:
+            raise ConnectError(f"model {model_name!r} is registered with tp_size="
+                               f"{layout.tp_size}; the SDK edits single-rank layouts only")
+    except BaseException:
+        client.close()
+        raise
+    return Context(client, url, http_url, model_name, layout, io_threads=io_threads)
+
+
+def _wait_for_layout(client, model: str, deadline: float) -> ModelLayout | None:
+    while True:
+        layout = client.get_layout(model)
+        if layout is not None or time.monotonic() >= deadline:
+            return layout
+        time.sleep(min(REGISTRATION_POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+def close(ctx: Context) -> None:
+    """Release every socket, mapping and thread the context holds (idempotent)."""
+    ctx.close()
+
+
+async def aconnect(*args, **kwargs) -> Context:
+    """connect() without blocking the running event loop."""
+    return await asyncio.to_thread(connect, *args, **kwargs)
+
+
+async def aclose(ctx: Context) -> None:
+    await asyncio.to_thread(ctx.close)

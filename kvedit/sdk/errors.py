@@ -1,0 +1,44 @@
+"""Errors the SDK raises. Each message says which stream (if any), what was wrong and what was expected."""
+from __future__ import annotations
+
+
+class KVEditError(Exception):
+    """Base of every error the kvedit SDK raises on purpose."""
+
+
+class ConnectError(KVEditError):
+    """connect() could not reach the server, or the model never registered."""
+
+
+class StreamError(KVEditError):
+    """One stream's operation failed; `.stream` is the stream, the message names it."""
+
+    def __init__(self, stream, reason: str):
+        super().__init__(f"{stream.label}: {reason}")
+        self.stream = stream
+        self.reason = reason
+
+
+class ModifyError(StreamError):
+    """modify() failed for a stream; the stream is unchanged and its original KV is kept."""
+
+
+class CompletionError(StreamError):
+    """The completion server (vLLM) failed or answered something unusable."""
+
+
+class BatchError(KVEditError):
+    """Several streams of a batch failed; `.errors` holds one StreamError per failed stream."""
+
+    def __init__(self, phase: str, errors: list[BaseException], total: int):
+        lines = "\n".join(f"  - {e}" for e in errors)
+        super().__init__(f"{phase} failed for {len(errors)} of {total} streams:\n{lines}")
+        self.errors = errors
+
+
+def raise_batch(phase: str, errors: list[BaseException], total: int) -> None:
+    """One failure is raised as itself (easy to catch); several as a BatchError."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise BatchError(phase, errors, total)

@@ -1,0 +1,118 @@
+"""Metrics of one batch phase (prefill, modify, decode) or of a pipelined run."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """mean, p50, p90, p99 (linear interpolation); {} when there are no values."""
+    if not values:
+        return {}
+    xs = sorted(values)
+
+    def q(p: float) -> float:
+        pos = p * (len(xs) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    return {"mean": sum(xs) / len(xs), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
+
+
+@dataclass
+class Metrics:
+    """Counters and timings of one phase; `parts` holds the phases of a pipelined run.
+
+    `duration` is wall-clock seconds of the phase. Throughputs are tokens per second of that
+    wall time. `ttft`/`tpot` are per stream (seconds to first token, seconds per later token).
+    `cached_tokens` sums what the engine reported as prompt tokens served from cache (vLLM
+    with --enable-prompt-tokens-details), None when it reports nothing.
+    """
+    phase: str
+    num_streams: int = 0
+    duration: float = 0.0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int | None = None
+    # modify
+    tokens_before: int = 0
+    tokens_after: int = 0
+    bytes_retrieved: int = 0
+    bytes_stored: int = 0
+    chunks_stored: int = 0
+    chunks_reused: int = 0
+    chunks_deleted: int = 0
+    salt_changes: int = 0
+    streams_skipped: int = 0
+    retrieve_s: float = 0.0  # summed over streams (they overlap, so the sum can exceed duration)
+    fn_s: float = 0.0
+    store_s: float = 0.0
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    parts: dict[str, Metrics] = field(default_factory=dict)
+
+    @property
+    def input_tput(self) -> float:
+        return self.input_tokens / self.duration if self.duration > 0 else 0.0
+
+    @property
+    def output_tput(self) -> float:
+        return self.output_tokens / self.duration if self.duration > 0 else 0.0
+
+    @property
+    def ttft_stats(self) -> dict[str, float]:
+        return percentiles(self.ttft)
+
+    @property
+    def tpot_stats(self) -> dict[str, float]:
+        return percentiles(self.tpot)
+
+    def add_cached(self, n: int | None) -> None:
+        if n is not None:
+            self.cached_tokens = (self.cached_tokens or 0) + n
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("ttft", "tpot", "parts")}
+        d.update(input_tput=self.input_tput, output_tput=self.output_tput,
+                 ttft=self.ttft_stats, tpot=self.tpot_stats)
+        if self.parts:
+            d["parts"] = {k: m.to_dict() for k, m in self.parts.items()}
+        return d
+
+    def table(self) -> str:
+        """A readable two-column table of the non-empty fields."""
+        rows = [("phase", self.phase), ("streams", self.num_streams),
+                ("duration", f"{self.duration:.3f} s")]
+        if self.input_tokens:
+            rows += [("input tokens", self.input_tokens),
+                     ("input throughput", f"{self.input_tput:,.1f} tok/s")]
+        if self.output_tokens:
+            rows += [("output tokens", self.output_tokens),
+                     ("output throughput", f"{self.output_tput:,.1f} tok/s")]
+        if self.cached_tokens is not None:
+            rows.append(("cached prompt tokens", self.cached_tokens))
+        if self.bytes_retrieved or self.tokens_before:
+            gbs = self.bytes_retrieved / self.duration / 1e9 if self.duration > 0 else 0.0
+            rows += [("tokens before -> after", f"{self.tokens_before} -> {self.tokens_after}"),
+                     ("retrieved", f"{self.bytes_retrieved / 1e9:.3f} GB ({gbs:.2f} GB/s)"),
+                     ("stored", f"{self.bytes_stored / 1e9:.3f} GB"),
+                     ("chunks stored / reused / deleted",
+                      f"{self.chunks_stored} / {self.chunks_reused} / {self.chunks_deleted}"),
+                     ("salt changes", self.salt_changes),
+                     ("retrieve / fn / store (summed)",
+                      f"{self.retrieve_s:.3f} / {self.fn_s:.3f} / {self.store_s:.3f} s")]
+            if self.streams_skipped:
+                rows.append(("streams skipped (no full chunk)", self.streams_skipped))
+        for name, stats in (("TTFT", self.ttft_stats), ("TPOT", self.tpot_stats)):
+            if stats:
+                rows.append((f"{name} mean/p50/p90/p99",
+                             " / ".join(f"{stats[k] * 1e3:.1f}" for k in ("mean", "p50", "p90",
+                                                                           "p99")) + " ms"))
+        width = max(len(str(k)) for k, _ in rows)
+        out = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+        for name, part in self.parts.items():
+            out += f"\n-- {name}\n" + part.table()
+        return out
+
+    def __str__(self) -> str:
+        return self.table()

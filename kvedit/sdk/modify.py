@@ -1,0 +1,233 @@
+"""modify: retrieve a stream's KV, apply the user's fn, validate, store, swap, clean up.
+
+Keys and edited data. The connector keys a chunk by (model, cache_salt, token prefix), so an
+edit that changes KV data but keeps the tokens (zero V, quantize, ...) would produce chunks
+whose keys already exist: the server would keep the ORIGINAL data and silently drop the edit.
+So, for every edited chunk whose key is already present in the server, the SDK checks that
+its data is byte-identical to what is stored. If all are, the salt stays and only chunks
+with new keys are written (present ones are reused, not resent). Otherwise the stream
+switches to a fresh derived salt `f"{salt}~kvedit-<12 hex>"`, stores ALL its edited chunks
+under that salt's keys, and sends that salt with every later request; vLLM's own prefix
+cache is salted too, so it cannot serve the stale blocks either.
+
+Atomicity. The stream's tokens/salt/keys change only after the store has committed. If fn
+raises, returns something invalid, or the store fails, the stream is unchanged, the error
+names the stream and the reason, and the original chunks are untouched (still retrievable).
+After a successful swap, the stream's old chunks that no stream of the context references any
+more are deleted, unless `keep_old=True`.
+
+Partial tail. Only full chunks have keys. If the edited length is not a multiple of the
+chunk size, the trailing tokens move into the stream's suffix: they are re-sent and
+recomputed by vLLM on the next decode (their edited KV is not used).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvedit.layout import ModelLayout
+from kvedit.sdk.errors import ModifyError
+from kvedit.sdk.stream import Stream, check_token_ids
+
+log = logging.getLogger("kvedit.sdk")
+
+
+@dataclass
+class ModifyResult:
+    tokens_before: int = 0
+    tokens_after: int = 0
+    bytes_retrieved: int = 0
+    bytes_stored: int = 0
+    chunks_stored: int = 0
+    chunks_reused: int = 0
+    chunks_deleted: int = 0
+    salt_changed: bool = False
+    skipped: bool = False
+    retrieve_s: float = 0.0  # lookup wait excluded: retrieve copy only
+    fn_s: float = 0.0
+    store_s: float = 0.0     # compare with present chunks + copy into shm + commit
+
+
+def derive_salt(salt: str) -> str:
+    return f"{salt}~kvedit-{uuid.uuid4().hex[:12]}"
+
+
+def wants_layout(fn) -> bool:
+    """fn takes a `layout` keyword (or **kwargs): it then gets the ModelLayout (RoPE params)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "layout" and p.kind is not p.POSITIONAL_ONLY or p.kind is p.VAR_KEYWORD
+               for p in params)
+
+
+def retrieve_kv(ctx, keys: list[bytes], buf: torch.Tensor) -> torch.Tensor:
+    """The chunks of `keys` as one contiguous [2, L, N*C, D] tensor carved out of `buf`
+    (a flat uint8 tensor from the context's pool): one copy out of shm."""
+    lay = ctx.layout
+    n, c = len(keys), lay.chunk_size
+    with ctx.client.retrieve(ctx.model, keys) as got:
+        if len(got.tensors) < n:
+            raise LookupError(f"only {len(got.tensors)} of its {n} chunks could be retrieved "
+                              f"(evicted meanwhile?)")
+        kv = buf[:n * lay.chunk_bytes].view(getattr(torch, lay.dtype)).view(
+            2, lay.num_layers, n * c, lay.hidden)
+        # Chunk i is kv[:, :, i*C:(i+1)*C]: one multi-threaded stack into the [2,L,N,C,D] view.
+        torch.stack(got.tensors, dim=2, out=kv.view(2, lay.num_layers, n, c, lay.hidden))
+    return kv
+
+
+def check_result(result, layout: ModelLayout) -> tuple[torch.Tensor, list[int]]:
+    """fn's (kv, tokens), validated; ValueError naming what is wrong and what was expected."""
+    if not isinstance(result, tuple | list) or len(result) != 2:
+        raise ValueError(f"fn must return (kv, tokens), got {type(result).__name__}")
+    kv, tokens = result
+    if not isinstance(kv, torch.Tensor):
+        raise ValueError(f"fn returned kv of type {type(kv).__name__}, expected a torch.Tensor")
+    want = getattr(torch, layout.dtype)
+    if kv.dtype != want:
+        raise ValueError(f"fn returned kv of dtype {kv.dtype}, expected {want} (the model's "
+                         f"KV dtype; cast back before returning)")
+    if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[1] != layout.num_layers \
+            or kv.shape[3] != layout.hidden:
+        raise ValueError(f"fn returned kv of shape {tuple(kv.shape)}, expected [2, "
+                         f"{layout.num_layers}, T, {layout.hidden}] (K/V, layers, tokens, "
+                         f"kv_heads*head_dim)")
+    tokens = check_token_ids(tokens, "the tokens fn returned")
+    if len(tokens) != kv.shape[2]:
+        raise ValueError(f"fn returned {len(tokens)} tokens but kv holds {kv.shape[2]} "
+                         f"(kv.shape[2] must equal len(tokens))")
+    return kv.cpu(), tokens
+
+
+def _words(t: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes as a numpy array of the widest integer that views it (for equality)."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    for dt in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        try:
+            return t.view(dt).numpy()
+        except RuntimeError:
+            continue
+    return t.contiguous().view(torch.uint8).numpy()
+
+
+def chunks_identical(ctx, keys: list[bytes], idx: list[int], kv: torch.Tensor) -> bool:
+    """Are the stored chunks keys[i] (i in idx) byte-identical to the edited kv's chunks?"""
+    c = ctx.chunk_size
+    with ctx.client.retrieve(ctx.model, [keys[i] for i in idx]) as got:
+        if len(got.tensors) < len(idx):
+            return False  # cannot prove equality: the caller switches to a fresh salt
+        return all(np.array_equal(_words(kv[:, :, i * c:(i + 1) * c]), _words(t))
+                   for i, t in zip(idx, got.tensors))
+
+
+class _Differs(Exception):
+    """An edited chunk's key is present with other data: abort the store, switch the salt."""
+
+
+def store_kv(ctx, tokens: list[int], salt: str, kv: torch.Tensor, keys_for):
+    """Store the edited full chunks. Returns (salt, keys, stored, reused)."""
+    c = ctx.chunk_size
+    keys = keys_for(tokens, salt)
+    try:
+        with ctx.client.prepare_store(ctx.model, keys) as h:
+            present = sorted(set(range(len(keys))) - set(h.missing))
+            if present and not chunks_identical(ctx, keys, present, kv):
+                raise _Differs
+            _fill(h, kv, c)
+        return salt, keys, len(h.missing), len(present)
+    except _Differs:
+        pass
+    salt = derive_salt(salt)
+    keys = keys_for(tokens, salt)
+    with ctx.client.prepare_store(ctx.model, keys) as h:
+        if len(h.missing) != len(keys):
+            raise RuntimeError(f"fresh salt {salt!r} already has chunks in the server")
+        _fill(h, kv, c)
+    return salt, keys, len(keys), 0
+
+
+def _fill(h, kv: torch.Tensor, c: int) -> None:
+    for buf, i in zip(h.buffers, h.missing):  # straight from the edited tensor into shm
+        buf.copy_(kv[:, :, i * c:(i + 1) * c])
+
+
+async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False,
+                        wait_timeout: float = 60.0) -> ModifyResult:
+    """Apply fn to one stream's KV (see the module docstring for the exact semantics)."""
+    ctx = stream.ctx
+    lay, c = ctx.layout, ctx.chunk_size
+    n = len(stream.tokens) // c
+    res = ModifyResult(tokens_before=n * c)
+    if n == 0:  # shorter than one chunk: nothing is cached, nothing to edit
+        res.skipped = True
+        return res
+    old_keys = stream.keys[:n]
+    try:
+        # Server-side wait: vLLM's store is asynchronous to the completion reply.
+        have = await ctx.call(ctx.client.lookup, ctx.model, old_keys, wait_timeout=wait_timeout)
+    except Exception as e:
+        raise ModifyError(stream, f"lookup of its chunks failed: {e}") from e
+    if have < n:
+        raise ModifyError(stream, f"only {have} of its {n} full chunks are in the kvedit server "
+                                  f"after waiting {wait_timeout} s (was it prefilled through a "
+                                  f"vLLM with the kvedit connector, same model and salt?)")
+    async with cpu_slots:
+        t0 = time.perf_counter()
+        buf = ctx.pool.take(n * lay.chunk_bytes)
+        try:
+            kv = await ctx.call(retrieve_kv, ctx, old_keys, buf)
+        except Exception as e:
+            raise ModifyError(stream, f"retrieving its KV failed: {e}") from e
+        res.bytes_retrieved = kv.numel() * kv.element_size()
+        head = stream.tokens[:n * c]
+        kwargs = {"layout": lay} if wants_layout(fn) else {}
+        t1 = time.perf_counter()
+        try:
+            if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+                    getattr(fn, "__call__", None)):
+                out = await fn(kv, list(head), **kwargs)
+            else:
+                out = await ctx.call(fn, kv, list(head), **kwargs)
+        except Exception as e:
+            raise ModifyError(stream, f"fn raised {type(e).__name__}: {e}") from e
+        try:
+            new_kv, new_tokens = check_result(out, lay)
+        except ValueError as e:
+            raise ModifyError(stream, f"invalid edit: {e}") from None
+        del kv, out
+        m = len(new_tokens) // c
+        t2 = time.perf_counter()
+        try:
+            salt, keys, stored, reused = await ctx.call(
+                store_kv, ctx, new_tokens[:m * c], stream.cache_salt, new_kv, stream.keys_for)
+        except Exception as e:
+            raise ModifyError(stream, f"storing the edited KV failed ({type(e).__name__}: {e}); "
+                                      f"the original KV is kept") from e
+        res.retrieve_s, res.fn_s, res.store_s = t1 - t0, t2 - t1, time.perf_counter() - t2
+        del new_kv
+        ctx.pool.give(buf)  # only if fn kept no reference to it
+    # Committed: swap the stream's state (nothing can fail between here and the swap).
+    res.salt_changed = salt != stream.cache_salt
+    stream.suffix = new_tokens[m * c:] + stream.tokens[n * c:] + stream.suffix
+    stream.tokens = new_tokens[:m * c]
+    stream.cache_salt = salt
+    all_old, stream.keys = stream.keys, keys
+    res.tokens_after, res.chunks_stored, res.chunks_reused = m * c, stored, reused
+    res.bytes_stored = stored * lay.chunk_bytes
+    ctx.ref(keys)
+    dead = ctx.unref(all_old)
+    if dead and not keep_old:
+        try:
+            res.chunks_deleted = await ctx.call(ctx.client.delete, ctx.model, dead)
+        except Exception as e:  # the edit is done; a failed clean-up only costs memory
+            log.warning("%s: deleting %d old chunks failed: %s", stream.label, len(dead), e)
+    return res

@@ -1,0 +1,184 @@
+"""A request stream: one prompt whose KV lives in the server, edited and decoded in steps.
+
+State: `tokens` is the sequence whose full chunks the server holds for this stream (the
+prompt, then the edited tokens after modify); `suffix` holds what comes after it (a partial
+last chunk, generated tokens), re-sent on every decode. `cache_salt` is the salt the stream's
+chunks are keyed with; modify may switch it to a fresh derived salt (see `kvedit.sdk.modify`),
+and every later request of the stream then carries that salt.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import inspect
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvedit.keys import request_keys
+from kvedit.sdk.context import Context
+from kvedit.sdk.errors import CompletionError, KVEditError
+
+
+@dataclass
+class Generation:
+    """What one completion request produced, with its timings."""
+    token_ids: list[int]
+    prompt_tokens: int
+    ttft: float | None
+    tpot: float | None
+    finish_reason: str | None
+    cached_tokens: int | None
+
+
+def check_token_ids(tokens, what: str) -> list[int]:
+    """A 1-D sequence of ints in [0, 2**32) as a list, or ValueError saying what is wrong."""
+    if hasattr(tokens, "tolist"):  # torch / numpy
+        tokens = tokens.tolist()
+    tokens = list(tokens)
+    if not tokens:
+        return []
+    arr = np.asarray(tokens, dtype=object)
+    if arr.ndim != 1 or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                for t in tokens):
+        bad = next((t for t in tokens if not isinstance(t, (int, np.integer))), tokens[0])
+        raise ValueError(f"{what} must be a flat sequence of int token ids, found "
+                         f"{type(bad).__name__} {bad!r}")
+    lo, hi = min(tokens), max(tokens)
+    if lo < 0 or hi >= 2**32:
+        raise ValueError(f"{what} must be token ids in [0, 2**32), found {lo if lo < 0 else hi}")
+    return [int(t) for t in tokens]
+
+
+def get_max_tokens(params) -> int | None:
+    if params is None:
+        return None
+    if isinstance(params, Mapping):
+        return params.get("max_tokens")
+    return getattr(params, "max_tokens", None)
+
+
+def with_max_tokens(params, n: int):
+    """A copy of the sampling params with max_tokens = n (dict, dataclass, or vLLM-like)."""
+    if params is None:
+        return {"max_tokens": n}
+    if isinstance(params, Mapping):
+        return {**params, "max_tokens": n}
+    if dataclasses.is_dataclass(params):
+        return dataclasses.replace(params, max_tokens=n)
+    p = params.clone() if hasattr(params, "clone") else copy.copy(params)
+    p.max_tokens = n
+    return p
+
+
+def _accepts_salt(fn) -> bool:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    params = list(sig.parameters.values())
+    if any(p.kind is p.VAR_POSITIONAL for p in params) or "cache_salt" in sig.parameters:
+        return True
+    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 3
+
+
+class Stream:
+    """One request: create with `create_request`, drive with a BatchedStream."""
+
+    def __init__(self, ctx: Context, post_completion, prompt_token_ids, cache_salt: str = "",
+                 name: str | None = None):
+        self.ctx = ctx
+        self.id = ctx.next_stream_id()
+        self.name = name
+        self.post_completion = post_completion
+        self._salt_ok = _accepts_salt(post_completion)
+        self.prompt_token_ids = check_token_ids(prompt_token_ids, f"{self.label} prompt_token_ids")
+        if not self.prompt_token_ids:
+            raise ValueError(f"{self.label}: prompt_token_ids is empty")
+        self.cache_salt = cache_salt or ""
+        self.tokens: list[int] = list(self.prompt_token_ids)
+        self.suffix: list[int] = []
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[float | None] = []
+        self.done = False
+        self.generations: list[Generation] = []
+        self.keys: list[bytes] = self.keys_for(self.tokens, self.cache_salt)
+        ctx.ref(self.keys)  # the prompt's chunks are this stream's until it edits them away
+
+    @property
+    def label(self) -> str:
+        return f"stream {self.id}" + (f" ({self.name})" if self.name else "")
+
+    @property
+    def prompt(self) -> list[int]:
+        """What the next request sends: tokens + suffix."""
+        return self.tokens + self.suffix
+
+    def keys_for(self, tokens, salt: str) -> list[bytes]:
+        return request_keys(self.ctx.model, self.ctx.layout, tokens, salt)
+
+    async def generate(self, sampling_params, max_tokens: int | None = None) -> Generation:
+        """Send `prompt` (with the stream's salt), append the generated tokens to the suffix."""
+        params = sampling_params if max_tokens is None else with_max_tokens(sampling_params,
+                                                                            max_tokens)
+        limit = get_max_tokens(params)
+        if self.cache_salt and not self._salt_ok:
+            raise CompletionError(self, f"post_completion {self.post_completion!r} takes no "
+                                        f"cache_salt argument but the stream's chunks are "
+                                        f"salted {self.cache_salt!r}")
+        prompt = self.prompt
+        args = (prompt, params, self.cache_salt) if self._salt_ok else (prompt, params)
+        ids, lps, stamps = [], [], []
+        finish = cached = None
+        start = time.perf_counter()
+        try:
+            async for item in _iterate(self.ctx, self.post_completion(*args)):
+                stamps.append(time.perf_counter())
+                tid = item if isinstance(item, (int, np.integer)) else getattr(item, "token_id")
+                ids.append(int(tid))
+                lps.append(getattr(item, "logprob", None))
+                finish = getattr(item, "finish_reason", None) or finish
+                usage = getattr(item, "usage", None)
+                if usage:
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        except KVEditError as e:
+            raise CompletionError(self, str(e)) from e
+        except (AttributeError, TypeError, ValueError) as e:
+            raise CompletionError(self, f"post_completion yielded something that is neither a "
+                                        f"token id nor has .token_id: {e}") from e
+        self.suffix += ids
+        self.output_token_ids += ids
+        self.logprobs += lps
+        self.done = limit is None or len(ids) < limit
+        gen = Generation(ids, len(prompt), stamps[0] - start if stamps else None,
+                         (stamps[-1] - stamps[0]) / (len(ids) - 1) if len(ids) > 1 else None,
+                         finish, cached)
+        self.generations.append(gen)
+        return gen
+
+    def __repr__(self) -> str:
+        return (f"<{self.label}: {len(self.tokens)} cached + {len(self.suffix)} suffix tokens, "
+                f"{len(self.output_token_ids)} generated, salt={self.cache_salt!r}"
+                f"{', done' if self.done else ''}>")
+
+
+async def _iterate(ctx: Context, gen):
+    """Items of an async generator, or of a sync one (each next() runs in the pool)."""
+    if hasattr(gen, "__aiter__"):
+        async for item in gen:
+            yield item
+        return
+    it = iter(gen)
+    done = object()
+    while (item := await ctx.call(next, it, done)) is not done:
+        yield item
+
+
+def create_request(ctx: Context, post_completion, prompt_token_ids, cache_salt: str = "",
+                   *, name: str | None = None) -> Stream:
+    """A stream for `prompt_token_ids`; `post_completion(prompt_token_ids, sampling_params,
+    cache_salt)` yields generated tokens (ints or objects with `.token_id`), sync or async."""
+    return Stream(ctx, post_completion, prompt_token_ids, cache_salt, name)

@@ -1,0 +1,111 @@
+"""Start a `kvedit server` process on free ports (tests, benchmarks, the demo)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A running server; `.stop()` ends it (SIGTERM, then SIGKILL) and removes its segment."""
+
+    def __init__(self, args: list[str], host: str, port: int, http_port: int, shm_name: str,
+                 startup_timeout: float = 30.0):
+        self._args, self._startup_timeout = args, startup_timeout
+        self.host, self.port, self.http_port, self.shm_name = host, port, http_port, shm_name
+        self.url = f"tcp://{host}:{port}"
+        self.http_url = f"http://{host}:{http_port}"
+        self.proc: subprocess.Popen | None = None
+        self.log_path = Path(tempfile.mkstemp(prefix=f"kvedit-server-{port}-", suffix=".log")[1])
+        self._start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def _start(self) -> None:
+        cmd = [sys.executable, "-m", "kvedit.server.cli", *self._args]
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + self._startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvedit server exited with {self.proc.returncode} at start:"
+                                   f"\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.http_url + "/health", timeout=1) as r:
+                    if json.load(r).get("status") == "ok":
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)  # waiting for a child process to come up, not for data
+        self.stop()
+        raise RuntimeError(f"kvedit server did not answer {self.http_url}/health within "
+                           f"{self._startup_timeout} s:\n{self.log()}")
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM (clean shutdown), SIGKILL after `timeout`. Returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        rc = self.proc.returncode
+        self.proc = None
+        if self.shm_name and os.path.exists(f"/dev/shm/{self.shm_name}") and rc != 0:
+            os.unlink(f"/dev/shm/{self.shm_name}")  # the killed server could not do it
+        return rc
+
+    def kill(self) -> None:
+        """SIGKILL, leaving a stale segment behind (for crash tests)."""
+        self.proc.kill()
+        self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        """Stop and start again with the same ports and flags (a new, empty server)."""
+        self.stop()
+        self._start()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_server(l1_size_gb: float = 1.0, *, chunk_size: int = 256, shm: bool = True,
+                 eviction: str = "LRU", lazy: bool = True, host: str = "127.0.0.1",
+                 port: int | None = None, http_port: int | None = None,
+                 extra_args=()) -> ServerProcess:
+    port = port or free_port()
+    http_port = http_port or free_port()
+    while http_port == port:
+        http_port = free_port()
+    shm_name = f"kvedit-{os.getpid()}-{port}" if shm else ""
+    args = ["--l1-size-gb", str(l1_size_gb), "--chunk-size", str(chunk_size),
+            "--eviction-policy", eviction, "--host", host, "--port", str(port),
+            "--http-port", str(http_port), "--shm-name", shm_name,
+            "--l1-use-lazy" if lazy else "--no-l1-use-lazy", *extra_args]
+    return ServerProcess(args, host, port, http_port, shm_name)

@@ -1,0 +1,94 @@
+"""KVEditConnector: vLLM's KV connector for the kvedit server.
+
+Load it with
+  --kv-transfer-config '{"kv_connector": "KVEditConnector",
+                         "kv_connector_module_path": "kvedit.vllm.connector",
+                         "kv_role": "kv_both",
+                         "kv_connector_extra_config": {"kvedit_url": "tcp://127.0.0.1:6555"}}'
+(`kvedit vllm serve` writes this for you). vLLM creates one instance per role; this class
+only routes each hook to the scheduler side or the worker side.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvedit.vllm.metadata import KVEditMetadata
+from kvedit.vllm.settings import ConnectorSettings
+
+
+class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        settings = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        block_size = vllm_config.cache_config.block_size
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ValueError("kvedit connector: models with several KV cache groups (hybrid "
+                             "or sliding-window attention) are not supported; expected one")
+        self.scheduler = self.worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            # kvedit is a cache: a chunk that cannot be loaded is a miss, so vLLM must
+            # recompute it rather than fail the request (vLLM's default policy is "fail").
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            from kvedit.vllm.scheduler_side import SchedulerSide
+            self.scheduler = SchedulerSide(vllm_config, settings, block_size)
+        else:
+            from kvedit.vllm.worker_side import WorkerSide
+            self.worker = WorkerSide(vllm_config, settings, block_size)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # best effort: a dropped store is just a later miss
+
+    # ---- worker side --------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if meta.loads:
+            self.worker.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous in start_load_kv
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # all layers are stored at once in wait_for_save (one gather per chunk)
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if meta.stores:
+            self.worker.store(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    # ---- scheduler side -----------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVEditMetadata:
+        return self.scheduler.build_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids):
+        self.scheduler.request_finished(request)
+        return False, None
+
+    def request_finished_all_groups(self, request, block_ids):
+        return self.request_finished(request, block_ids)
+
+    def shutdown(self) -> None:
+        for side in (self.scheduler, self.worker):
+            if side is not None:
+                side.close()

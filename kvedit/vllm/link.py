@@ -1,0 +1,82 @@
+"""The connector's connection to the kvedit server, kept usable across server outages.
+
+vLLM must keep serving when the server is down: while it is, `client` is None (callers then
+skip lookups and stores, so vLLM recomputes), one warning is logged per outage, and a
+background thread reconnects when the server returns and re-runs the `on_connect` hook
+(e.g. to register the model layout with the fresh server).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from kvedit.client import KVClient, KVError, ServerUnavailable
+
+logger = logging.getLogger("vllm.kvedit")  # under "vllm": lines land in vLLM's log
+
+# What a dead or restarting server can raise out of a client call.
+UNAVAILABLE = (ServerUnavailable, ConnectionError, TimeoutError, OSError)
+
+
+class ServerLink:
+    def __init__(self, url: str, timeout: float, retry_interval: float,
+                 on_connect: Callable[[KVClient], None], role: str):
+        self.url, self.timeout, self.retry_interval = url, timeout, retry_interval
+        self.on_connect, self.role = on_connect, role
+        self.client: KVClient | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._reconnector: threading.Thread | None = None
+        if not self._try_connect():
+            self._outage("not reachable at start-up")
+
+    def _try_connect(self) -> bool:
+        client = None
+        try:
+            client = KVClient(self.url, timeout=self.timeout)  # says hello: raises if down
+            self.on_connect(client)
+        except UNAVAILABLE:
+            if client is not None:
+                client.close()
+            return False
+        self.client = client
+        return True
+
+    def _outage(self, why: str) -> None:
+        logger.warning("kvedit server %s unavailable (%s, %s side): vLLM keeps serving by "
+                       "recomputing; will reconnect when it returns", self.url, why, self.role)
+        self._reconnector = threading.Thread(target=self._reconnect, daemon=True,
+                                             name="kvedit-reconnect")
+        self._reconnector.start()
+
+    def _reconnect(self) -> None:
+        while not self._stop.wait(self.retry_interval):
+            if self._try_connect():
+                logger.warning("kvedit server %s is back (%s side): loads and stores resume",
+                               self.url, self.role)
+                return
+
+    def failed(self, err: BaseException) -> None:
+        """A call on `client` raised: mark an outage (once) if it looks like one."""
+        if not isinstance(err, UNAVAILABLE):
+            logger.warning("kvedit %s call failed: %s", self.role, err)
+            return
+        with self._lock:
+            if self.client is None:
+                return  # outage already known; its reconnector is running
+            old, self.client = self.client, None
+        try:
+            old.close()
+        except Exception:  # a half-dead client may fail to close; it is dropped anyway
+            pass
+        self._outage(f"{type(err).__name__}: {err}")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+__all__ = ["ServerLink", "KVError", "UNAVAILABLE"]

@@ -1,0 +1,147 @@
+"""Scheduler-side connector logic: what the server holds, what to load, what to store.
+
+Runs in vLLM's engine-core process. It asks the server how many leading chunks of a new
+request it holds (beyond vLLM's own prefix-cache hit), and each step tells the workers which
+chunks to load before the forward and which newly completed chunks to store after it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvedit.keys import request_keys
+from kvedit.layout import ModelLayout
+from kvedit.vllm.link import ServerLink
+from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
+from kvedit.vllm.settings import ConnectorSettings, model_layout
+
+
+@dataclass(slots=True)
+class _Req:
+    request: object                      # vllm Request (tokens, salt, prompt length)
+    block_ids: list[int] = field(default_factory=list)
+    keys: list[list[bytes]] = field(default_factory=list)  # per rank, prefix of the chain
+    stored: int = 0                      # chunks [0, stored) already handed to a store
+    hit: tuple[int, int] = (0, 0)        # (vLLM computed, server-held) tokens at lookup
+    load: tuple[int, int] | None = None  # token range to load on its first scheduled step
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config, settings: ConnectorSettings, block_size: int):
+        self.settings = settings
+        self.vllm_config = vllm_config
+        self.block_size = block_size
+        name = vllm_config.model_config.served_model_name
+        self.model = name[0] if isinstance(name, (list, tuple)) else name
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.layouts: list[ModelLayout] | None = None
+        if settings.chunk_size:
+            self._set_chunk_size(settings.chunk_size)
+        self.reqs: dict[str, _Req] = {}
+        self.link = ServerLink(settings.kvedit_url, settings.timeout, settings.retry_interval,
+                               self._on_connect, "scheduler")
+
+    # ---- server connection ------------------------------------------------------------
+    def _set_chunk_size(self, chunk_size: int) -> None:
+        if chunk_size % self.block_size:
+            raise ValueError(f"kvedit connector: chunk_size {chunk_size} must be a multiple of "
+                             f"vLLM's block size {self.block_size}")
+        self.layouts = [model_layout(self.vllm_config, chunk_size, r, self.settings.rope_is_neox)
+                        for r in range(self.tp_size)]
+
+    def _on_connect(self, client) -> None:
+        if self.layouts is None:  # chunk size not configured: the server's
+            self._set_chunk_size(client.server_info().chunk_size)
+
+    @property
+    def chunk(self) -> int:
+        return self.layouts[0].chunk_size
+
+    def _keys(self, st: _Req, n_chunks: int) -> list[list[bytes]]:
+        """Keys of chunks [0, n_chunks) for every rank (extended as tokens arrive)."""
+        if not st.keys or len(st.keys[0]) < n_chunks:
+            tokens = st.request.all_token_ids[: n_chunks * self.chunk]
+            salt = st.request.cache_salt or ""
+            st.keys = [request_keys(self.model, lay, tokens, salt) for lay in self.layouts]
+        return [k[:n_chunks] for k in st.keys]
+
+    # ---- vLLM hooks ---------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
+        st = self.reqs.setdefault(request.request_id, _Req(request))
+        st.hit, st.load = (num_computed_tokens, num_computed_tokens), None
+        client = self.link.client
+        if client is None or self.layouts is None:
+            return 0
+        n_full = request.num_tokens // self.chunk
+        first = num_computed_tokens // self.chunk  # vLLM already holds chunks before this
+        if n_full <= first:
+            return 0
+        keys = self._keys(st, n_full)
+        try:
+            held = min(client.lookup(self.model, k[first:], tp_rank=r)
+                       for r, k in enumerate(keys))
+        except Exception as e:  # an unreachable server is a miss, never an error
+            self.link.failed(e)
+            return 0
+        # Leave vLLM at least one token to compute (it needs logits for the last one).
+        end = min((first + held) * self.chunk, request.num_tokens - 1)
+        st.hit = (num_computed_tokens, max(end, num_computed_tokens))
+        return max(0, end - num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        st = self.reqs.get(request.request_id)
+        if st is None or num_external_tokens <= 0:
+            return
+        end = st.hit[1]
+        st.load = (end - num_external_tokens, end)
+
+    def build_meta(self, out) -> KVEditMetadata:
+        meta = KVEditMetadata()
+        if self.layouts is None:
+            return meta
+        for new in out.scheduled_new_reqs:
+            st = self.reqs.get(new.req_id)
+            if st is not None:
+                st.block_ids = list(new.block_ids[0])
+                self._plan(st, new.req_id, new.num_computed_tokens,
+                           out.num_scheduled_tokens[new.req_id], meta)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.reqs.get(req_id)
+            if st is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # back from preemption: fresh block list
+                st.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                st.block_ids.extend(new_blocks[0])
+            self._plan(st, req_id, cached.num_computed_tokens[i],
+                       out.num_scheduled_tokens[req_id], meta)
+        return meta
+
+    def _plan(self, st: _Req, req_id: str, computed: int, scheduled: int,
+              meta: KVEditMetadata) -> None:
+        c = self.chunk
+        if st.load is not None:
+            start, end = st.load
+            st.load = None
+            first, last = start // c, -(-end // c)
+            keys = [k[first:last] for k in self._keys(st, last)]
+            meta.loads.append(ChunkRun(req_id, first, keys, start, end, list(st.block_ids)))
+        # Chunks whose every token has KV in vLLM's blocks once this step has run, and
+        # whose token ids are known (generated tokens can lag under async scheduling).
+        req = st.request
+        done = min(computed + scheduled, len(req.all_token_ids))
+        if not self.settings.store_generated:
+            done = min(done, req.num_prompt_tokens)
+        n_full = done // c
+        if n_full > st.stored:
+            keys = [k[st.stored:n_full] for k in self._keys(st, n_full)]
+            meta.stores.append(ChunkRun(req_id, st.stored, keys, st.stored * c, n_full * c,
+                                        list(st.block_ids)))
+            st.stored = n_full
+
+    def request_finished(self, request) -> None:
+        self.reqs.pop(request.request_id, None)
+
+    def close(self) -> None:
+        self.link.close()

@@ -1,0 +1,78 @@
+"""The connector's settings (from kv_connector_extra_config) and the model layout it registers.
+
+Both connector roles build the same ModelLayout from vLLM's config, so the scheduler side
+computes exactly the keys the worker side stores under.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from kvedit.layout import ModelLayout, RopeParams
+
+# Model types whose rotary embedding pairs adjacent dims (GPT-J style) instead of halves.
+GPTJ_STYLE_MODELS = {"gptj", "glm", "glm4", "chatglm", "cohere", "cohere2", "commandr",
+                     "ernie4_5_moe", "ernie4_5_vl_moe", "llama4", "mllama4"}
+
+
+@dataclass(slots=True)
+class ConnectorSettings:
+    """kv_connector_extra_config keys (all optional except kvedit_url)."""
+    kvedit_url: str = "tcp://127.0.0.1:6555"
+    kvedit_http_url: str = ""
+    chunk_size: int = 0          # 0: use the server's
+    store_generated: bool = True  # also store chunks made of generated tokens (multi-turn)
+    timeout: float = 5.0          # seconds before a server call counts as "server unavailable"
+    retry_interval: float = 1.0   # seconds between reconnect attempts while unavailable
+    rope_is_neox: bool | None = None  # override the GPT-J/NeoX guess from the model type
+
+    @classmethod
+    def from_extra(cls, extra: dict | None) -> "ConnectorSettings":
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kvedit connector: unknown kv_connector_extra_config keys "
+                             f"{unknown}; expected some of {sorted(known)}")
+        return cls(**extra)
+
+
+def rope_params(hf_config, head_dim: int, is_neox: bool | None = None) -> RopeParams | None:
+    """RoPE parameters from a HF config (transformers 5 `rope_parameters` or older
+    `rope_theta` + `rope_scaling`). None when the model has no rotary embedding."""
+    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    params = dict(getattr(text, "rope_parameters", None) or {})
+    if not params:
+        if getattr(text, "rope_theta", None) is None:
+            return None
+        params = dict(getattr(text, "rope_scaling", None) or {})
+        params["rope_theta"] = text.rope_theta
+    theta = float(params.pop("rope_theta"))
+    rope_type = str(params.pop("rope_type", params.pop("type", "default")))
+    partial = params.pop("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0))
+    if is_neox is None:
+        is_neox = getattr(text, "model_type", "") not in GPTJ_STYLE_MODELS
+    scaling = {k: v for k, v in params.items()
+               if v is None or isinstance(v, (bool, int, float, str))}
+    return RopeParams(theta=theta, rotary_dim=int(head_dim * float(partial)), is_neox=is_neox,
+                      rope_type=rope_type, scaling=scaling,
+                      max_position_embeddings=int(getattr(text, "max_position_embeddings", 0)
+                                                  or 0))
+
+
+def model_layout(vllm_config, chunk_size: int, tp_rank: int,
+                 is_neox: bool | None = None) -> ModelLayout:
+    """This rank's KV layout as the kvedit server stores it."""
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype != "auto":
+        raise ValueError(f"kvedit connector: kv_cache_dtype {cache_dtype!r} is not supported; "
+                         "expected 'auto' (KV in the model dtype)")
+    head_dim = mc.get_head_size()
+    layout = ModelLayout(
+        num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
+        head_dim=head_dim, dtype=str(mc.dtype).removeprefix("torch."),
+        chunk_size=chunk_size, tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
+        rope=rope_params(mc.hf_config, head_dim, is_neox))
+    layout.validate()
+    return layout

@@ -1,0 +1,127 @@
+"""Worker-side connector logic: copy chunks between the server and vLLM's paged KV blocks.
+
+Runs in each vLLM worker. At start-up it registers this rank's layout (with RoPE params)
+with the server. Loads run before the forward (vLLM calls start_load_kv first when a step
+has synchronous loads); stores run in wait_for_save after the forward, synchronously, so
+vLLM cannot hand the blocks to another request before the copy is done. Stores copy from
+the paged blocks straight into the server's shared-memory slots (no staging on CPU).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvedit.layout import ModelLayout
+from kvedit.vllm.link import ServerLink
+from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
+from kvedit.vllm.paged import PagedKV
+from kvedit.vllm.settings import ConnectorSettings, model_layout
+
+logger = logging.getLogger("vllm.kvedit")
+
+
+class WorkerSide:
+    def __init__(self, vllm_config, settings: ConnectorSettings, block_size: int):
+        self.vllm_config, self.settings, self.block_size = vllm_config, settings, block_size
+        name = vllm_config.model_config.served_model_name
+        self.model = name[0] if isinstance(name, (list, tuple)) else name
+        self.tp_rank = vllm_config.parallel_config.rank % \
+            vllm_config.parallel_config.tensor_parallel_size
+        self.layout: ModelLayout | None = None
+        self.paged: PagedKV | None = None
+        self.load_errors: set[int] = set()
+        self.link: ServerLink | None = None
+
+    # ---- start-up -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        mc = self.vllm_config.model_config
+        kind = "cpu" if kv_caches[names[0]].device.type == "cpu" else "cuda"
+        self.paged = PagedKV([kv_caches[n] for n in names], kind, mc.get_head_size(),
+                             self.block_size)
+        self.link = ServerLink(self.settings.kvedit_url, self.settings.timeout,
+                               self.settings.retry_interval, self._on_connect, "worker")
+
+    def _on_connect(self, client) -> None:
+        """(Re-)register this rank's layout: a restarted server starts empty."""
+        if self.layout is None:
+            chunk = self.settings.chunk_size or client.server_info().chunk_size
+            if chunk % self.block_size:
+                raise ValueError(f"kvedit connector: chunk_size {chunk} must be a multiple of "
+                                 f"vLLM's block size {self.block_size}")
+            layout = model_layout(self.vllm_config, chunk, self.tp_rank,
+                                  self.settings.rope_is_neox)
+            if layout.num_layers != self.paged.num_layers or layout.hidden != self.paged.hidden:
+                raise ValueError(f"kvedit connector: model config says {layout.num_layers} "
+                                 f"layers x {layout.hidden}, KV cache has "
+                                 f"{self.paged.num_layers} x {self.paged.hidden}")
+            self.layout = layout
+        client.register(self.model, self.layout)
+        logger.info("kvedit: registered %s (rank %d) with %s: %s", self.model, self.tp_rank,
+                    self.settings.kvedit_url, self.layout)
+
+    # ---- per step -----------------------------------------------------------------------
+    def load(self, meta: KVEditMetadata) -> None:
+        for run in meta.loads:
+            client = self.link.client if self.link else None
+            loaded = run.start
+            if client is not None:
+                try:
+                    loaded = self._load_run(client, run)
+                except Exception as e:
+                    self.link.failed(e)
+            if loaded < run.end:  # vLLM must recompute these tokens, not attend to garbage
+                bs = self.block_size
+                self.load_errors.update(run.block_ids[loaded // bs: -(-run.end // bs)])
+                logger.info("kvedit: %s loaded tokens [%d, %d) of [%d, %d); rest recomputed",
+                            run.req_id, run.start, loaded, run.start, run.end)
+
+    def _load_run(self, client, run: ChunkRun) -> int:
+        """Copy the run's chunks into the paged blocks; return the first token not loaded."""
+        c = self.layout.chunk_size
+        with client.retrieve(self.model, run.keys[self.tp_rank], tp_rank=self.tp_rank) as got:
+            loaded = run.start
+            for i, chunk in enumerate(got.tensors):
+                lo = max(run.start, (run.first + i) * c)
+                hi = min(run.end, (run.first + i + 1) * c)
+                src = chunk[:, :, lo - (run.first + i) * c: hi - (run.first + i) * c]
+                self.paged.scatter(self.paged.slots(run.block_ids, lo, hi),
+                                   src.to(self.paged.device))
+                loaded = hi
+        return loaded
+
+    def store(self, meta: KVEditMetadata) -> None:
+        for run in meta.stores:
+            client = self.link.client if self.link else None
+            if client is None:
+                continue
+            try:
+                self._store_run(client, run)
+            except Exception as e:
+                self.link.failed(e)
+
+    def _store_run(self, client, run: ChunkRun) -> None:
+        c = self.layout.chunk_size
+        on_host = self.paged.device.type == "cpu"
+        with client.prepare_store(self.model, run.keys[self.tp_rank],
+                                  tp_rank=self.tp_rank) as handle:
+            for j, buf in zip(handle.missing, handle.buffers):
+                chunk = run.first + j
+                slots = self.paged.slots(run.block_ids, chunk * c, (chunk + 1) * c)
+                if on_host:  # gather straight into the server's shared memory
+                    self.paged.gather(slots, buf)
+                else:
+                    staged = torch.empty(buf.shape, dtype=buf.dtype, device=self.paged.device)
+                    self.paged.gather(slots, staged)
+                    buf.copy_(staged)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()

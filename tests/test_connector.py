@@ -1,0 +1,200 @@
+"""The vLLM connector against a real vLLM (CPU, tiny Qwen3) and a real kvedit server.
+
+Each test uses its own random token prompts so tests sharing the session server and vLLM
+do not see each other's chunks. Logprob tolerance for "same output": 1e-3 absolute (float32
+KV is copied bit-exactly, so only the kernel's reduction order for a 1-token vs a full
+prefill may differ).
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from kvedit.client import KVClient
+from kvedit.keys import request_keys
+
+pytestmark = pytest.mark.vllm
+MODEL, CHUNK, TOL = "tiny-qwen3", 256, 1e-3
+
+
+def post(vp, path: str, body: dict | None = None) -> dict:
+    data = json.dumps(body).encode() if body is not None else b""
+    req = urllib.request.Request(vp.base_url + path, data=data, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def complete(vp, prompt, max_tokens=4, salt=None) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "logprobs": 1}
+    if salt is not None:
+        body["cache_salt"] = salt
+    r = post(vp, "/v1/completions", body)
+    lp = r["choices"][0]["logprobs"]
+    return {"logprobs": lp["token_logprobs"],
+            "tokens": [int(t.removeprefix("token_id:")) for t in lp["tokens"]],
+            "cached": r["usage"]["prompt_tokens_details"]["cached_tokens"]}
+
+
+def reset_prefix_cache(vp) -> None:
+    assert post(vp, "/reset_prefix_cache")["success"]
+
+
+def external_hits(vp) -> float:
+    with urllib.request.urlopen(vp.base_url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    m = re.search(r"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M)
+    return float(m.group(1))
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 8000) for _ in range(n)]
+
+
+@pytest.fixture
+def client(kv_server):
+    with KVClient(kv_server.url) as c:
+        yield c
+
+
+def keys_of(client, tokens, salt: str = "") -> list[bytes]:
+    return request_keys(MODEL, client.get_layout(MODEL), tokens, salt)
+
+
+def hf_kv(model_dir, tokens) -> torch.Tensor:
+    """The prompt's KV as transformers computes it, as a chunk tensor [2, L, T, D]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        cache = model(torch.tensor([tokens]), use_cache=True).past_key_values
+    ks = [layer.keys[0].transpose(0, 1).flatten(1) for layer in cache.layers]  # [T, H*hd]
+    vs = [layer.values[0].transpose(0, 1).flatten(1) for layer in cache.layers]
+    return torch.stack([torch.stack(ks), torch.stack(vs)])
+
+
+def test_stores_full_chunks_under_expected_keys(vllm_server, client, tiny_model):
+    """A 3.5-chunk prompt leaves exactly its 3 full chunks, holding the model's real KV."""
+    prompt = prompt_of(3 * CHUNK + CHUNK // 2, seed=1)
+    before = client.stats()["objects"]
+    complete(vllm_server, prompt, max_tokens=1)
+    keys = keys_of(client, prompt)
+    assert len(keys) == 3
+    assert client.lookup(MODEL, keys) == 3
+    assert client.stats()["objects"] - before == 3
+    layout = client.get_layout(MODEL)
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) == \
+        (4, 2, 64, "float32")
+    assert layout.rope.theta == 1e6 and layout.rope.is_neox and layout.rope.rotary_dim == 64
+    # Layout check end to end: the stored chunks are transformers' K/V of those tokens.
+    ref = hf_kv(tiny_model, prompt[: 3 * CHUNK])
+    with client.retrieve(MODEL, keys) as got:
+        stored = torch.cat([t.clone() for t in got.tensors], dim=2)
+    torch.testing.assert_close(stored, ref, atol=2e-3, rtol=2e-3)
+
+
+def test_repeat_is_served_from_server(vllm_server, client):
+    prompt = prompt_of(3 * CHUNK + 100, seed=2)
+    first = complete(vllm_server, prompt)
+    assert client.lookup(MODEL, keys_of(client, prompt)) == 3
+    reset_prefix_cache(vllm_server)  # so vLLM's own prefix cache cannot serve it
+    hits = external_hits(vllm_server)
+    again = complete(vllm_server, prompt)
+    assert again["cached"] == 3 * CHUNK
+    assert external_hits(vllm_server) - hits == 3 * CHUNK
+    assert again["tokens"] == first["tokens"]
+    assert again["logprobs"] == pytest.approx(first["logprobs"], abs=TOL)
+
+
+def test_loaded_kv_is_really_used(vllm_server, client):
+    """Overwrite one stored chunk with random values: the output changes."""
+    prompt = prompt_of(3 * CHUNK + 10, seed=3)
+    first = complete(vllm_server, prompt)
+    keys = keys_of(client, prompt)
+    layout = client.get_layout(MODEL)
+    assert client.delete(MODEL, keys[1:2]) == 1
+    noise = torch.randn(layout.chunk_shape, generator=torch.Generator().manual_seed(0)) * 3
+    assert client.store(MODEL, keys[1:2], [noise]).stored == 1
+    reset_prefix_cache(vllm_server)
+    again = complete(vllm_server, prompt)
+    assert again["cached"] == 3 * CHUNK  # it was loaded ...
+    diff = max(abs(a - b) for a, b in zip(again["logprobs"], first["logprobs"]))
+    assert diff > 100 * TOL  # ... and attended to
+
+
+def test_different_salt_gets_no_hit(vllm_server, client):
+    prompt = prompt_of(2 * CHUNK + 50, seed=4)
+    complete(vllm_server, prompt, max_tokens=1)
+    reset_prefix_cache(vllm_server)
+    hits = external_hits(vllm_server)
+    salted = complete(vllm_server, prompt, max_tokens=1, salt="tenant-b")
+    assert salted["cached"] == 0 and external_hits(vllm_server) == hits
+    # The salted request stored its own chunks under other keys.
+    salted_keys = keys_of(client, prompt, "tenant-b")
+    assert salted_keys != keys_of(client, prompt)
+    assert client.lookup(MODEL, salted_keys) == 2
+
+
+def _wait_registered(client, timeout: float = 60.0) -> None:
+    """The connector re-registers its layout once it has reconnected to a restarted server."""
+    deadline = time.monotonic() + timeout
+    while client.get_layout(MODEL) is None:
+        assert time.monotonic() < deadline, "connector did not reconnect to the server"
+        time.sleep(0.2)
+
+
+def test_server_outage(vllm_server, kv_server):
+    """Server stopped mid-run: vLLM keeps answering (recomputing); restarted: stores resume."""
+    warning = r"kvedit server \S+ unavailable .*worker side"
+    warned = len(re.findall(warning, vllm_server.log_path.read_text()))
+    prompt = prompt_of(2 * CHUNK + 7, seed=5)
+    reference = complete(vllm_server, prompt, max_tokens=8)
+    kv_server.stop()
+    try:
+        reset_prefix_cache(vllm_server)
+        down = complete(vllm_server, prompt, max_tokens=8)  # no server: recomputed
+        assert down["cached"] == 0
+        assert down["logprobs"] == pytest.approx(reference["logprobs"], abs=TOL)
+        complete(vllm_server, prompt_of(CHUNK + 5, seed=6), max_tokens=1)
+    finally:
+        kv_server.restart()  # the session's server: same ports, empty
+    # One clear warning for the outage, however many requests ran during it.
+    assert len(re.findall(warning, vllm_server.log_path.read_text())) == warned + 1
+    with KVClient(kv_server.url) as c:
+        _wait_registered(c)
+        fresh = prompt_of(2 * CHUNK + 1, seed=7)
+        complete(vllm_server, fresh, max_tokens=1)
+        assert c.lookup(MODEL, keys_of(c, fresh)) == 2
+
+
+def test_exact_multiple_and_short_prompts(vllm_server, client):
+    exact = prompt_of(2 * CHUNK, seed=8)
+    first = complete(vllm_server, exact)
+    assert client.lookup(MODEL, keys_of(client, exact)) == 2
+    reset_prefix_cache(vllm_server)
+    again = complete(vllm_server, exact)
+    assert again["cached"] == 2 * CHUNK - 1  # the last token is always computed
+    assert again["logprobs"] == pytest.approx(first["logprobs"], abs=TOL)
+
+    short = prompt_of(CHUNK - 56, seed=9)
+    before = client.stats()["objects"]
+    out = complete(vllm_server, short, max_tokens=2)
+    assert len(out["tokens"]) == 2 and client.stats()["objects"] == before
+    reset_prefix_cache(vllm_server)
+    assert complete(vllm_server, short, max_tokens=2)["cached"] == 0
+
+
+def test_generated_tokens_are_stored(vllm_server, client):
+    """Chunks that end in generated tokens are stored too (multi-turn reuse)."""
+    prompt = prompt_of(CHUNK - 20, seed=10)
+    out = complete(vllm_server, prompt, max_tokens=40)
+    tokens = prompt + out["tokens"]
+    assert client.lookup(MODEL, keys_of(client, tokens)) == 1

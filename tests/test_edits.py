@@ -1,0 +1,152 @@
+"""Dropping policies on synthetic KV: kept indices, ratio, order, first/last rules, errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvedit.edits import DropMiddle, DropPolicy, KeyNorm, SnapKV, StreamingLLM, UniformDrop, rerotate
+from kvedit.layout import ModelLayout, RopeParams
+
+L, H, HD, C = 2, 2, 8, 4
+LAYOUT = ModelLayout(num_layers=L, num_kv_heads=H, head_dim=HD, dtype="float32", chunk_size=C,
+                     rope=RopeParams(theta=10000.0))
+
+
+def make_kv(T, seed=0):
+    return torch.randn(2, L, T, H * HD, generator=torch.Generator().manual_seed(seed))
+
+
+def chunks_of(idx):
+    return sorted({i // C for i in idx.tolist()})
+
+
+def test_drop_middle_chunks():
+    kv = make_kv(10 * C)  # 10 chunks, drop 5: keep 0..1 and 7..9 (run centred, first/last kept)
+    idx = DropMiddle(0.5).keep_indices(kv, LAYOUT)
+    assert chunks_of(idx) == [0, 1, 7, 8, 9]
+    assert idx.tolist() == list(range(0, 2 * C)) + list(range(7 * C, 10 * C))
+    # Largest possible drop still keeps the first and last chunk.
+    assert chunks_of(DropMiddle(0.8).keep_indices(make_kv(10 * C), LAYOUT)) == [0, 9]
+
+
+def test_drop_middle_partial_last_chunk_and_tokens():
+    kv = make_kv(8 * C + 2)  # 9 units, the last one partial: drop 4 -> keep 0,1 + 6,7,8
+    idx = DropMiddle(0.5).keep_indices(kv, LAYOUT)
+    assert chunks_of(idx) == [0, 1, 6, 7, 8] and idx[-1] == 8 * C + 1
+    tok = DropMiddle(0.5, granularity="token").keep_indices(make_kv(10), LAYOUT)
+    assert tok.tolist() == [0, 1, 7, 8, 9]
+
+
+def test_call_gathers_rerotates_and_keeps_tokens_aligned():
+    kv = make_kv(6 * C)
+    tokens = list(range(100, 100 + 6 * C))
+    out, kept = DropMiddle(0.5)(kv.clone(), tokens, layout=LAYOUT)
+    idx = DropMiddle(0.5).keep_indices(kv, LAYOUT)
+    assert kept == [tokens[i] for i in idx.tolist()]
+    assert out.shape == (2, L, len(idx), H * HD)
+    torch.testing.assert_close(out[1], kv[1][:, idx])  # values gathered, unchanged
+    expect = rerotate(kv[:, :, idx].clone(), idx, torch.arange(len(idx)), LAYOUT)
+    torch.testing.assert_close(out[0], expect[0])
+    assert not torch.allclose(out[0], kv[0][:, idx])  # moved keys were re-rotated
+    plain, _ = DropMiddle(0.5, chunk_size=C, rerotate=False)(kv, tokens)  # no layout needed without rotation
+    torch.testing.assert_close(plain, kv[:, :, idx])
+    tt, tk = DropMiddle(0.5, chunk_size=C, rerotate=False)(kv, torch.tensor(tokens))
+    assert torch.equal(tk, torch.tensor(tokens)[idx])
+
+
+def test_uniform_drop_even_spacing():
+    idx = UniformDrop(0.5).keep_indices(make_kv(10 * C), LAYOUT)
+    assert chunks_of(idx) == [0, 2, 5, 7, 9]  # 5 of 10, first and last included
+    idx = UniformDrop(0.75, granularity="token").keep_indices(make_kv(8), LAYOUT)
+    assert idx.tolist() == [0, 7]
+    idx = UniformDrop(0.25, granularity="token").keep_indices(make_kv(4), LAYOUT)
+    assert idx.tolist() == [0, 2, 3]  # 1.5 rounds up, as floor(x + 0.5) does
+
+
+def test_streaming_llm_sink_and_window():
+    idx = StreamingLLM(0.5, sink=4, granularity="token").keep_indices(make_kv(20), LAYOUT)
+    assert idx.tolist() == [0, 1, 2, 3] + list(range(14, 20))
+    idx = StreamingLLM(sink=2, window=5, granularity="token").keep_indices(make_kv(20), LAYOUT)
+    assert idx.tolist() == [0, 1] + list(range(15, 20))
+    short = StreamingLLM(sink=2, window=50, granularity="token").keep_indices(make_kv(20), LAYOUT)
+    assert short.tolist() == list(range(20))  # shorter than sink + window: nothing dropped
+    # Chunk granularity: the sink rounds up to the first chunk.
+    assert chunks_of(StreamingLLM(0.5).keep_indices(make_kv(8 * C), LAYOUT)) == [0, 5, 6, 7]
+
+
+def test_key_norm_keeps_low_norm_keys():
+    kv = make_kv(8 * C)
+    loud = [1, 3, 6]
+    for c in loud:  # large keys in three chunks
+        kv[0, :, c * C:(c + 1) * C] *= 10
+    kv[0, :, 2 * C] *= 100  # one very loud token in chunk 2
+    assert chunks_of(KeyNorm(0.5).keep_indices(kv, LAYOUT)) == [0, 4, 5, 7]
+    tok = KeyNorm(0.5, granularity="token").keep_indices(kv, LAYOUT)
+    assert not set(tok.tolist()) & {2 * C} and len(tok) == 4 * C
+
+
+def test_snapkv_keeps_window_and_attended_tokens():
+    T = 8 * C
+    kv = make_kv(T) * 0.1
+    q = torch.randn(H * HD)
+    kv[0, :, T - C:] += q  # the last chunk (the window) shares a direction ...
+    kv[0, :, 2 * C + 1] = 3 * q  # ... with one token of chunk 2, which draws its attention
+    pol = SnapKV(0.5, window=C, kernel=1)
+    assert {2, 7} <= set(chunks_of(pol.keep_indices(kv, LAYOUT)))
+    tok = SnapKV(0.8, window=C, kernel=1, granularity="token").keep_indices(kv, LAYOUT)
+    assert set(range(T - C, T)) <= set(tok.tolist()) and 2 * C + 1 in tok.tolist()
+
+
+@pytest.mark.parametrize("policy", [DropMiddle(0.5), UniformDrop(0.5), StreamingLLM(0.5),
+                                    KeyNorm(0.5), SnapKV(0.5, window=C)])
+@pytest.mark.parametrize("T", [12 * C, 12 * C + 3])
+def test_every_policy_ratio_and_order(policy, T):
+    idx = policy.keep_indices(make_kv(T, seed=T), LAYOUT)
+    units = -(-T // C)
+    kept_units = len(chunks_of(idx))
+    assert kept_units == units - int(0.5 * units)
+    assert idx.tolist() == sorted(set(idx.tolist()))  # order kept, no duplicates
+    for c in chunks_of(idx):  # whole chunks only
+        assert set(range(c * C, min(T, (c + 1) * C))) <= set(idx.tolist())
+
+
+def test_a_new_policy_is_one_score_method():
+    class DropOdd(DropPolicy):
+        def score(self, kv, units, layout):
+            return (torch.arange(units.count) % 2 == 0).float()
+
+    idx = DropOdd(0.5, granularity="token").keep_indices(make_kv(10), LAYOUT)
+    assert idx.tolist() == [0, 2, 4, 6, 8]
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="ratio must be in"):
+        DropMiddle(1.0)
+    with pytest.raises(ValueError, match="ratio must be in"):
+        KeyNorm(-0.1)
+    with pytest.raises(ValueError, match="granularity"):
+        UniformDrop(0.5, granularity="layer")
+    with pytest.raises(ValueError, match="too short"):
+        UniformDrop(0.3).keep_indices(make_kv(3 * C), LAYOUT)  # 0.9 chunks rounds to 0
+    with pytest.raises(ValueError, match="first and last"):
+        DropMiddle(0.7).keep_indices(make_kv(2 * C + 1), LAYOUT)  # 3 units: cannot drop 2
+    with pytest.raises(ValueError, match="too short"):
+        DropMiddle(0.5).keep_indices(make_kv(C), LAYOUT)
+    with pytest.raises(ValueError, match=r"RoPE parameters \(layout.rope\)"):
+        DropMiddle(0.5)(make_kv(8 * C), list(range(8 * C)))
+    with pytest.raises(ValueError, match="RoPE"):
+        DropMiddle(0.5)(make_kv(8 * C), list(range(8 * C)),
+                        layout=ModelLayout(num_layers=L, num_kv_heads=H, head_dim=HD,
+                                           dtype="float32", chunk_size=C))
+    with pytest.raises(ValueError, match="tokens but kv holds"):
+        DropMiddle(0.5)(make_kv(8 * C), list(range(5)), layout=LAYOUT)
+    with pytest.raises(ValueError, match=r"\[2, L, T, D\]"):
+        DropMiddle(0.5).keep_indices(torch.zeros(3, L, 8, H * HD), LAYOUT)
+    with pytest.raises(ValueError, match="head_dim"):
+        KeyNorm(0.5, chunk_size=C, rerotate=False).keep_indices(make_kv(8 * C), None)
+    with pytest.raises(ValueError, match="odd kernel"):
+        SnapKV(0.5, kernel=4)
+    with pytest.raises(ValueError, match="sink"):
+        StreamingLLM(0.5, sink=-1)
+    with pytest.raises(ValueError, match="window"):
+        StreamingLLM(0.9, sink=8, granularity="token").keep_indices(make_kv(10), LAYOUT)

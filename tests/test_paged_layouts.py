@@ -1,0 +1,170 @@
+"""Paged KV layouts: gathers/scatters against a per-token reference written from vLLM's source.
+
+Synthetic paged caches are built the way vLLM 0.32 allocates them (one backing buffer, a
+physical stride order, per-layer logical [blocks, H, N, 2*hd] views). The reference reads and
+writes one token at a time with the exact expressions vLLM's attention backends use:
+- CPU (cpu_attn.py): kv.view(B, H, 2N, hd)[b, :, n] is K, [b, :, N + n] is V.
+- FlashAttention / FlashInfer (flash_attn.py, flashinfer.py):
+  kv.transpose(1, 2).split(hd, -1) -> K[b, n], V[b, n] of shape [H, hd].
+CPU-layout tests run everywhere; the same CUDA-layout tests run on a GPU (@pytest.mark.gpu).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvedit.vllm.paged import PagedKV
+
+# vLLM's KVCacheLayout stride orders over the logical [L, B, H, N, C] (kv_cache_layout.py).
+ORDERS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "BLHNC": (1, 0, 2, 3, 4),
+          "BLNHC": (1, 0, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4)}
+CASES = [  # (paged kind, stride order, kernel block N, scheduler block)
+    ("cpu", "LBHNC", 128, 128),          # vLLM CPU backend (block 128)
+    ("cpu", "LBHNC", 32, 128),           # CPU kernel blocks split a scheduler block
+    ("cuda", "LBNHC", 16, 16),           # FlashAttention default (NHD), block 16
+    ("cuda", "LBHNC", 16, 16),           # FlashInfer HND
+    ("cuda", "BLHNC", 16, 16),           # layers interleaved inside blocks
+    ("cuda", "BLNHC", 16, 32),
+    ("cuda", "LHBNC", 16, 16),
+]
+L, H, HD, CHUNK = 3, 2, 8, 64
+
+
+def make_layers(order: str, nblocks: int, n: int, dtype, device) -> list[torch.Tensor]:
+    """Per-layer logical [B, H, N, 2*hd] views of one buffer in physical `order`."""
+    perm = ORDERS[order]
+    logical = (L, nblocks, H, n, 2 * HD)
+    buf = torch.zeros([logical[i] for i in perm], dtype=dtype, device=device)
+    view = buf.permute(*[perm.index(i) for i in range(5)])
+    return [view[layer] for layer in range(L)]
+
+
+def ref_token(layer: torch.Tensor, kind: str, b: int, n: int) -> tuple[torch.Tensor, ...]:
+    """(K, V) views [H, hd] of one token, as the attention backend sees them."""
+    if kind == "cpu":
+        nb, h, bs, _ = layer.shape
+        tiles = layer.view(nb, h, 2 * bs, HD)
+        return tiles[b, :, n], tiles[b, :, bs + n]
+    k, v = layer.transpose(1, 2).split(HD, dim=-1)
+    return k[b, n], v[b, n]
+
+
+def slot_of(block_ids, pos: int, sched_block: int, n: int) -> tuple[int, int]:
+    kb = block_ids[pos // sched_block] * (sched_block // n) + (pos % sched_block) // n
+    return kb, pos % n
+
+
+def setup(kind, order, n, sched, device, dtype=torch.float32, tokens=2 * CHUNK + 40):
+    gen = torch.Generator().manual_seed(0)
+    nsched = 12
+    layers = make_layers(order, nsched * (sched // n), n, dtype, device)
+    block_ids = torch.randperm(nsched, generator=gen)[: -(-tokens // sched)].tolist()
+    kv = torch.randn(2, L, tokens, H * HD, generator=gen).to(dtype)
+    return layers, block_ids, kv
+
+
+def write_ref(layers, kind, block_ids, sched, n, kv, start, end):
+    for pos in range(start, end):
+        b, off = slot_of(block_ids, pos, sched, n)
+        for layer in range(L):
+            k, v = ref_token(layers[layer], kind, b, off)
+            k.copy_(kv[0, layer, pos].view(H, HD))
+            v.copy_(kv[1, layer, pos].view(H, HD))
+
+
+def read_ref(layers, kind, block_ids, sched, n, start, end) -> torch.Tensor:
+    out = torch.empty(2, L, end - start, H * HD, dtype=layers[0].dtype)
+    for pos in range(start, end):
+        b, off = slot_of(block_ids, pos, sched, n)
+        for layer in range(L):
+            k, v = ref_token(layers[layer], kind, b, off)
+            out[0, layer, pos - start] = k.reshape(-1).cpu()
+            out[1, layer, pos - start] = v.reshape(-1).cpu()
+    return out
+
+
+def check_gather(device, kind, order, n, sched):
+    layers, block_ids, kv = setup(kind, order, n, sched, device)
+    write_ref(layers, kind, block_ids, sched, n, kv, 0, kv.shape[2])
+    paged = PagedKV(layers, kind, HD, sched)
+    assert paged.whole  # one backing buffer -> one index_select per chunk
+    for c in range(2):
+        out = torch.empty(2, L, CHUNK, H * HD, device=device)
+        paged.gather(paged.slots(block_ids, c * CHUNK, (c + 1) * CHUNK), out)
+        torch.testing.assert_close(out.cpu(), kv[:, :, c * CHUNK:(c + 1) * CHUNK], rtol=0,
+                                   atol=0)
+
+
+def check_scatter(device, kind, order, n, sched):
+    layers, block_ids, kv = setup(kind, order, n, sched, device)
+    paged = PagedKV(layers, kind, HD, sched)
+    start, end = 37, 2 * CHUNK  # a load may start mid-chunk (after a local prefix hit)
+    paged.scatter(paged.slots(block_ids, start, end), kv[:, :, start:end].to(device))
+    torch.testing.assert_close(read_ref(layers, kind, block_ids, sched, n, start, end),
+                               kv[:, :, start:end], rtol=0, atol=0)
+    # Nothing outside the target slots was touched.
+    total = sum(t.abs().sum().item() for t in layers)
+    assert total == pytest.approx(kv[:, :, start:end].abs().sum().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("kind,order,n,sched", CASES)
+def test_gather_matches_backend_layout(kind, order, n, sched):
+    check_gather("cpu", kind, order, n, sched)
+
+
+@pytest.mark.parametrize("kind,order,n,sched", CASES)
+def test_scatter_writes_only_target_slots(kind, order, n, sched):
+    check_scatter("cpu", kind, order, n, sched)
+
+
+def test_separate_layer_storages():
+    """Layers in separate allocations (older vLLM): one gather per storage, same result."""
+    layers = [t.clone() for t in make_layers("LBNHC", 8, 16, torch.float32, "cpu")]
+    block_ids = [5, 2, 7, 0]
+    kv = torch.randn(2, L, 64, H * HD)
+    write_ref(layers, "cuda", block_ids, 16, 16, kv, 0, 64)
+    paged = PagedKV(layers, "cuda", HD, 16)
+    assert not paged.whole
+    out = torch.empty(2, L, 64, H * HD)
+    paged.gather(paged.slots(block_ids, 0, 64), out)
+    assert torch.equal(out, kv)
+
+
+def test_bad_layout_is_a_clear_error():
+    layers = make_layers("LBHNC", 4, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="2\\*head_dim"):
+        PagedKV(layers, "cuda", HD * 2, 16)
+    with pytest.raises(ValueError, match="unknown paged layout"):
+        PagedKV(layers, "rocm", HD, 16)
+    with pytest.raises(ValueError, match="multiple of the kernel block"):
+        PagedKV(layers, "cuda", HD, 24)
+
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    return "cuda"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,order,n,sched", [c for c in CASES if c[0] == "cuda"])
+def test_cuda_gather(kind, order, n, sched):
+    check_gather(_cuda(), kind, order, n, sched)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,order,n,sched", [c for c in CASES if c[0] == "cuda"])
+def test_cuda_scatter(kind, order, n, sched):
+    check_scatter(_cuda(), kind, order, n, sched)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_roundtrip():
+    device = _cuda()
+    layers, block_ids, kv = setup("cuda", "LBNHC", 16, 16, device, dtype=torch.bfloat16)
+    paged = PagedKV(layers, "cuda", HD, 16)
+    slots = paged.slots(block_ids, 0, CHUNK)
+    paged.scatter(slots, kv[:, :, :CHUNK].to(device))
+    out = torch.empty(2, L, CHUNK, H * HD, dtype=torch.bfloat16, device=device)
+    paged.gather(slots, out)
+    assert torch.equal(out.cpu(), kv[:, :, :CHUNK])

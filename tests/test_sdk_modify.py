@@ -1,0 +1,291 @@
+"""modify semantics against a real kvedit server (no vLLM): a fake engine stores KV the way
+the connector does (full chunks under the prompt's keys), so keys, salts, reuse, deletion,
+atomicity and the pipelined run are checked exactly."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kvedit.client import KVClient
+from kvedit.keys import request_keys
+from kvedit.layout import ModelLayout
+from kvedit.sdk.batch import BatchedStream
+from kvedit.sdk.context import connect
+from kvedit.sdk.errors import BatchError, ModifyError
+from kvedit.sdk.stream import create_request
+
+C = 256
+LAYOUT = ModelLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", chunk_size=C)
+MODEL = "sdk-modify-model"
+
+
+class FakeEngine:
+    """post_completion that stores each full chunk of the prompt (like the connector, with
+    data derived from the key so equal keys mean equal data) and yields token 7 per step."""
+
+    def __init__(self, url: str):
+        self.client = KVClient(url)
+        self.prompts: list[tuple[list[int], str]] = []
+
+    def data(self, key: bytes) -> torch.Tensor:
+        g = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") >> 1)
+        return torch.randn(LAYOUT.chunk_shape, generator=g)
+
+    async def __call__(self, prompt, params, cache_salt):
+        self.prompts.append((list(prompt), cache_salt))
+        keys = request_keys(MODEL, LAYOUT, prompt, cache_salt)
+        await asyncio.to_thread(self.client.store, MODEL, keys, [self.data(k) for k in keys])
+        for _ in range(params.get("max_tokens", 1)):
+            await asyncio.sleep(0)
+            yield 7
+
+
+@pytest.fixture(scope="module")
+def ctx(kv_server):
+    with KVClient(kv_server.url) as c:
+        c.register(MODEL, LAYOUT)
+    with connect(kv_server.url, kv_server.http_url, MODEL, timeout=10) as ctx:
+        yield ctx
+
+
+@pytest.fixture(scope="module")
+def engine(kv_server):
+    e = FakeEngine(kv_server.url)
+    yield e
+    e.client.close()
+
+
+_seed = iter(range(10_000))
+
+
+def prompt(n: int) -> list[int]:
+    g = torch.Generator().manual_seed(next(_seed))
+    return torch.randint(0, 8000, (n,), generator=g).tolist()
+
+
+def stored(ctx, keys) -> torch.Tensor:
+    with ctx.client.retrieve(ctx.model, keys) as r:
+        assert len(r.tensors) == len(keys)
+        return torch.cat([t.clone() for t in r.tensors], dim=2)
+
+
+def prefilled(ctx, engine, n_tokens: int, salt: str = "", count: int = 1, same=False):
+    p = prompt(n_tokens)
+    batch = BatchedStream(progress=False)
+    for _ in range(count):
+        batch.add(create_request(ctx, engine, p if same else prompt(n_tokens), salt))
+    batch.prefill({"max_tokens": 4})
+    return batch
+
+
+def identity(kv, tokens):
+    return kv, tokens
+
+
+def test_identity_reuses_every_chunk_and_keeps_salt(ctx, engine):
+    batch = prefilled(ctx, engine, 3 * C + 10, salt="s")
+    s = batch.streams[0]
+    keys, before = list(s.keys), stored(ctx, s.keys)
+    m = batch.modify(identity)
+    assert (m.chunks_reused, m.chunks_stored, m.salt_changes, m.chunks_deleted) == (3, 0, 0, 0)
+    assert s.keys == keys and s.cache_salt == "s"
+    assert len(s.tokens) == 3 * C and len(s.suffix) == 10 + 1  # partial chunk + prefill token
+    assert torch.equal(stored(ctx, keys), before)
+    assert m.bytes_retrieved == 3 * LAYOUT.chunk_bytes and m.bytes_stored == 0
+
+
+def test_same_tokens_new_data_switches_to_fresh_salt(ctx, engine):
+    batch = prefilled(ctx, engine, 2 * C, salt="orig")
+    s = batch.streams[0]
+    old_keys, before = list(s.keys), stored(ctx, s.keys)
+
+    def zero_v(kv, tokens):
+        kv[1].zero_()  # in place: same tokens, different data
+        return kv, tokens
+
+    m = batch.modify(zero_v)
+    assert m.salt_changes == 1 and m.chunks_stored == 2 and m.chunks_reused == 0
+    assert s.cache_salt.startswith("orig~kvedit-") and len(s.cache_salt) == len("orig~kvedit-") + 12
+    assert s.keys == request_keys(MODEL, LAYOUT, s.tokens, s.cache_salt)
+    new = stored(ctx, s.keys)
+    assert torch.count_nonzero(new[1]) == 0 and torch.equal(new[0], before[0])
+    assert m.chunks_deleted == 2 and ctx.client.lookup(MODEL, old_keys) == 0
+    # later requests carry the new salt
+    batch.decode({"max_tokens": 2})
+    assert engine.prompts[-1][1] == s.cache_salt
+
+
+def test_drop_stores_only_new_keys_and_deletes_unreferenced(ctx, engine):
+    batch = prefilled(ctx, engine, 4 * C + 5)
+    s = batch.streams[0]
+    old_keys, before = list(s.keys), stored(ctx, s.keys)
+
+    def drop_middle(kv, tokens):  # keep chunks 0 and 3
+        return (torch.cat([kv[:, :, :C], kv[:, :, 3 * C:]], dim=2),
+                tokens[:C] + tokens[3 * C:])
+
+    m = batch.modify(drop_middle)
+    assert (m.chunks_reused, m.chunks_stored, m.salt_changes) == (1, 1, 0)
+    assert s.keys[0] == old_keys[0] and len(s.tokens) == 2 * C
+    assert torch.equal(stored(ctx, s.keys),
+                       torch.cat([before[:, :, :C], before[:, :, 3 * C:]], dim=2))
+    assert m.chunks_deleted == 3 and ctx.client.lookup(MODEL, old_keys[1:2]) == 0
+    assert s.prompt == s.tokens + s.suffix and len(s.suffix) == 5 + 1
+
+
+def test_shared_chunks_stay_while_another_stream_uses_them(ctx, engine):
+    batch = prefilled(ctx, engine, 2 * C, count=2, same=True)
+    a, b = batch.streams
+    assert a.keys == b.keys
+    one = BatchedStream([a], progress=False)
+    m = one.modify(lambda kv, t: (kv[:, :, :C].clone(), t[:C]))
+    assert m.chunks_deleted == 0  # b still references both chunks
+    assert ctx.client.lookup(MODEL, b.keys) == 2
+    m = BatchedStream([b], progress=False).modify(lambda kv, t: (kv[:, :, :C].clone(), t[:C]))
+    assert m.chunks_deleted == 1 and ctx.client.lookup(MODEL, b.keys) == 1
+
+
+def test_keep_old_keeps_the_original_chunks(ctx, engine):
+    batch = prefilled(ctx, engine, 2 * C)
+    old = list(batch.streams[0].keys)
+    m = batch.modify(lambda kv, t: (kv * 2, t), keep_old=True)
+    assert m.salt_changes == 1 and m.chunks_deleted == 0
+    assert ctx.client.lookup(MODEL, old) == 2
+
+
+def test_partial_edited_tail_moves_into_the_suffix(ctx, engine):
+    batch = prefilled(ctx, engine, 2 * C + 3)
+    s = batch.streams[0]
+    toks = list(s.tokens)
+    m = batch.modify(lambda kv, t: (kv[:, :, 100:], t[100:]))  # 412 tokens: 1 chunk + 156
+    assert len(s.tokens) == C and s.tokens == toks[100:100 + C]
+    assert s.suffix[:156] == toks[100 + C:2 * C] and len(s.suffix) == 156 + 3 + 1
+    assert m.tokens_after == C
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (lambda kv, t: (kv[:, :, :-1], t), "len(tokens)"),
+    (lambda kv, t: (kv.double(), t), "dtype torch.float64"),
+    (lambda kv, t: (kv[:, :1], t), "shape"),
+    (lambda kv, t: (kv[0], t), "shape"),
+    (lambda kv, t: kv, "(kv, tokens)"),
+    (lambda kv, t: (kv.numpy(), t), "torch.Tensor"),
+    (lambda kv, t: (kv, [str(x) for x in t]), "int token ids"),
+    (lambda kv, t: 1 / 0, "ZeroDivisionError"),
+])
+def test_bad_edit_leaves_stream_and_kv_unchanged(ctx, engine, fn, reason):
+    batch = prefilled(ctx, engine, 2 * C + 1)
+    s = batch.streams[0]
+    state = (list(s.tokens), list(s.suffix), s.cache_salt, list(s.keys))
+    before = stored(ctx, s.keys)
+    with pytest.raises(ModifyError) as exc:
+        batch.modify(fn)
+    assert s.label in str(exc.value) and reason in str(exc.value)
+    assert (s.tokens, s.suffix, s.cache_salt, s.keys) == state
+    assert torch.equal(stored(ctx, s.keys), before)
+    batch.decode({"max_tokens": 1})  # still usable
+    assert engine.prompts[-1] == (state[0] + state[1], "")
+
+
+def test_in_place_edit_then_exception_keeps_original(ctx, engine):
+    batch = prefilled(ctx, engine, C)
+    s = batch.streams[0]
+    before = stored(ctx, s.keys)
+
+    def bad(kv, t):
+        kv.zero_()
+        raise ValueError("half-way")
+
+    with pytest.raises(ModifyError, match="half-way"):
+        batch.modify(bad)
+    assert torch.equal(stored(ctx, s.keys), before)
+
+
+def test_several_failures_are_reported_together(ctx, engine):
+    batch = prefilled(ctx, engine, C, count=3)
+    good = batch.streams[0]
+
+    def fn(kv, t):
+        if t == good.tokens:
+            return kv, t
+        raise RuntimeError("nope")
+
+    with pytest.raises(BatchError) as exc:
+        batch.modify(fn)
+    assert len(exc.value.errors) == 2
+    assert all(s.label in str(exc.value) for s in batch.streams[1:])
+
+
+def test_unprefilled_stream_fails_after_wait(ctx, engine):
+    batch = BatchedStream([create_request(ctx, engine, prompt(C))], progress=False)
+    with pytest.raises(ModifyError, match="0 of its 1 full chunks"):
+        batch.modify(identity, wait_timeout=0.3)
+
+
+def test_short_prompt_is_skipped(ctx, engine):
+    batch = prefilled(ctx, engine, 100)
+    m = batch.modify(identity)
+    s = batch.streams[0]
+    assert m.streams_skipped == 1 and m.bytes_retrieved == 0
+    assert s.tokens == s.prompt_token_ids and len(s.suffix) == 1
+
+
+def test_fn_gets_the_layout_when_it_asks(ctx, engine):
+    batch = prefilled(ctx, engine, C)
+    seen = []
+
+    def fn(kv, tokens, layout=None):
+        seen.append(layout)
+        return kv, tokens
+
+    batch.modify(fn)
+    assert seen == [LAYOUT]
+
+
+def test_pipelined_run_modifies_each_stream_after_its_own_prefill(ctx, engine):
+    batch = BatchedStream(progress=False)
+    for _ in range(3):
+        batch.add(create_request(ctx, engine, prompt(2 * C + 7)))
+    order = []
+
+    def fn(kv, tokens):
+        order.append(len(tokens))
+        return kv[:, :, C:].clone(), tokens[C:]
+
+    m = batch.run({"max_tokens": 1}, fn, {"max_tokens": 3})
+    assert m.phase == "run" and set(m.parts) == {"prefill", "modify", "decode"}
+    assert m.parts["modify"].chunks_stored == 3 and order == [2 * C] * 3
+    assert m.output_tokens == 3 * (1 + 3)
+    for s in batch:
+        assert len(s.tokens) == C and s.output_token_ids == [7] * 4
+        assert not s.done  # generated exactly max_tokens
+
+
+def test_async_api(ctx, engine):
+    async def main():
+        batch = BatchedStream([create_request(ctx, engine, prompt(C + 1))], progress=False)
+        await batch.aprefill({"max_tokens": 1})
+        m = await batch.amodify(identity)
+        d = await batch.adecode({"max_tokens": 2})
+        return m, d
+
+    m, d = asyncio.run(main())
+    assert m.chunks_reused == 1 and d.output_tokens == 2
+
+
+def test_retrieve_buffers_are_reused_only_when_free(ctx, engine):
+    batch = prefilled(ctx, engine, C, count=3)
+    kept = []
+    ctx.pool.clear()
+    batch.modify_concurrency = 1
+    batch.modify(lambda kv, t: (kept.append(kv) or kv, t))  # fn keeps every buffer
+    ptrs = {k.data_ptr() for k in kept}
+    assert len(ptrs) == 3  # a held buffer is never handed out again
+    kept.clear()
+    batch2 = prefilled(ctx, engine, C, count=3)
+    seen = []
+    batch2.modify_concurrency = 1
+    batch2.modify(lambda kv, t: (seen.append(kv.data_ptr()) or kv, t))
+    assert len(set(seen)) == 1  # fn kept nothing: one touched buffer serves all three
