@@ -3,8 +3,9 @@
 Control messages go over ZMQ (one DEALER socket per thread, so a server-side wait in one
 thread never holds up another). Data moves through the server's shared-memory segment when
 this process can map it (slot offsets, the client copies in/out itself), otherwise over the
-server's data link (raw TCP, one connection per thread, see kvedit.server.datalink). The segment is attached by mmap-ing /dev/shm/NAME, never through
-multiprocessing.shared_memory, whose resource tracker would unlink it when this process exits.
+server's data link (raw TCP, kvedit.link). The segment is attached by mmap-ing /dev/shm/NAME,
+never through multiprocessing.shared_memory, whose resource tracker would unlink it when this
+process exits.
 """
 from __future__ import annotations
 
@@ -12,146 +13,22 @@ import itertools
 import logging
 import mmap
 import os
-import socket
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 import zmq
 
 from kvedit import protocol as P
 from kvedit.layout import ModelLayout
+from kvedit.handles import KVError, Retrieved, ServerUnavailable, StoreHandle, StoreResult
+from kvedit.link import LinkClient
 from kvedit.protocol import ServerInfo
-from kvedit.server import datalink as DL
 from kvedit.server.pool import MAGIC, read_header
 
 __all__ = ["KVClient", "KVError", "ServerUnavailable", "ServerInfo", "StoreHandle",
            "StoreResult", "Retrieved"]
 log = logging.getLogger("kvedit.client")
-RECV_POOL_BYTES = 512 << 20  # idle socket-mode receive buffers kept for reuse
-
-
-class KVError(Exception):
-    """An error reply (or a client-side check): .code names the kind, the message the detail."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"[{code}] {message}")
-        self.code, self.message = code, message
-
-
-class ServerUnavailable(KVError):
-    """No reply from the server within the timeout."""
-
-
-@dataclass(frozen=True, slots=True)
-class StoreResult:
-    stored: int    # chunks written by this call
-    present: int   # chunks already in the server (or being written by another store)
-
-
-class StoreHandle:
-    """Slots for the missing keys of a prepare_store: fill .buffers, then commit() or abort()."""
-
-    def __init__(self, client: KVClient, slots: P.StoreSlots, buffers: list[torch.Tensor]):
-        self._client, self._slots, self._done = client, slots, False
-        self.missing: list[int] = slots.missing
-        self.present: int = slots.present
-        self.layout: ModelLayout = slots.layout
-        self.buffers = buffers
-
-    def commit(self, data: list[torch.Tensor] | None = None) -> StoreResult:
-        """Publish the data (socket mode sends `data` or the staging buffers as frames)."""
-        if self._done:
-            raise KVError("closed", "this store was already committed or aborted")
-        self._done = True
-        if self._client.transfer_mode == "socket" and self.missing:
-            try:
-                self._client._put(self._slots.store_id, self.buffers if data is None else data)
-            except BaseException:
-                self._done = False
-                self.abort()
-                raise
-        reply = self._client._call(P.Commit(store_id=self._slots.store_id))
-        return StoreResult(stored=reply.stored, present=self.present)
-
-    def abort(self) -> None:
-        if not self._done:
-            self._done = True
-            try:
-                self._client._call(P.Abort(store_id=self._slots.store_id))
-            except KVError as e:
-                if e.code != "unknown_store":  # already gone (data-link error, TTL): fine
-                    raise
-
-    def __enter__(self) -> StoreHandle:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            if not self._done:
-                self.commit()
-        else:
-            self.abort()
-
-
-class Retrieved:
-    """Tensors of the leading present keys; in shm mode zero-copy views valid until release()."""
-
-    def __init__(self, client: KVClient, tensors: list[torch.Tensor], lease_id: int | None,
-                 recycle: list[torch.Tensor] = ()):
-        self._client, self._lease, self._recycle = client, lease_id, list(recycle)
-        self.tensors = tensors
-
-    def __len__(self) -> int:
-        return len(self.tensors)
-
-    def release(self) -> None:
-        if self._recycle:  # socket mode: the receive buffers go back to the client's pool
-            self._client._recv_pool.give(self._recycle)
-            self._recycle = []
-        if self._lease is not None:
-            lid, self._lease = self._lease, None
-            self._client._call(P.Release(lease_id=lid))
-
-
-class _RecvPool:
-    """Socket-mode receive buffers, reused after Retrieved.release().
-
-    Receiving into fresh memory costs a page fault per 4 KiB, which held socket retrieves to
-    ~0.3x of raw TCP; reused buffers are already mapped. Keeps at most `cap` idle bytes.
-    """
-
-    def __init__(self, cap: int):
-        self.cap, self.idle = cap, 0
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            bufs = self._free.get(nbytes)
-            if bufs:
-                self.idle -= nbytes
-                return bufs.pop()
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def give(self, bufs: list[torch.Tensor]) -> None:
-        with self._lock:
-            for b in bufs:
-                if self.idle + b.numel() <= self.cap:
-                    self._free.setdefault(b.numel(), []).append(b)
-                    self.idle += b.numel()
-
-    def __enter__(self) -> Retrieved:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-def _raw(t: torch.Tensor):
-    """A chunk's bytes as a buffer the socket sends without copying."""
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 class KVClient:
@@ -161,8 +38,7 @@ class KVClient:
         self._ctx = zmq.Context()
         self._local = threading.local()
         self._sockets: list[zmq.Socket] = []
-        self._links: list[socket.socket] = []
-        self._recv_pool = _RecvPool(RECV_POOL_BYTES)
+        self._link: LinkClient | None = None
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
         self._registered: dict[tuple[str, int], ModelLayout] = {}
@@ -170,13 +46,21 @@ class KVClient:
         self._seg: torch.Tensor | None = None
         self._closed = False
         self.transfer_mode = "socket"
-        self._connect()
+        try:
+            self._connect()
+        except BaseException:
+            self.close()  # an open ZMQ socket would block interpreter exit
+            raise
 
     # ---- connection -------------------------------------------------------------------
     def _connect(self) -> None:
         """(Re)read ServerInfo and attach to its segment as use_shm asks."""
         info = self._call(P.Hello())
         self._info = info
+        if self._link is not None:
+            self._link.close()
+        host = self.url.rsplit("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        self._link = LinkClient(host, info.data_port, self.timeout)
         self._seg, self._mm = None, None
         reason = self._attach(info) if self._use_shm is not False else "use_shm=False"
         if reason is None:
@@ -242,78 +126,6 @@ class KVClient:
             self._sockets.remove(s)
         s.close(linger=0)
 
-    # ---- data link (socket mode) ------------------------------------------------------
-    def _link(self) -> socket.socket:
-        conn = getattr(self._local, "link", None)
-        if conn is None:
-            host = self.url.rsplit("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-            try:
-                conn = socket.create_connection((host, self._info.data_port), self.timeout)
-            except OSError as e:
-                raise ServerUnavailable("data_link", f"cannot connect to the data link at "
-                                                     f"{host}:{self._info.data_port}: {e}") from None
-            DL.tune(conn)
-            self._local.link = conn
-            with self._lock:
-                self._links.append(conn)
-        return conn
-
-    def _drop_link(self) -> None:
-        conn, self._local.link = self._local.link, None
-        with self._lock:
-            self._links.remove(conn)
-        conn.close()
-
-    def _link_io(self, what: str, fn):
-        """Run fn(conn) on this thread's data connection; errors -> KVError, fresh connection."""
-        conn = self._link()
-        try:
-            return fn(conn)
-        except KVError:
-            self._drop_link()
-            raise
-        except OSError as e:
-            self._drop_link()
-            raise ServerUnavailable("data_link", f"data link {what} failed: {e}") from None
-
-    @staticmethod
-    def _link_reply(conn: socket.socket) -> int:
-        head = bytearray(DL.REPLY.size)
-        DL.recv_exact(conn, head)
-        magic, status, nbytes, msglen = DL.REPLY.unpack(head)
-        if magic != DL.MAGIC:
-            raise KVError("bad_data", f"data link reply has magic {magic!r}, expected {DL.MAGIC!r}")
-        if status:
-            msg = bytearray(msglen)
-            DL.recv_exact(conn, msg)
-            raise KVError("data_link", msg.decode(errors="replace"))
-        return nbytes
-
-    def _put(self, store_id: int, chunks: list[torch.Tensor]) -> None:
-        raws = [_raw(t) for t in chunks]
-
-        def put(conn):
-            conn.sendall(DL.REQUEST.pack(DL.MAGIC, DL.PUT, store_id, sum(r.nbytes for r in raws)))
-            for r in raws:
-                conn.sendall(r)
-            self._link_reply(conn)
-
-        self._link_io("PUT", put)
-
-    def _get(self, lease_id: int, count: int, lay: ModelLayout) -> list[torch.Tensor]:
-        def get(conn):
-            conn.sendall(DL.REQUEST.pack(DL.MAGIC, DL.GET, lease_id, 0))
-            nbytes = self._link_reply(conn)
-            if nbytes != count * lay.chunk_bytes:
-                raise KVError("bad_data", f"data link GET sends {nbytes} bytes, expected {count}"
-                                          f" chunk(s) of {lay.chunk_bytes}")
-            bufs = [self._recv_pool.take(lay.chunk_bytes) for _ in range(count)]
-            for b in bufs:
-                DL.recv_exact(conn, b.numpy())
-            return bufs
-
-        return self._link_io("GET", get)
-
     def _call(self, msg, timeout: float | None = None):
         """Send one request and wait for its reply. Raises KVError."""
         if self._closed:
@@ -347,6 +159,10 @@ class KVClient:
                 raise
         self._call(P.Register(model=model, layout=layout))
         return self._call(msg, timeout=timeout)
+
+    @property
+    def recv_pool(self):
+        return self._link.recv_pool
 
     # ---- API --------------------------------------------------------------------------
     def server_info(self) -> ServerInfo:
@@ -423,7 +239,7 @@ class KVClient:
         if not reply.count:
             return Retrieved(self, [], None)
         # the server releases the lease once it has sent the bytes
-        bufs = self._get(reply.lease_id, reply.count, lay)
+        bufs = self._link.get(reply.lease_id, reply.count, lay)
         dtype = getattr(torch, lay.dtype)
         return Retrieved(self, [b.view(dtype).view(lay.chunk_shape) for b in bufs], None, bufs)
 
@@ -446,9 +262,8 @@ class KVClient:
             for s in self._sockets:
                 s.close(linger=0)
             self._sockets.clear()
-            for conn in self._links:
-                conn.close()
-            self._links.clear()
+        if self._link is not None:
+            self._link.close()
         self._ctx.term()
         self._seg = None
         if self._mm is not None:

@@ -12,6 +12,7 @@ import random
 import re
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,6 @@ import torch
 from kvedit.client import KVClient
 from kvedit.keys import request_keys
 
-pytestmark = pytest.mark.vllm
 MODEL, CHUNK, TOL = "tiny-qwen3", 256, 1e-3
 
 
@@ -81,6 +81,7 @@ def hf_kv(model_dir, tokens) -> torch.Tensor:
     return torch.stack([torch.stack(ks), torch.stack(vs)])
 
 
+@pytest.mark.vllm
 def test_stores_full_chunks_under_expected_keys(vllm_server, client, tiny_model):
     """A 3.5-chunk prompt leaves exactly its 3 full chunks, holding the model's real KV."""
     prompt = prompt_of(3 * CHUNK + CHUNK // 2, seed=1)
@@ -101,6 +102,7 @@ def test_stores_full_chunks_under_expected_keys(vllm_server, client, tiny_model)
     torch.testing.assert_close(stored, ref, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.vllm
 def test_repeat_is_served_from_server(vllm_server, client):
     prompt = prompt_of(3 * CHUNK + 100, seed=2)
     first = complete(vllm_server, prompt)
@@ -114,6 +116,7 @@ def test_repeat_is_served_from_server(vllm_server, client):
     assert again["logprobs"] == pytest.approx(first["logprobs"], abs=TOL)
 
 
+@pytest.mark.vllm
 def test_loaded_kv_is_really_used(vllm_server, client):
     """Overwrite one stored chunk with random values: the output changes."""
     prompt = prompt_of(3 * CHUNK + 10, seed=3)
@@ -130,6 +133,7 @@ def test_loaded_kv_is_really_used(vllm_server, client):
     assert diff > 100 * TOL  # ... and attended to
 
 
+@pytest.mark.vllm
 def test_different_salt_gets_no_hit(vllm_server, client):
     prompt = prompt_of(2 * CHUNK + 50, seed=4)
     complete(vllm_server, prompt, max_tokens=1)
@@ -151,6 +155,7 @@ def _wait_registered(client, timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.vllm
 def test_server_outage(vllm_server, kv_server):
     """Server stopped mid-run: vLLM keeps answering (recomputing); restarted: stores resume."""
     warning = r"kvedit server \S+ unavailable .*worker side"
@@ -175,6 +180,7 @@ def test_server_outage(vllm_server, kv_server):
         assert c.lookup(MODEL, keys_of(c, fresh)) == 2
 
 
+@pytest.mark.vllm
 def test_exact_multiple_and_short_prompts(vllm_server, client):
     exact = prompt_of(2 * CHUNK, seed=8)
     first = complete(vllm_server, exact)
@@ -192,9 +198,57 @@ def test_exact_multiple_and_short_prompts(vllm_server, client):
     assert complete(vllm_server, short, max_tokens=2)["cached"] == 0
 
 
+@pytest.mark.vllm
 def test_generated_tokens_are_stored(vllm_server, client):
     """Chunks that end in generated tokens are stored too (multi-turn reuse)."""
     prompt = prompt_of(CHUNK - 20, seed=10)
     out = complete(vllm_server, prompt, max_tokens=40)
     tokens = prompt + out["tokens"]
     assert client.lookup(MODEL, keys_of(client, tokens)) == 1
+
+
+def _worker(kv_server, tiny_model, model: str):
+    """The connector's worker side on synthetic CPU paged caches, as vLLM would set it up."""
+    from transformers import AutoConfig
+
+    from kvedit.vllm.settings import ConnectorSettings
+    from kvedit.vllm.worker_side import WorkerSide
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    cfg = SimpleNamespace(
+        model_config=SimpleNamespace(
+            served_model_name=model, hf_config=AutoConfig.from_pretrained(tiny_model),
+            dtype=torch.float32, get_head_size=lambda: 64,
+            get_num_layers=lambda pc: 4, get_num_kv_heads=lambda pc: 2),
+        parallel_config=SimpleNamespace(rank=0, tensor_parallel_size=1),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        compilation_config=SimpleNamespace(
+            static_forward_context={n: SimpleNamespace(isa="vec") for n in names}))
+    ws = WorkerSide(cfg, ConnectorSettings(kvedit_url=kv_server.url, chunk_size=CHUNK), 128)
+    buf = torch.randn(4, 8, 2, 128, 128)  # one allocation, per-layer views (as vLLM 0.32)
+    ws.register_kv_caches({n: buf[i] for i, n in enumerate(names)})
+    return ws, buf
+
+
+def test_missing_chunk_is_a_load_error_and_never_stored(kv_server, tiny_model, client):
+    from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
+
+    model = "tiny-qwen3-worker-test"
+    ws, buf = _worker(kv_server, tiny_model, model)
+    try:
+        tokens = prompt_of(2 * CHUNK, seed=11)
+        keys = request_keys(model, ws.layout, tokens)
+        ws.store(KVEditMetadata(stores=[ChunkRun("a", 0, [keys], 0, 2 * CHUNK, [3, 0, 5, 1])]))
+        assert client.lookup(model, keys) == 2
+        assert client.delete(model, keys[1:]) == 1  # evicted between lookup and load
+        before = buf.clone()
+        run = ChunkRun("b", 0, [keys], 0, 2 * CHUNK - 1, [2, 4, 6, 7])
+        ws.load(KVEditMetadata(loads=[run]))
+        assert ws.take_load_errors() == {6, 7}  # chunk 1's blocks: vLLM recomputes them
+        assert torch.equal(buf[:, [2, 4]], before[:, [3, 0]])  # chunk 0 landed
+        assert torch.equal(buf[:, [6, 7]], before[:, [6, 7]])
+        # This step's store must not publish the blocks whose load failed.
+        ws.store(KVEditMetadata(stores=[ChunkRun("b", 0, [keys], 0, 2 * CHUNK, run.block_ids)]))
+        assert client.lookup(model, keys[1:]) == 0
+    finally:
+        ws.close()

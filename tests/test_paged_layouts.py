@@ -21,13 +21,15 @@ ORDERS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "BLHNC": (1, 0, 2,
 CASES = [  # (paged kind, stride order, kernel block N, scheduler block)
     ("cpu", "LBHNC", 128, 128),          # vLLM CPU backend (block 128)
     ("cpu", "LBHNC", 32, 128),           # CPU kernel blocks split a scheduler block
+    ("cpu_amx", "LBHNC", 128, 128),      # vLLM CPU backend, bf16 on AMX hardware
+    ("cpu_amx", "LBHNC", 32, 64),
     ("cuda", "LBNHC", 16, 16),           # FlashAttention default (NHD), block 16
     ("cuda", "LBHNC", 16, 16),           # FlashInfer HND
     ("cuda", "BLHNC", 16, 16),           # layers interleaved inside blocks
     ("cuda", "BLNHC", 16, 32),
     ("cuda", "LHBNC", 16, 16),
 ]
-L, H, HD, CHUNK = 3, 2, 8, 64
+L, H, HD, CHUNK = 3, 2, 32, 64
 
 
 def make_layers(order: str, nblocks: int, n: int, dtype, device) -> list[torch.Tensor]:
@@ -41,12 +43,31 @@ def make_layers(order: str, nblocks: int, n: int, dtype, device) -> list[torch.T
 
 def ref_token(layer: torch.Tensor, kind: str, b: int, n: int) -> tuple[torch.Tensor, ...]:
     """(K, V) views [H, hd] of one token, as the attention backend sees them."""
-    if kind == "cpu":
-        nb, h, bs, _ = layer.shape
-        tiles = layer.view(nb, h, 2 * bs, HD)
-        return tiles[b, :, n], tiles[b, :, bs + n]
-    k, v = layer.transpose(1, 2).split(HD, dim=-1)
-    return k[b, n], v[b, n]
+    if kind == "cuda":
+        k, v = layer.transpose(1, 2).split(HD, dim=-1)
+        return k[b, n], v[b, n]
+    bs = layer.shape[2]
+    tiles = layer[b].reshape(layer.shape[1], -1)  # [H, 2*N*hd]: one tile per head
+    d = torch.arange(HD)
+    if kind == "cpu":  # K tile [hd, N] (transposed), then V tile [N, hd]
+        k_off, v_off = d * bs + n, bs * HD + n * HD + d
+    else:  # cpu_amx: 16-token groups of dim pairs, then 16-dim groups of token pairs
+        k_off = (n // 16) * 16 * HD + (d // 2) * 32 + (n % 16) * 2 + d % 2
+        v_off = bs * HD + (d // 16) * 16 * bs + (n // 2) * 32 + (d % 16) * 2 + n % 2
+    return _Sel(tiles, k_off.to(tiles.device)), _Sel(tiles, v_off.to(tiles.device))
+
+
+class _Sel:
+    """Elements tiles[:, off] as a read/write [H, hd] handle (offsets need not be a view)."""
+
+    def __init__(self, tiles, off):
+        self.tiles, self.off = tiles, off
+
+    def copy_(self, x):
+        self.tiles[:, self.off] = x.to(self.tiles.device)
+
+    def reshape(self, *shape):
+        return self.tiles[:, self.off].reshape(*shape)
 
 
 def slot_of(block_ids, pos: int, sched_block: int, n: int) -> tuple[int, int]:
@@ -87,7 +108,7 @@ def check_gather(device, kind, order, n, sched):
     layers, block_ids, kv = setup(kind, order, n, sched, device)
     write_ref(layers, kind, block_ids, sched, n, kv, 0, kv.shape[2])
     paged = PagedKV(layers, kind, HD, sched)
-    assert paged.whole  # one backing buffer -> one index_select per chunk
+    assert len(paged.groups) == 1  # one backing buffer -> one op per K/V per chunk
     for c in range(2):
         out = torch.empty(2, L, CHUNK, H * HD, device=device)
         paged.gather(paged.slots(block_ids, c * CHUNK, (c + 1) * CHUNK), out)
@@ -124,7 +145,7 @@ def test_separate_layer_storages():
     kv = torch.randn(2, L, 64, H * HD)
     write_ref(layers, "cuda", block_ids, 16, 16, kv, 0, 64)
     paged = PagedKV(layers, "cuda", HD, 16)
-    assert not paged.whole
+    assert len(paged.groups) == L
     out = torch.empty(2, L, 64, H * HD)
     paged.gather(paged.slots(block_ids, 0, 64), out)
     assert torch.equal(out, kv)
@@ -168,3 +189,24 @@ def test_cuda_bf16_roundtrip():
     out = torch.empty(2, L, CHUNK, H * HD, dtype=torch.bfloat16, device=device)
     paged.gather(slots, out)
     assert torch.equal(out.cpu(), kv[:, :, :CHUNK])
+
+
+@pytest.mark.parametrize("isa,dtype,n", [("vec", torch.float32, 128), ("vec", torch.bfloat16, 32),
+                                         ("vec16", torch.float32, 16),
+                                         ("amx", torch.bfloat16, 128)])
+def test_cpu_layouts_match_vllm_kernel(isa, dtype, n):
+    """vLLM's own CPU cache-write kernel puts each token where PagedKV reads it."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    if isa == "amx" and not torch.cpu._is_amx_tile_supported():
+        pytest.skip("no AMX on this CPU")
+    hd, nblocks, tokens = 64, 6, 2 * n + 5
+    cache = torch.zeros(nblocks, H, n, 2 * hd, dtype=dtype)
+    k_cache, v_cache = cache.view(nblocks, H, 2 * n, hd).chunk(2, dim=2)
+    block_ids = [4, 1, 5]
+    slot = torch.tensor([block_ids[p // n] * n + p % n for p in range(tokens)])
+    key, value = torch.randn(2, tokens, H, hd).to(dtype)
+    ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slot, isa)
+    paged = PagedKV([cache], "cpu_amx" if isa == "amx" else "cpu", hd, n)
+    out = torch.empty(2, 1, tokens, H * hd, dtype=dtype)
+    paged.gather(paged.slots(block_ids, 0, tokens), out)
+    assert torch.equal(out[0, 0], key.flatten(1)) and torch.equal(out[1, 0], value.flatten(1))

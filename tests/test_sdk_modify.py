@@ -288,4 +288,36 @@ def test_retrieve_buffers_are_reused_only_when_free(ctx, engine):
     seen = []
     batch2.modify_concurrency = 1
     batch2.modify(lambda kv, t: (seen.append(kv.data_ptr()) or kv, t))
-    assert len(set(seen)) == 1  # fn kept nothing: one touched buffer serves all three
+    assert set(seen) <= ptrs  # released buffers are reused (touched memory)
+
+
+def test_pool_hands_out_the_smallest_free_buffer_that_fits():
+    from kvedit.sdk.buffers import BufferPool
+
+    pool = BufferPool(max_buffers=3)
+    small, big = pool.take(100), pool.take(1000)
+    pool.give(big)
+    pool.give(small)
+    view = small[:10]
+    assert pool.take(50) is big  # small is still used through `view`
+    del view
+    pool.give(big)
+    assert pool.take(50) is small and pool.take(500) is big
+    assert pool.take(2000).numel() == 2000
+
+
+def test_failed_store_leaves_stream_and_kv_unchanged():
+    from kvedit.server.launch import start_server
+
+    with start_server(0.01, chunk_size=C) as srv:  # 10 MB pool: the edit below cannot fit
+        with KVClient(srv.url) as client:
+            client.register(MODEL, LAYOUT)
+            small = connect(srv.url, None, MODEL, timeout=5)
+            s = create_request(small, None, prompt(2 * C))
+            client.store(MODEL, s.keys, [torch.ones(LAYOUT.chunk_shape)] * 2)
+            with pytest.raises(ModifyError, match="storing the edited KV failed.*too_large"):
+                BatchedStream([s], progress=False).modify(
+                    lambda kv, t: (kv.repeat(1, 1, 200, 1) * 2, t * 200))
+            assert len(s.tokens) == 2 * C and s.cache_salt == "" and s.suffix == []
+            assert torch.equal(stored(small, s.keys), torch.ones(2, 2, 2 * C, 32))
+            small.close()

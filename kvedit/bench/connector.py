@@ -49,7 +49,7 @@ def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
     """
     import torch
 
-    from kvedit.vllm.paged import PagedKV
+    from kvedit.vllm.paged import PagedKV, pin_host
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     kind, block = ("cuda", 16) if device == "cuda" else ("cpu", 128)
@@ -86,22 +86,45 @@ def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
     # Baseline: a plain contiguous copy of the same bytes on the same device.
     src = [torch.empty_like(d) for d in dev]
     out["memcpy_GBps"] = timed(lambda: [d.copy_(s) for s, d in zip(src, dev)])
-    del src
-    if device == "cuda":
-        for name, pin in (("pageable", False), ("pinned", True)):
-            host = [torch.empty(shape, dtype=torch.bfloat16, pin_memory=pin) for _ in dev]
+    if device == "cuda":  # through a /dev/shm mapping, as the server's segment is used
+        host = _shm_tensors(len(dev), shape, torch.bfloat16)
 
-            def store():
-                for s, d, h in zip(slots, dev, host):
-                    paged.gather(s, d)
-                    h.copy_(d, non_blocking=pin)
+        def store():
+            for s, d, h in zip(slots, dev, host):
+                paged.gather(s, d)
+                h.copy_(d)
 
-            def load():
-                for s, d, h in zip(slots, dev, host):
-                    paged.scatter(s, d.copy_(h, non_blocking=pin))
-            out[f"store_to_{name}_host_GBps"] = timed(store)
-            out[f"load_from_{name}_host_GBps"] = timed(load)
+        def load():
+            for s, d, h in zip(slots, dev, host):
+                paged.scatter(s, d.copy_(h))
+        out["store_to_shm_GBps"], out["load_from_shm_GBps"] = timed(store), timed(load)
+        t0 = time.perf_counter()
+        out["shm_pinned"] = pin_host(host[0])
+        out["pin_seconds"] = time.perf_counter() - t0
+        out["store_to_pinned_shm_GBps"] = timed(store)
+        out["load_from_pinned_shm_GBps"] = timed(load)
     return out
+
+
+def _shm_tensors(n: int, shape, dtype) -> list:
+    """n tensors in one fresh /dev/shm mapping (unlinked at once: the mapping stays)."""
+    import mmap
+    import os
+
+    import torch
+
+    one = torch.empty(shape, dtype=dtype)
+    nbytes = n * one.numel() * one.element_size()
+    path = f"/dev/shm/kvedit-bench-{os.getpid()}"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    flat = torch.frombuffer(mm, dtype=dtype)
+    return list(flat.view(n, *shape).unbind(0))
 
 
 # ---- real vLLM ----------------------------------------------------------------------------

@@ -118,6 +118,9 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
         if layout.tp_size != 1:
             raise ConnectError(f"model {model_name!r} is registered with tp_size="
                                f"{layout.tp_size}; the SDK edits single-rank layouts only")
+    except KVError as e:
+        client.close()
+        raise ConnectError(f"the kvedit server at {url} failed while connecting: {e}") from None
     except BaseException:
         client.close()
         raise

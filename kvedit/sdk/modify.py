@@ -28,11 +28,11 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvedit.layout import ModelLayout
 from kvedit.sdk.errors import ModifyError
+from kvedit.sdk.rowcopy import chunk_equal, load_chunk, save_chunk
 from kvedit.sdk.stream import Stream, check_token_ids
 
 log = logging.getLogger("kvedit.sdk")
@@ -79,8 +79,8 @@ def retrieve_kv(ctx, keys: list[bytes], buf: torch.Tensor) -> torch.Tensor:
                               f"(evicted meanwhile?)")
         kv = buf[:n * lay.chunk_bytes].view(getattr(torch, lay.dtype)).view(
             2, lay.num_layers, n * c, lay.hidden)
-        # Chunk i is kv[:, :, i*C:(i+1)*C]: one multi-threaded stack into the [2,L,N,C,D] view.
-        torch.stack(got.tensors, dim=2, out=kv.view(2, lay.num_layers, n, c, lay.hidden))
+        for i, chunk in enumerate(got.tensors):
+            load_chunk(kv, i, chunk)
     return kv
 
 
@@ -107,26 +107,12 @@ def check_result(result, layout: ModelLayout) -> tuple[torch.Tensor, list[int]]:
     return kv.cpu(), tokens
 
 
-def _words(t: torch.Tensor) -> np.ndarray:
-    """A tensor's bytes as a numpy array of the widest integer that views it (for equality)."""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    for dt in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        try:
-            return t.view(dt).numpy()
-        except RuntimeError:
-            continue
-    return t.contiguous().view(torch.uint8).numpy()
-
-
 def chunks_identical(ctx, keys: list[bytes], idx: list[int], kv: torch.Tensor) -> bool:
     """Are the stored chunks keys[i] (i in idx) byte-identical to the edited kv's chunks?"""
-    c = ctx.chunk_size
     with ctx.client.retrieve(ctx.model, [keys[i] for i in idx]) as got:
         if len(got.tensors) < len(idx):
             return False  # cannot prove equality: the caller switches to a fresh salt
-        return all(np.array_equal(_words(kv[:, :, i * c:(i + 1) * c]), _words(t))
-                   for i, t in zip(idx, got.tensors))
+        return all(chunk_equal(kv, i, t) for i, t in zip(idx, got.tensors))
 
 
 class _Differs(Exception):
@@ -135,14 +121,13 @@ class _Differs(Exception):
 
 def store_kv(ctx, tokens: list[int], salt: str, kv: torch.Tensor, keys_for):
     """Store the edited full chunks. Returns (salt, keys, stored, reused)."""
-    c = ctx.chunk_size
     keys = keys_for(tokens, salt)
     try:
         with ctx.client.prepare_store(ctx.model, keys) as h:
             present = sorted(set(range(len(keys))) - set(h.missing))
             if present and not chunks_identical(ctx, keys, present, kv):
                 raise _Differs
-            _fill(h, kv, c)
+            _fill(h, kv)
         return salt, keys, len(h.missing), len(present)
     except _Differs:
         pass
@@ -151,13 +136,13 @@ def store_kv(ctx, tokens: list[int], salt: str, kv: torch.Tensor, keys_for):
     with ctx.client.prepare_store(ctx.model, keys) as h:
         if len(h.missing) != len(keys):
             raise RuntimeError(f"fresh salt {salt!r} already has chunks in the server")
-        _fill(h, kv, c)
+        _fill(h, kv)
     return salt, keys, len(keys), 0
 
 
-def _fill(h, kv: torch.Tensor, c: int) -> None:
+def _fill(h, kv: torch.Tensor) -> None:
     for buf, i in zip(h.buffers, h.missing):  # straight from the edited tensor into shm
-        buf.copy_(kv[:, :, i * c:(i + 1) * c])
+        save_chunk(buf, kv, i)
 
 
 async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False,
@@ -214,7 +199,7 @@ async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False
                                       f"the original KV is kept") from e
         res.retrieve_s, res.fn_s, res.store_s = t1 - t0, t2 - t1, time.perf_counter() - t2
         del new_kv
-        ctx.pool.give(buf)  # only if fn kept no reference to it
+        ctx.pool.give(buf)  # reused only once fn keeps no reference to it
     # Committed: swap the stream's state (nothing can fail between here and the swap).
     res.salt_changed = salt != stream.cache_salt
     stream.suffix = new_tokens[m * c:] + stream.tokens[n * c:] + stream.suffix

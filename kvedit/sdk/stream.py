@@ -8,7 +8,6 @@ and every later request of the stream then carries that salt.
 """
 from __future__ import annotations
 
-import asyncio
 import copy
 import dataclasses
 import inspect

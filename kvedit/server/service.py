@@ -280,7 +280,7 @@ class Service:
         return P.StoreSlots(store_id=sid, missing=missing, offsets=offsets, present=present,
                             layout=lay, instance=self.instance)
 
-    def _unknown_store(self, sid: int) -> str:
+    def unknown_store(self, sid: int) -> str:
         return (f"store {sid} is unknown, already committed/aborted, or expired "
                 f"(write TTL {self.cfg.write_ttl} s)")
 

@@ -81,6 +81,10 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output) -> KVEditMetadata:
         return self.scheduler.build_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output) -> None:
+        if connector_output.invalid_block_ids:
+            self.scheduler.invalid_blocks(connector_output.invalid_block_ids)
+
     def request_finished(self, request, block_ids):
         self.scheduler.request_finished(request)
         return False, None

@@ -142,7 +142,13 @@ class VllmProcess:
                 self.proc.wait()
             except ProcessLookupError:
                 pass
-        try:  # children (engine core) may outlive the leader briefly
+        # The engine core may outlive the leader briefly while it cleans up its shared
+        # memory: give it that time, then kill what is left of the group.
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                os.killpg(self.proc.pid, 0)
+                time.sleep(0.2)
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass

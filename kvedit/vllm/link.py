@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from kvedit.client import KVClient, KVError, ServerUnavailable
@@ -28,6 +29,7 @@ class ServerLink:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reconnector: threading.Thread | None = None
+        self._last_error_log = -1e9
         if not self._try_connect():
             self._outage("not reachable at start-up")
 
@@ -59,8 +61,12 @@ class ServerLink:
 
     def failed(self, err: BaseException) -> None:
         """A call on `client` raised: mark an outage (once) if it looks like one."""
-        if not isinstance(err, UNAVAILABLE):
-            logger.warning("kvedit %s call failed: %s", self.role, err)
+        if not isinstance(err, UNAVAILABLE):  # the server answered with an error
+            now = time.monotonic()
+            if now - self._last_error_log > 30.0:  # a persistent error must not flood the log
+                self._last_error_log = now
+                logger.warning("kvedit %s call failed (KV not stored/loaded, vLLM "
+                               "recomputes): %s", self.role, err)
             return
         with self._lock:
             if self.client is None:

@@ -140,6 +140,14 @@ class SchedulerSide:
                                         list(st.block_ids)))
             st.stored = n_full
 
+    def invalid_blocks(self, block_ids: set[int]) -> None:
+        """vLLM will recompute from the first block that failed to load: store it again then."""
+        for st in self.reqs.values():
+            for i, b in enumerate(st.block_ids):
+                if b in block_ids:
+                    st.stored = min(st.stored, i * self.block_size // self.chunk)
+                    break
+
     def request_finished(self, request) -> None:
         self.reqs.pop(request.request_id, None)
 

@@ -21,9 +21,10 @@ class ConnectorSettings:
     kvedit_http_url: str = ""
     chunk_size: int = 0          # 0: use the server's
     store_generated: bool = True  # also store chunks made of generated tokens (multi-turn)
-    timeout: float = 5.0          # seconds before a server call counts as "server unavailable"
+    timeout: float = 2.0          # seconds before a server call counts as "server unavailable"
     retry_interval: float = 1.0   # seconds between reconnect attempts while unavailable
     rope_is_neox: bool | None = None  # override the GPT-J/NeoX guess from the model type
+    pin_shm: bool = True          # GPU: page-lock the server's shared memory for DMA copies
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ConnectorSettings":

@@ -1,0 +1,111 @@
+"""Client side of the server's data link (socket-mode chunk bytes over raw TCP).
+
+One connection per thread, like the ZMQ sockets, so transfers of different threads run side
+by side. After any error the connection is dropped (the byte stream is out of step) and the
+next transfer opens a fresh one. Framing: kvedit.server.datalink.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+
+import torch
+
+from kvedit.handles import KVError, RecvPool, ServerUnavailable
+from kvedit.layout import ModelLayout
+from kvedit.server import datalink as DL
+
+RECV_POOL_BYTES = 512 << 20  # idle receive buffers kept for reuse
+
+
+def raw_bytes(t: torch.Tensor):
+    """A chunk's bytes as a buffer the socket sends without copying."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+class LinkClient:
+    def __init__(self, host: str, port: int, timeout: float):
+        self.host, self.port, self.timeout = host, port, timeout
+        self.recv_pool = RecvPool(RECV_POOL_BYTES)
+        self._local = threading.local()
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def _conn(self) -> socket.socket:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            try:
+                conn = socket.create_connection((self.host, self.port), self.timeout)
+            except OSError as e:
+                raise ServerUnavailable("data_link", f"cannot connect to the data link at "
+                                                     f"{self.host}:{self.port}: {e}") from None
+            DL.tune(conn)
+            self._local.conn = conn
+            with self._lock:
+                self._conns.append(conn)
+        return conn
+
+    def _drop(self) -> None:
+        conn, self._local.conn = self._local.conn, None
+        with self._lock:
+            self._conns.remove(conn)
+        conn.close()
+
+    def _io(self, what: str, fn):
+        """Run fn(conn) on this thread's connection; errors -> KVError and a fresh connection."""
+        conn = self._conn()
+        try:
+            return fn(conn)
+        except KVError:
+            self._drop()
+            raise
+        except OSError as e:
+            self._drop()
+            raise ServerUnavailable("data_link", f"data link {what} to {self.host}:{self.port} "
+                                                 f"failed: {e}") from None
+
+    @staticmethod
+    def _reply(conn: socket.socket) -> int:
+        head = bytearray(DL.REPLY.size)
+        DL.recv_exact(conn, head)
+        magic, status, nbytes, msglen = DL.REPLY.unpack(head)
+        if magic != DL.MAGIC:
+            raise KVError("bad_data", f"data link reply has magic {magic!r}, expected {DL.MAGIC!r}")
+        if status:
+            msg = bytearray(msglen)
+            DL.recv_exact(conn, msg)
+            raise KVError("data_link", msg.decode(errors="replace"))
+        return nbytes
+
+    def put(self, store_id: int, chunks: list[torch.Tensor]) -> None:
+        """Send the missing chunks of a prepared store into its slots."""
+        raws = [raw_bytes(t) for t in chunks]
+
+        def put(conn):
+            conn.sendall(DL.REQUEST.pack(DL.MAGIC, DL.PUT, store_id, sum(r.nbytes for r in raws)))
+            for r in raws:
+                conn.sendall(r)
+            self._reply(conn)
+
+        self._io("PUT", put)
+
+    def get(self, lease_id: int, count: int, lay: ModelLayout) -> list[torch.Tensor]:
+        """Receive a lease's chunks -> uint8 buffers (from the receive pool)."""
+        def get(conn):
+            conn.sendall(DL.REQUEST.pack(DL.MAGIC, DL.GET, lease_id, 0))
+            nbytes = self._reply(conn)
+            if nbytes != count * lay.chunk_bytes:
+                raise KVError("bad_data", f"data link GET sends {nbytes} bytes, expected {count}"
+                                          f" chunk(s) of {lay.chunk_bytes}")
+            bufs = [self.recv_pool.take(lay.chunk_bytes) for _ in range(count)]
+            for b in bufs:
+                DL.recv_exact(conn, b.numpy())
+            return bufs
+
+        return self._io("GET", get)
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._conns:
+                conn.close()
+            self._conns.clear()

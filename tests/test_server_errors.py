@@ -1,0 +1,146 @@
+"""Bad input gets a clear error reply; the server keeps running and keeps committed data."""
+from __future__ import annotations
+
+import socket
+
+import msgspec
+import pytest
+import zmq
+
+from kvedit import protocol as P
+from kvedit.client import KVClient, KVError
+from kvedit.layout import ModelLayout
+from kvedit.server import datalink as DL
+from kvedit.server.launch import start_server
+from tests.kv_helpers import SMALL, chunk_for, key, matches
+
+KEYS = [key(i, "err") for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with start_server(0.01) as s, KVClient(s.url) as c:
+        c.register("m", SMALL)
+        c.store("m", KEYS, [chunk_for(k) for k in KEYS])
+        yield s
+
+
+@pytest.fixture
+def raw(server):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.connect(server.url)
+    yield s
+    s.close()
+    ctx.term()
+
+
+def ask(sock, *frames: bytes) -> tuple[bytes, object]:
+    sock.send_multipart(list(frames))
+    rid, msg = sock.recv_multipart()
+    return rid, P.reply_decoder.decode(msg)
+
+
+def assert_data_intact(server):
+    with KVClient(server.url) as c:
+        with c.retrieve("m", KEYS) as r:
+            assert [matches(k, t) for k, t in zip(KEYS, r.tensors)] == [True] * 3
+
+
+@pytest.mark.parametrize("frames, code, words", [
+    ([b"r1"], "malformed", "expected frames"),
+    ([b"r1", b"\xc1garbage"], "malformed", "cannot decode"),
+    ([b"r1", msgspec.msgpack.encode({"t": "teleport", "to": "mars"})], "malformed", "teleport"),
+    ([b"r1", msgspec.msgpack.encode({"t": "lookup", "model": 3, "keys": []})], "malformed",
+     "model"),
+    ([b"r1", msgspec.msgpack.encode({"t": "lookup", "model": "m", "keys": [b""]})], "bad_key",
+     "expected 1..64"),
+    ([b"r1", msgspec.msgpack.encode({"t": "hello"}), b"extra"], "malformed", "extra frame"),
+    ([b"x" * 17, msgspec.msgpack.encode({"t": "hello"})], "malformed", "request id"),
+])
+def test_malformed_messages(server, raw, frames, code, words):
+    _, reply = ask(raw, *frames)
+    assert isinstance(reply, P.Error) and reply.code == code and words in reply.message
+    assert_data_intact(server)
+
+
+def test_request_id_is_echoed(raw):
+    rid, reply = ask(raw, b"abc", P.encoder.encode(P.Stats()))
+    assert rid == b"abc" and isinstance(reply, P.StatsReply)
+
+
+@pytest.mark.parametrize("msg, code, words", [
+    (P.Lookup(model="ghost", keys=KEYS), "unknown_model", "'ghost'"),
+    (P.PrepareStore(model="m", keys=KEYS, tp_rank=3), "unknown_model", "tp_rank 3"),
+    (P.Commit(store_id=987654), "unknown_store", "987654"),
+    (P.Abort(store_id=987654), "unknown_store", "987654"),
+    (P.Release(lease_id=424242), "unknown_lease", "424242"),
+    (P.PrepareStore(model="m", keys=[key(i, "big") for i in range(100)]), "too_large",
+     "larger than the pool"),
+    (P.Register(model="m", layout=ModelLayout(num_layers=0, num_kv_heads=1, head_dim=64,
+                                              dtype="float32", chunk_size=256)),
+     "bad_layout", "num_layers"),
+    (P.Register(model="x", layout=ModelLayout(num_layers=1, num_kv_heads=1, head_dim=64,
+                                              dtype="float64", chunk_size=256)),
+     "bad_layout", "float64"),
+    (P.Register(model="x", layout=ModelLayout(num_layers=1, num_kv_heads=1, head_dim=64,
+                                              dtype="float32", chunk_size=16)),
+     "bad_layout", "--chunk-size 256"),
+    (P.Register(model="x", layout=ModelLayout(num_layers=4096, num_kv_heads=8, head_dim=128,
+                                              dtype="float32", chunk_size=256)),
+     "too_large", "larger than the whole pool"),
+])
+def test_error_replies(server, raw, msg, code, words):
+    _, reply = ask(raw, b"1", P.encoder.encode(msg))
+    assert isinstance(reply, P.Error), reply
+    assert reply.code == code and words in reply.message, reply.message
+    assert_data_intact(server)
+
+
+def _link(server) -> socket.socket:
+    with KVClient(server.url) as c:
+        port = c.server_info().data_port
+    return socket.create_connection((server.host, port), timeout=5)
+
+
+def _link_error(conn: socket.socket) -> str:
+    head = bytearray(DL.REPLY.size)
+    DL.recv_exact(conn, head)
+    magic, status, _, n = DL.REPLY.unpack(head)
+    assert magic == DL.MAGIC and status == 1
+    msg = bytearray(n)
+    DL.recv_exact(conn, msg)
+    return msg.decode()
+
+
+def test_data_link_bad_requests(server):
+    with _link(server) as conn:
+        conn.sendall(b"HTTP/1.1 GET / xxxxxxxxxxxxxxx")
+        assert "bad data-link request" in _link_error(conn)
+    with _link(server) as conn:
+        conn.sendall(DL.REQUEST.pack(DL.MAGIC, DL.GET, 31337, 0))
+        assert "lease 31337 is unknown" in _link_error(conn)
+    with KVClient(server.url) as c:
+        h = c.prepare_store("m", [key(7, "link")])
+        with _link(server) as conn:  # announces the wrong size
+            conn.sendall(DL.REQUEST.pack(DL.MAGIC, DL.PUT, h._slots.store_id, 5))
+            assert f"expected {SMALL.chunk_bytes}" in _link_error(conn)
+        with _link(server) as conn:  # the peer vanishes mid-transfer: nothing committed
+            conn.sendall(DL.REQUEST.pack(DL.MAGIC, DL.PUT, h._slots.store_id, SMALL.chunk_bytes))
+            conn.sendall(b"\0" * 1000)
+        h.abort()
+        assert c.lookup("m", [key(7, "link")]) == 0
+    assert_data_intact(server)
+
+
+def test_client_side_errors(server):
+    with KVClient(server.url, use_shm=False) as c:
+        with pytest.raises(KVError) as e:
+            c.store("m", KEYS[:2], [chunk_for(KEYS[0])])
+        assert e.value.code == "bad_chunk" and "one chunk per key" in str(e.value)
+        with pytest.raises(KVError) as e:
+            c.store("nobody", KEYS[:1], [chunk_for(KEYS[0])])
+        assert e.value.code == "unknown_model" and "registered: ['m[tp_rank 0]']" in str(e.value)
+    assert_data_intact(server)
