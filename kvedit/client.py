@@ -16,6 +16,7 @@ import os
 import threading
 import time
 
+import numpy as np
 import torch
 import zmq
 
@@ -29,6 +30,24 @@ from kvedit.server.pool import MAGIC, read_header
 __all__ = ["KVClient", "KVError", "ServerUnavailable", "ServerInfo", "StoreHandle",
            "StoreResult", "Retrieved"]
 log = logging.getLogger("kvedit.client")
+
+
+SMALL_COPY_BYTES = 8 << 20
+
+
+def copy_chunk(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src), single-threaded below SMALL_COPY_BYTES.
+
+    torch splits even a 256 KiB copy over its OpenMP threads; on a busy machine a descheduled
+    thread then stalls the copy for milliseconds (measured: 20 ms instead of 0.1 ms with 2
+    threads on 2 loaded cores). Large copies keep torch's threads, which pay off there.
+    """
+    n = dst.numel() * dst.element_size()
+    if (n < SMALL_COPY_BYTES and src.device.type == "cpu" and src.dtype == dst.dtype
+            and src.is_contiguous() and dst.is_contiguous()):
+        np.copyto(dst.view(-1).view(torch.uint8).numpy(), src.view(-1).view(torch.uint8).numpy())
+    else:
+        dst.copy_(src)
 
 
 class KVClient:
@@ -217,7 +236,7 @@ class KVClient:
         try:
             if self.transfer_mode == "shm":
                 for buf, i in zip(handle.buffers, handle.missing):
-                    buf.copy_(chunks[i])
+                    copy_chunk(buf, chunks[i])
                 return handle.commit()
             return handle.commit([chunks[i] for i in handle.missing])
         except BaseException:
@@ -230,10 +249,10 @@ class KVClient:
         msg = P.Retrieve(model=model, keys=list(keys), tp_rank=tp_rank, with_data=not shm)
         reply = self._model_call(model, tp_rank, msg)
         lay = reply.layout
+        self._check_instance(reply.instance)  # a restarted server: new segment and data port
         if shm:
-            if reply.instance != self._info.instance:  # restarted: offsets are for a new segment
+            if self.transfer_mode != "shm":  # the new server cannot be mapped: ask again
                 self._call(P.Release(lease_id=reply.lease_id))
-                self._check_instance(reply.instance)
                 return self.retrieve(model, keys, tp_rank)
             return Retrieved(self, [self._view(o, lay) for o in reply.offsets], reply.lease_id)
         if not reply.count:

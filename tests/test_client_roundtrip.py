@@ -38,7 +38,7 @@ def test_store_lookup_retrieve_delete(client, request):
     assert len(keys) == 5
     data = _chunks(5, 1)
     assert client.lookup(MODEL, keys) == 0
-    assert client.store(MODEL, keys[:2], data[:2]) .stored == 2
+    assert client.store(MODEL, keys[:2], data[:2]).stored == 2
     res = client.store(MODEL, keys, list(data))
     assert (res.stored, res.present) == (3, 2)
     assert client.lookup(MODEL, keys) == 5
@@ -116,3 +116,4 @@ def test_wait_lookup_is_answered_by_commit(client, request):
     t0 = time.monotonic()
     assert client.lookup(MODEL, keys + _keys(3 * 256, "absent")[2:], wait_timeout=0.3) == 2
     assert 0.25 < time.monotonic() - t0 < 5
+    assert client.stats()["waiting_lookups"] == 0  # the timed-out waiter is gone

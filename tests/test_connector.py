@@ -207,6 +207,17 @@ def test_generated_tokens_are_stored(vllm_server, client):
     assert client.lookup(MODEL, keys_of(client, tokens)) == 1
 
 
+@pytest.mark.vllm
+def test_concurrent_chunked_prefills_store_every_chunk(vllm_server, client):
+    """Prompts prefilled together over several steps (chunked prefill): all chunks land."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [prompt_of(11 * CHUNK + 184, seed=20 + i) for i in range(5)]  # > step budget
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        list(pool.map(lambda p: complete(vllm_server, p, max_tokens=1), prompts))
+    assert [client.lookup(MODEL, keys_of(client, p)) for p in prompts] == [11] * 5
+
+
 def _worker(kv_server, tiny_model, model: str):
     """The connector's worker side on synthetic CPU paged caches, as vLLM would set it up."""
     from transformers import AutoConfig

@@ -115,3 +115,9 @@ def test_client_survives_server_restart(use_shm):
         with KVClient(s.url) as other:  # the data landed in the new server's pool
             with other.retrieve("m", [key(1)]) as r:
                 assert matches(key(1), r.tensors[0])
+        s.restart()
+        with KVClient(s.url) as other:
+            other.register("m", SMALL)
+            other.store("m", [key(2)], [chunk_for(key(2))])
+        with c.retrieve("m", [key(2)]) as r:  # a retrieve is the first call after the restart
+            assert matches(key(2), r.tensors[0])

@@ -3,10 +3,10 @@
 This is the LMCache SDK's token-dropping example written against kvedit's public API.
 Start a kvedit server and a vLLM with the kvedit connector first, for example:
 
-    kvedit server --l1-size-gb 4 --port 6555 --http-port 6556 &
-    kvedit vllm serve $(python -c 'from kvedit.vllm.tiny_model import default_tiny_model as d; print(d())') \\
-        --served-model-name tiny-qwen3 --kvedit-url tcp://127.0.0.1:6555 \\
-        --kvedit-http-url http://127.0.0.1:6556 --port 8000 &
+    kvedit server --l1-size-gb 4                    # ZMQ :6555, HTTP :8080
+    kvedit tiny-model /tmp/tiny-qwen3               # or any model vLLM serves
+    kvedit vllm serve /tmp/tiny-qwen3 --served-model-name tiny-qwen3 --dtype bfloat16 \\
+        --kvedit-url tcp://127.0.0.1:6555 --kvedit-http-url http://127.0.0.1:8080 --port 8000
     python examples/token_dropping/drop_middle.py
 
 (`kvedit demo` does all of this, and the baseline arm, in one command.)
@@ -23,7 +23,7 @@ from kvedit.edits import DropMiddle
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--server-url", default="tcp://127.0.0.1:6555")
-    ap.add_argument("--server-http-url", default="http://127.0.0.1:6556")
+    ap.add_argument("--server-http-url", default="http://127.0.0.1:8080")
     ap.add_argument("--vllm-url", default="http://127.0.0.1:8000")
     ap.add_argument("--model", default="tiny-qwen3", help="vLLM's served model name")
     ap.add_argument("--num-prompts", type=int, default=8)

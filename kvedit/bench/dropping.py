@@ -6,8 +6,11 @@ decode N·O tokens): a baseline arm (prefill → decode), a dropped arm (prefill
 decode, for the decode throughput) and a pipelined dropped arm (`BatchedStream.run`, for the
 end-to-end time). bound = min(N, C/(P(1-r)+O)) / min(N, C/(P+O)).
 
-Both configurations share C (one vLLM start): the short-output one picks its N so that
-C ≈ fill · N · (P + O) holds for it too.
+Sizes. Both configurations share C (one vLLM start, 102 blocks of 128 tokens). vLLM hands out
+whole blocks, so lengths fill them exactly: a decode request holds the prompt, the
+prefill's token and O outputs, 1024 + 1 + 383 = 11 blocks (dropped: 512 + 1 + 383 = 7) and
+2048 + 1 + 127 = 17 blocks (dropped: 9). anchor: N=17, O/P ≈ 0.37, C ≈ 0.55·N·(P+O), bound 1.57. short_output: N=11,
+O/P ≈ 1/16, C = 6 baseline requests while all 11 dropped ones fit, bound 1.83.
 """
 from __future__ import annotations
 
@@ -15,10 +18,12 @@ import json
 import sys
 import time
 
-CONFIGS = {  # name: output/prompt ratio (the anchor: 5,120 / ~14k)
-    "anchor": 0.375,
-    "short_output": 1 / 16,
+# name: (N, P, O)
+CONFIGS = {
+    "anchor": (17, 1024, 383),
+    "short_output": (11, 2048, 127),
 }
+KV_BLOCKS = 102
 
 
 def register(bsub) -> None:
@@ -26,11 +31,11 @@ def register(bsub) -> None:
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help="comma-separated subset of %(default)s")
-    p.add_argument("--num-prompts", type=int, default=8, help="N of the anchor configuration")
-    p.add_argument("--prompt-len", type=int, default=1024, help="P, tokens per prompt")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply N and the KV capacity (keeps the bound; default %(default)s)")
+    p.add_argument("--kv-blocks", type=int, default=KV_BLOCKS,
+                   help="engine KV capacity in vLLM blocks (default %(default)s)")
     p.add_argument("--ratio", type=float, default=0.5, help="DropMiddle ratio r")
-    p.add_argument("--fill", type=float, default=0.55,
-                   help="KV capacity C as a fraction of N·(P+O) (default %(default)s)")
     p.add_argument("--model", default=None, help="model dir (default: the tiny Qwen3)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--no-pipelined", action="store_true", help="skip the BatchedStream.run arm")
@@ -41,23 +46,21 @@ def register(bsub) -> None:
 
 
 def _configs(args) -> tuple[int, list]:
-    """The shared capacity C and one Workload per configuration."""
-    from kvedit.edits.experiment import Workload
+    """The shared capacity C (tokens) and one Workload per configuration."""
+    from kvedit.edits.experiment import Workload, block_size
 
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown or not names:
         raise SystemExit(f"--configs: unknown {unknown}; expected some of {list(CONFIGS)}")
-    P = args.prompt_len
-    first = Workload(args.num_prompts, P, round(CONFIGS[names[0]] * P), args.ratio, args.seed)
-    first.validate()
-    capacity = first.capacity(args.fill)
+    capacity = round(args.kv_blocks * args.scale) * block_size()
     out = []
     for name in names:
-        o = round(CONFIGS[name] * P)
-        n = max(1, round(capacity / (args.fill * (P + o))))
-        w = Workload(n, P, o, args.ratio, args.seed)
+        n, p, o = CONFIGS[name]
+        w = Workload(max(1, round(n * args.scale)), p, o, args.ratio, args.seed)
         w.validate()
+        if p + o + 1 > capacity:
+            raise SystemExit(f"KV capacity {capacity} tokens cannot hold one {name} request")
         out.append((name, w))
     return capacity, out
 
@@ -155,7 +158,7 @@ def _main(args) -> int:
             kvedit.close(ctx)
     out = {
         "bench": "dropping", "model": args.model or "tiny-qwen3", "dtype": args.dtype,
-        "kv_capacity_tokens": capacity, "block_size": block_size(), "fill": args.fill,
+        "kv_capacity_tokens": capacity, "block_size": block_size(),
         "configs": results,
         "targets": {"gain_vs_bound": ">= 0.95", "end_to_end_vs_decode_gain": ">= 0.95"},
         "notes": "decode_gain is wall-clock; step_gain is decode tokens per vLLM engine step "

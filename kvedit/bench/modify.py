@@ -34,7 +34,8 @@ def register(bsub) -> None:
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--modify-concurrency", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="best of N for each edit")
-    p.add_argument("--server-url", help="use this running server (tcp://...) instead of starting one")
+    p.add_argument("--server-url",
+                   help="use this running server (tcp://...) instead of starting one")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
     p.set_defaults(func=run)
 

@@ -100,7 +100,8 @@ def engines(*, server_url: str | None = None, server_http_url: str | None = None
         if kv_tokens:
             bs = block_size()
             blocks = -(-kv_tokens // bs)
-            extra = ["--block-size", str(bs), "--num-gpu-blocks-override", str(blocks)]
+            # +1: vLLM keeps one block aside (its null block), so `blocks` remain usable.
+            extra = ["--block-size", str(bs), "--num-gpu-blocks-override", str(blocks + 1)]
             max_model_len = min(max_model_len, blocks * bs)  # vLLM refuses a longer one
         log(f"starting vLLM ({model_dir}, {dtype}, KV capacity "
             f"{kv_tokens or 'default'} tokens) ...")

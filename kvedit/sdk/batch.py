@@ -85,7 +85,8 @@ class BatchedStream:
 
     def add(self, stream: Stream) -> Stream:
         if not isinstance(stream, Stream):
-            raise TypeError(f"add() takes a Stream from create_request, got {type(stream).__name__}")
+            raise TypeError(f"add() takes a Stream from create_request, got "
+                            f"{type(stream).__name__}")
         if any(s is stream for s in self.streams):
             raise ValueError(f"{stream.label} is already in this batch")
         self.streams.append(stream)
@@ -97,8 +98,8 @@ class BatchedStream:
     def __iter__(self):
         return iter(self.streams)
 
-    def _bar(self, desc: str, unit: str = "stream"):
-        return tqdm(total=len(self.streams), desc=desc, unit=unit, disable=not self.progress,
+    def _bar(self, desc: str, total: int):
+        return tqdm(total=total, desc=desc, unit="stream", disable=not self.progress,
                     leave=False)
 
     async def _each(self, phase: str, streams, work, bar) -> None:
@@ -122,6 +123,12 @@ class BatchedStream:
                 raise r
         raise_batch(phase, errors, len(streams))
 
+    def _cpu_slots(self) -> asyncio.Semaphore:
+        """Bounds the CPU side of modify; each slot may keep one reusable retrieve buffer."""
+        for ctx in {id(s.ctx): s.ctx for s in self.streams}.values():
+            ctx.pool.max_buffers = max(ctx.pool.max_buffers, self.modify_concurrency)
+        return asyncio.Semaphore(self.modify_concurrency)
+
     # ---- async API -------------------------------------------------------------------
     async def aprefill(self, sampling_params=None) -> Metrics:
         """Send every prompt with max_tokens=1, concurrently; the token joins the suffix."""
@@ -134,7 +141,8 @@ class BatchedStream:
 
         start = time.perf_counter()
         try:
-            await self._each("prefill", self.streams, work, self._bar("prefill"))
+            bar = self._bar("prefill", len(self.streams))
+            await self._each("prefill", self.streams, work, bar)
         finally:
             m.duration = time.perf_counter() - start
         return m
@@ -143,7 +151,7 @@ class BatchedStream:
                       wait_timeout: float | None = None) -> Metrics:
         """Apply fn(kv, tokens[, layout=]) -> (kv, tokens) to every stream (kvedit.sdk.modify)."""
         m = Metrics("modify", num_streams=len(self.streams))
-        cpu = asyncio.Semaphore(self.modify_concurrency)
+        cpu = self._cpu_slots()
         wait = self.wait_timeout if wait_timeout is None else wait_timeout
 
         async def work(s: Stream):
@@ -152,7 +160,8 @@ class BatchedStream:
 
         start = time.perf_counter()
         try:
-            await self._each("modify", self.streams, work, self._bar("modify"))
+            bar = self._bar("modify", len(self.streams))
+            await self._each("modify", self.streams, work, bar)
         finally:
             m.duration = time.perf_counter() - start
         return m
@@ -169,7 +178,7 @@ class BatchedStream:
 
         start = time.perf_counter()
         try:
-            await self._each("decode", live, work, self._bar("decode"))
+            await self._each("decode", live, work, self._bar("decode", len(live)))
         finally:
             m.duration = time.perf_counter() - start
         return m
@@ -184,7 +193,7 @@ class BatchedStream:
         parts = {p: Metrics(p, num_streams=len(self.streams)) for p in names}
         spans = {p: _Span() for p in names}
         http = asyncio.Semaphore(self.max_concurrency)
-        cpu = asyncio.Semaphore(self.modify_concurrency)
+        cpu = self._cpu_slots()
         wait = self.wait_timeout if wait_timeout is None else wait_timeout
 
         async def work(s: Stream):
@@ -200,7 +209,8 @@ class BatchedStream:
 
         start = time.perf_counter()
         try:
-            await self._each("run", self.streams, work, self._bar("run"))
+            bar = self._bar("run", len(self.streams))
+            await self._each("run", self.streams, work, bar)
         finally:
             total = time.perf_counter() - start
             for p in names:

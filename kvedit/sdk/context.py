@@ -97,7 +97,8 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
     deadline = time.monotonic() + timeout
     if http_url:
         try:
-            httpx.get(f"{http_url.rstrip('/')}/health", timeout=min(5.0, timeout)).raise_for_status()
+            httpx.get(f"{http_url.rstrip('/')}/health",
+                      timeout=min(5.0, timeout)).raise_for_status()
         except httpx.HTTPError as e:
             raise ConnectError(f"the kvedit server's HTTP endpoint {http_url} does not answer "
                                f"/health ({type(e).__name__}: {e}); is `kvedit server` running "

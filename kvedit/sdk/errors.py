@@ -1,4 +1,5 @@
-"""Errors the SDK raises. Each message says which stream (if any), what was wrong and what was expected."""
+"""Errors the SDK raises: each message names the stream (if any), what was wrong and what
+was expected."""
 from __future__ import annotations
 
 

@@ -104,7 +104,7 @@ def check_result(result, layout: ModelLayout) -> tuple[torch.Tensor, list[int]]:
     if len(tokens) != kv.shape[2]:
         raise ValueError(f"fn returned {len(tokens)} tokens but kv holds {kv.shape[2]} "
                          f"(kv.shape[2] must equal len(tokens))")
-    return kv.cpu(), tokens
+    return kv.detach().cpu(), tokens
 
 
 def chunks_identical(ctx, keys: list[bytes], idx: list[int], kv: torch.Tensor) -> bool:

@@ -103,25 +103,35 @@ class Index:
         Keys already present (ready, or being written by another store) are not written again.
         Raises PoolFull (nothing allocated) when the missing ones do not fit.
         """
-        missing, objs, present = [], [], 0
-        for i, k in enumerate(keys):
-            o = self.objects.get((model, tp_rank, k))
-            if o is not None:
-                present += 1
-                self._touch(o)   # keep what the caller relies on away from this store's eviction
-                continue
-            off = self._alloc(nbytes)
-            if off is None:
-                for o in objs:
-                    self._forget(o)
-                raise PoolFull(f"{len(keys) - present - len(objs)} more chunk(s) of {nbytes} "
-                               f"bytes do not fit: {self.alloc.used} of {self.alloc.capacity} "
-                               f"bytes in use and nothing evictable (eviction policy "
-                               f"{self.policy}; leased and in-flight objects are not evictable)")
-            o = Obj(model, tp_rank, k, off, nbytes)
-            self.objects[o.ident] = o
-            objs.append(o)
-            missing.append(i)
+        have = [self.objects.get((model, tp_rank, k)) for k in keys]
+        pinned = [o for o in have if o is not None]
+        for o in pinned:  # what we report present must survive this store's own evictions
+            o.leases += 1
+            self._touch(o)
+        missing, objs = [], []
+        try:
+            for i, k in enumerate(keys):
+                if have[i] is not None or (model, tp_rank, k) in self.objects:  # or a duplicate
+                    continue
+                off = self._alloc(nbytes)
+                if off is None:
+                    for o in objs:
+                        self._forget(o)
+                    raise PoolFull(
+                        f"{len(keys) - len(pinned) - len(objs)} more chunk(s) of {nbytes} bytes "
+                        f"do not fit: {self.alloc.used} of {self.alloc.capacity} bytes in use "
+                        f"and nothing evictable (eviction policy {self.policy}; leased and "
+                        f"in-flight objects are not evictable)")
+                o = Obj(model, tp_rank, k, off, nbytes)
+                self.objects[o.ident] = o
+                objs.append(o)
+                missing.append(i)
+        finally:
+            for o in pinned:
+                o.leases -= 1
+                if not o.live and o.leases == 0:
+                    self.alloc.free(o.offset, o.nbytes)
+        present = len(keys) - len(missing)
         sid = next(self._ids)
         now = time.monotonic()
         self.stores[sid] = Pending(objs, now + self.write_ttl, now)

@@ -54,10 +54,11 @@ def serve(cfg: ServerConfig) -> int:
     signal.signal(signal.SIGTERM, stop)
     http.start()
     service.data.start()
-    mode = (f"shm (segment /dev/shm/{cfg.shm_name}) + socket" if cfg.shm_name
-            else "socket only (no shared memory: --shm-name '')")
-    log.info("kvedit server %s: ZMQ tcp://%s:%d, HTTP http://%s:%d, data link port %d, pool %.2f GiB (%s), "
-             "eviction %s, chunk %d tokens, transfer mode: %s", hex(instance), cfg.host, cfg.port,
+    mode = (f"shm (segment /dev/shm/{cfg.shm_name}; data link for clients that cannot map it)"
+            if cfg.shm_name else "socket only (no shared memory: --shm-name ''), data link")
+    log.info("kvedit server %s: ZMQ tcp://%s:%d, HTTP http://%s:%d, data link port %d, "
+             "pool %.2f GiB (%s), eviction %s, chunk %d tokens, transfer mode: %s",
+             hex(instance), cfg.host, cfg.port,
              cfg.host, cfg.http_port, service.data.port, cfg.pool_bytes / 2**30,
              "lazy" if cfg.l1_use_lazy else "pre-faulted", cfg.eviction_policy,
              cfg.chunk_size, mode)

@@ -6,12 +6,9 @@ completes it or by its deadline, and socket-mode bytes move on the data link's o
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -24,8 +21,10 @@ from kvedit.server.datalink import DataLink
 from kvedit.server.index import Index, PoolFull
 from kvedit.server.metrics import Metrics
 from kvedit.server.pool import Allocator, Arena
+from kvedit.server.waiters import Waiter, Waiters
 
 log = logging.getLogger("kvedit.server")
+MAX_WAIT = 3600.0  # longest server-side lookup wait, seconds
 
 
 class Fail(Exception):
@@ -34,16 +33,6 @@ class Fail(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code, self.message = code, message
-
-
-@dataclass(slots=True, eq=False)
-class Waiter:
-    """A parked Lookup(wait_timeout > 0)."""
-    ident: bytes
-    rid: bytes
-    req: P.Lookup
-    deadline: float
-    done: bool = False
 
 
 class Service:
@@ -55,9 +44,7 @@ class Service:
         self.lock = threading.Lock()        # shared with the HTTP threads
         self.metrics = Metrics(self.state)
         self.started = time.time()
-        self._waiting: dict[tuple[str, int, bytes], list[Waiter]] = {}
-        self._waiter_deadlines: list[tuple[float, int, Waiter]] = []
-        self._seq = itertools.count()
+        self.waiters = Waiters()
         self._expired = (0, 0)
         self.stop_requested = False
         self.ctx = zmq.Context()
@@ -98,8 +85,7 @@ class Service:
         self.ctx.term()
 
     def _timeout_ms(self) -> int:
-        deadlines = [d for d in (self.index.next_deadline(),
-                                 self._waiter_deadlines[0][0] if self._waiter_deadlines else None)
+        deadlines = [d for d in (self.index.next_deadline(), self.waiters.next_deadline())
                      if d is not None]
         t = 1.0
         if deadlines:
@@ -113,10 +99,8 @@ class Service:
             self.metrics.expired.labels("lease").inc(el - self._expired[0])
             self.metrics.expired.labels("store").inc(es - self._expired[1])
             self._expired = (el, es)
-        while self._waiter_deadlines and self._waiter_deadlines[0][0] <= now:
-            w = heapq.heappop(self._waiter_deadlines)[2]
-            if not w.done:
-                self._answer_waiter(w)
+        for w in self.waiters.expired(now):
+            self._answer_waiter(w)
 
     # ---- messages ---------------------------------------------------------------------
     def _on_message(self, frames: list[zmq.Frame]) -> None:
@@ -235,21 +219,18 @@ class Service:
 
     def _lookup(self, ident: bytes, rid: bytes, req: P.Lookup):
         self._layout(req.model, req.tp_rank, req.keys)
+        if not 0 <= req.wait_timeout <= MAX_WAIT:  # also refuses NaN
+            raise Fail("bad_wait", f"wait_timeout {req.wait_timeout} must be between 0 and "
+                                   f"{MAX_WAIT} seconds")
         n = self.index.leading_ready(req.model, req.tp_rank, req.keys)
         if n == len(req.keys) or req.wait_timeout <= 0:
             self.metrics.hits.inc(n)
             self.metrics.misses.inc(len(req.keys) - n)
             return P.Count(n=n)
-        w = Waiter(ident, rid, req, time.monotonic() + req.wait_timeout)
-        self._park(w, n)
-        heapq.heappush(self._waiter_deadlines, (w.deadline, next(self._seq), w))
+        self.waiters.add(Waiter(ident, rid, req, time.monotonic() + req.wait_timeout), n)
         return None  # answered later by a commit or the deadline
 
-    def _park(self, w: Waiter, n: int) -> None:
-        self._waiting.setdefault((w.req.model, w.req.tp_rank, w.req.keys[n]), []).append(w)
-
     def _answer_waiter(self, w: Waiter) -> None:
-        w.done = True
         n = self.index.leading_ready(w.req.model, w.req.tp_rank, w.req.keys)
         self.metrics.hits.inc(n)
         self.metrics.misses.inc(len(w.req.keys) - n)
@@ -257,14 +238,12 @@ class Service:
 
     def _wake(self, idents) -> None:
         for ident in idents:
-            for w in self._waiting.pop(ident, ()):
-                if w.done:
-                    continue
+            for w in self.waiters.take(ident):
                 n = self.index.leading_ready(w.req.model, w.req.tp_rank, w.req.keys)
                 if n == len(w.req.keys):
                     self._answer_waiter(w)
                 else:
-                    self._park(w, n)
+                    self.waiters.park(w, n)
 
     def _prepare(self, model: str, tp: int, keys: list[bytes]):
         lay = self._layout(model, tp, keys)
@@ -322,7 +301,8 @@ class Service:
         a = self.index.alloc
         return self.index.counts() | {
             "pool_bytes": a.capacity, "pool_used": a.used, "pool_free": a.capacity - a.used,
-            "models": len(self.layouts), "evictions": self.index.evictions,
+            "models": len(self.layouts), "waiting_lookups": len(self.waiters),
+            "evictions": self.index.evictions,
             "expired_leases": self.index.expired_leases,
             "expired_stores": self.index.expired_stores,
             "transfer_mode": "shm" if self.cfg.shm_name else "socket",

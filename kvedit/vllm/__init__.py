@@ -1,0 +1,13 @@
+"""kvedit's vLLM side.
+
+connector       KVEditConnector: the class vLLM loads; routes hooks to the two sides
+scheduler_side  what the server holds, what to load before / store after each step
+worker_side     copies between the server's chunks and vLLM's paged blocks
+paged           paged KV layouts (CPU vec/AMX, CUDA FlashAttention/FlashInfer) and copies
+metadata        the per-step plan the scheduler side hands to the workers
+link            the server connection, kept usable across server outages
+settings        kv_connector_extra_config and the registered model layout (+ RoPE)
+launch          start vLLM (with or without the connector) as a child process
+tiny_model      a tiny random-weight Qwen3 + tokenizer for tests, demo and benchmarks
+cli             `kvedit vllm serve`, `kvedit tiny-model`
+"""

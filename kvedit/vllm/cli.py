@@ -42,7 +42,8 @@ def _serve(args) -> int:
     cmd = vllm_command(args.model, port=args.port, host=args.host, connector=connector,
                        kv_cache_gib=args.kv_cache_gib, extra_args=args.extra)
     # Foreground: vLLM owns the terminal; Ctrl-C reaches it directly.
-    return subprocess.call(cmd, env=vllm_env(dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1"))
+    dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
+    return subprocess.call(cmd, env=vllm_env(dev_mode=dev_mode))
 
 
 def _tiny_model(args) -> int:

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvedit.client import KVClient, KVError, ServerUnavailable
+from kvedit.client import KVClient, ServerUnavailable
 
 logger = logging.getLogger("vllm.kvedit")  # under "vllm": lines land in vLLM's log
 
@@ -38,10 +38,12 @@ class ServerLink:
         try:
             client = KVClient(self.url, timeout=self.timeout)  # says hello: raises if down
             self.on_connect(client)
-        except UNAVAILABLE:
+        except BaseException as e:
             if client is not None:
                 client.close()
-            return False
+            if isinstance(e, UNAVAILABLE):
+                return False
+            raise
         self.client = client
         return True
 
@@ -54,10 +56,14 @@ class ServerLink:
 
     def _reconnect(self) -> None:
         while not self._stop.wait(self.retry_interval):
-            if self._try_connect():
-                logger.warning("kvedit server %s is back (%s side): loads and stores resume",
-                               self.url, self.role)
-                return
+            try:
+                if self._try_connect():
+                    logger.warning("kvedit server %s is back (%s side): loads and stores "
+                                   "resume", self.url, self.role)
+                    return
+            except Exception as e:  # the server answered but refused us (e.g. a layout
+                # conflict): say so, and keep trying, vLLM keeps serving meanwhile
+                self.failed(e)
 
     def failed(self, err: BaseException) -> None:
         """A call on `client` raised: mark an outage (once) if it looks like one."""
@@ -83,6 +89,3 @@ class ServerLink:
         if self.client is not None:
             self.client.close()
             self.client = None
-
-
-__all__ = ["ServerLink", "KVError", "UNAVAILABLE"]

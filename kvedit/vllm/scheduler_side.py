@@ -21,7 +21,7 @@ class _Req:
     block_ids: list[int] = field(default_factory=list)
     keys: list[list[bytes]] = field(default_factory=list)  # per rank, prefix of the chain
     stored: int = 0                      # chunks [0, stored) already handed to a store
-    hit: tuple[int, int] = (0, 0)        # (vLLM computed, server-held) tokens at lookup
+    held: int = 0                        # tokens [0, held) computed by vLLM or in the server
     load: tuple[int, int] | None = None  # token range to load on its first scheduled step
 
 
@@ -67,7 +67,7 @@ class SchedulerSide:
     # ---- vLLM hooks ---------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
         st = self.reqs.setdefault(request.request_id, _Req(request))
-        st.hit, st.load = (num_computed_tokens, num_computed_tokens), None
+        st.held, st.load = num_computed_tokens, None
         client = self.link.client
         if client is None or self.layouts is None:
             return 0
@@ -84,15 +84,14 @@ class SchedulerSide:
             return 0
         # Leave vLLM at least one token to compute (it needs logits for the last one).
         end = min((first + held) * self.chunk, request.num_tokens - 1)
-        st.hit = (num_computed_tokens, max(end, num_computed_tokens))
+        st.held = max(end, num_computed_tokens)
         return max(0, end - num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         st = self.reqs.get(request.request_id)
         if st is None or num_external_tokens <= 0:
             return
-        end = st.hit[1]
-        st.load = (end - num_external_tokens, end)
+        st.load = (st.held - num_external_tokens, st.held)
 
     def build_meta(self, out) -> KVEditMetadata:
         meta = KVEditMetadata()

@@ -62,8 +62,7 @@ def build_tiny_model(dir: str | os.PathLike, seed: int = 0) -> Path:
     eos = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]["<|endoftext|>"]
     config = Qwen3Config(**CONFIG, bos_token_id=eos, eos_token_id=eos, dtype="bfloat16")
     config.architectures = ["Qwen3ForCausalLM"]
-    gen = torch.random.fork_rng()  # leave the caller's global RNG untouched
-    with gen:
+    with torch.random.fork_rng():  # leave the caller's global RNG untouched
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out)

@@ -1,0 +1,119 @@
+"""Fuzzer: random and mutated messages at a live server. Every request gets a well-formed
+reply (or, for a valid waiting lookup, none until its timeout), the server stays up and the
+data committed before the fuzzing is intact afterwards."""
+from __future__ import annotations
+
+import httpx
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvedit import protocol as P
+from kvedit.client import KVClient
+from kvedit.layout import DTYPE_SIZES, ModelLayout
+from kvedit.server.launch import start_server
+from tests.kv_helpers import SMALL, chunk_for, key, matches
+
+KEYS = [key(i, "fuzz") for i in range(4)]
+
+keys = st.lists(st.binary(min_size=0, max_size=70), max_size=6)
+models = st.sampled_from(["m", "other", ""]) | st.text(max_size=8)
+small_int = st.integers(min_value=-2, max_value=64)
+layouts = st.builds(ModelLayout, num_layers=small_int, num_kv_heads=small_int,
+                    head_dim=st.sampled_from([0, 1, 64, 128, 100000]),
+                    dtype=st.sampled_from([*DTYPE_SIZES, "float64", ""]),
+                    chunk_size=st.sampled_from([256, 16, 0]), tp_rank=small_int,
+                    tp_size=small_int)
+requests = st.one_of(
+    st.builds(P.Hello), st.builds(P.Stats), st.builds(P.ListModels),
+    st.builds(P.Register, model=models, layout=layouts),
+    st.builds(P.GetLayout, model=models, tp_rank=small_int),
+    st.builds(P.Lookup, model=models, keys=keys, tp_rank=small_int,
+              wait_timeout=st.sampled_from([0.0, -1.0, 0.01, float("nan"), float("inf")])),
+    st.builds(P.PrepareStore, model=models, keys=keys, tp_rank=small_int),
+    st.builds(P.Commit, store_id=st.integers(-1, 50)),
+    st.builds(P.Abort, store_id=st.integers(-1, 50)),
+    st.builds(P.Retrieve, model=models, keys=keys, tp_rank=small_int, with_data=st.booleans()),
+    st.builds(P.Release, lease_id=st.integers(-1, 50)),
+    st.builds(P.Delete, model=models, keys=keys, tp_rank=small_int),
+)
+
+
+@st.composite
+def mutated(draw) -> bytes:
+    data = bytearray(P.encoder.encode(draw(requests)))
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "cut", "insert"]))
+        pos = draw(st.integers(0, max(0, len(data) - 1)))
+        if op == "flip" and data:
+            data[pos] ^= draw(st.integers(1, 255))
+        elif op == "cut":
+            del data[pos:pos + draw(st.integers(1, 8))]
+        else:
+            data[pos:pos] = draw(st.binary(min_size=1, max_size=8))
+    return bytes(data)
+
+
+message_frames = st.one_of(
+    st.builds(lambda r: [P.encoder.encode(r)], requests),
+    st.builds(lambda m: [m], mutated()),
+    st.lists(st.binary(max_size=64), min_size=0, max_size=3),   # random frames
+    st.builds(lambda r, extra: [P.encoder.encode(r), *extra], requests,
+              st.lists(st.binary(max_size=32), min_size=1, max_size=2)),
+)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with start_server(0.01) as s, KVClient(s.url) as c:
+        c.register("m", SMALL)
+        c.store("m", KEYS, [chunk_for(k) for k in KEYS])
+        yield s
+
+
+@pytest.fixture(scope="module")
+def sock(server):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(server.url)
+    yield s
+    s.close()
+    ctx.term()
+
+
+def _may_wait(payload: bytes) -> bool:
+    """A valid Lookup with a real wait may legitimately stay unanswered for a while."""
+    try:
+        req = P.request_decoder.decode(payload)
+    except msgspec.DecodeError:
+        return False
+    return isinstance(req, P.Lookup) and req.wait_timeout > 0
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(frames=message_frames, n=st.integers(0, 2**32))
+def test_fuzz_server(server, sock, frames, n):
+    rid = n.to_bytes(8, "little")
+    sock.send_multipart([rid, *frames])
+    if not sock.poll(5000):
+        assert frames and _may_wait(frames[0]), f"no reply to {frames!r}"
+        return
+    while True:  # skip late answers of earlier waiting lookups
+        got = sock.recv_multipart()
+        if got[0] in (rid, b""):
+            break
+    assert len(got) == 2
+    reply = P.reply_decoder.decode(got[1])   # always a well-formed reply
+    if not frames or len(frames) > 1:
+        assert isinstance(reply, P.Error) and reply.code == "malformed"
+
+
+def test_server_survived_fuzzing(server):
+    assert httpx.get(server.http_url + "/health", timeout=5).json()["status"] == "ok"
+    with KVClient(server.url) as c:
+        with c.retrieve("m", KEYS) as r:
+            assert [matches(k, t) for k, t in zip(KEYS, r.tensors)] == [True] * 4
+    assert "internal error" not in server.log(), server.log()[-3000:]
