@@ -3,9 +3,9 @@
 Control messages go over ZMQ (one DEALER socket per thread, so a server-side wait in one
 thread never holds up another). Data moves through the server's shared-memory segment when
 this process can map it (slot offsets, the client copies in/out itself), otherwise over the
-server's data link (raw TCP, kvedit.link). The segment is attached by mmap-ing /dev/shm/NAME,
-never through multiprocessing.shared_memory, whose resource tracker would unlink it when this
-process exits.
+server's data link (raw TCP, kvedit.datalink). The segment is attached by mmap-ing
+/dev/shm/NAME, never through multiprocessing.shared_memory, whose resource tracker would
+unlink it when this process exits.
 """
 from __future__ import annotations
 
@@ -21,17 +21,15 @@ import torch
 import zmq
 
 from kvedit import protocol as P
-from kvedit.layout import ModelLayout
 from kvedit.handles import KVError, Retrieved, ServerUnavailable, StoreHandle, StoreResult
-from kvedit.link import LinkClient
+from kvedit.layout import ModelLayout
+from kvedit.datalink import LinkClient
 from kvedit.protocol import ServerInfo
 from kvedit.server.pool import MAGIC, read_header
 
 __all__ = ["KVClient", "KVError", "ServerUnavailable", "ServerInfo", "StoreHandle",
            "StoreResult", "Retrieved"]
 log = logging.getLogger("kvedit.client")
-
-
 SMALL_COPY_BYTES = 8 << 20
 
 
@@ -51,6 +49,16 @@ def copy_chunk(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class KVClient:
+    """Client of one kvedit server. Thread-safe: each thread gets its own ZMQ socket and data
+    connection, so a server-side wait (lookup with wait_timeout) holds up only its caller.
+
+    transfer_mode "shm": store copies into slots of the mapped segment, retrieve returns
+    zero-copy views into it, valid until release(). "socket": bytes go over the data link;
+    retrieved tensors live in receive buffers that are reused after release() as well.
+    Survives a server restart: the next reply with a new instance id re-attaches, and models
+    registered through this client are registered again on demand.
+    """
+
     def __init__(self, url: str = "tcp://127.0.0.1:6555", *, use_shm: bool | None = None,
                  timeout: float = 30.0):
         self.url, self.timeout, self._use_shm = url, timeout, use_shm
@@ -58,7 +66,7 @@ class KVClient:
         self._local = threading.local()
         self._sockets: list[zmq.Socket] = []
         self._link: LinkClient | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # _check_instance reconnects while holding it
         self._rids = itertools.count(1)
         self._registered: dict[tuple[str, int], ModelLayout] = {}
         self._mm: mmap.mmap | None = None
@@ -106,6 +114,8 @@ class KVClient:
                 return f"{path} is {size} bytes, the server says {info.segment_bytes}"
             flags = mmap.MAP_SHARED | (0 if info.lazy else mmap.MAP_POPULATE)
             mm = mmap.mmap(fd, size, flags=flags)
+        except OSError as e:
+            return f"cannot map {path}: {e}"
         finally:
             os.close(fd)
         magic, instance, _, _ = read_header(mm)

@@ -47,6 +47,7 @@ def test_status(server):
     assert b["num_layers"] == 2 and b["dtype"] == "bfloat16" and b["chunk_bytes"] == 131072
     assert b["rope"]["theta"] == 1e6 and b["rope"]["scaling"] == {"factor": 8.0}
     assert st["models"]["a"][0]["rope"] is None
+    assert any("lazy pool" in n for n in st["notes"])
 
 
 def test_metrics(server):

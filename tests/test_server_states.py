@@ -156,3 +156,15 @@ def test_delete_while_leased_frees_on_release(kv_server):
         assert all(matches(k, t) for k, t in zip(ks, r.tensors))
         r.release()
         assert c.stats()["pool_used"] == used - 2 * CHUNK
+
+
+def test_present_keys_survive_their_own_store():
+    """Keys a store reports present are not evicted to make room for its missing ones."""
+    with start_server(POOL_GB, eviction="LRU") as s, KVClient(s.url) as c:
+        c.register("m", SMALL)
+        ks = [key(i, "own") for i in range(POOL_CHUNKS)]
+        c.store("m", ks, [chunk_for(k) for k in ks])
+        new = key(0, "new")
+        res = c.store("m", [new, ks[0]], [chunk_for(new), chunk_for(ks[0])])  # ks[0] is oldest
+        assert (res.stored, res.present) == (1, 1)
+        assert c.lookup("m", [ks[0], new]) == 2 and c.lookup("m", ks[1:2]) == 0

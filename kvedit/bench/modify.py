@@ -33,7 +33,9 @@ def register(bsub) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--modify-concurrency", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3, help="best of N for each edit")
+    p.add_argument("--repeats", type=int, default=3, help="paired runs per edit")
+    p.add_argument("--no-track-writes", action="store_true",
+                   help="byte-compare reused chunks instead of copy-on-write tracking")
     p.add_argument("--server-url",
                    help="use this running server (tcp://...) instead of starting one")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
@@ -144,7 +146,8 @@ def run(args) -> int:
 
         with KVClient(url) as client:
             client.register(model, lay)
-            with connect(url, http_url, model, timeout=10) as ctx:
+            with connect(url, http_url, model, timeout=10,
+                         track_writes=False if args.no_track_writes else None) as ctx:
                 memcpy = _Memcpy(kv_bytes)
                 results, ratios, baselines, seed = {}, {}, [], 0
                 edits = (("identity_cold", _identity, 1), ("identity", _identity, args.repeats),
@@ -161,7 +164,7 @@ def run(args) -> int:
                         if name not in results or m.duration < results[name].duration:
                             results[name] = m
                         client.delete(model, [k for s in batch for k in s.keys])
-                transfer = client.transfer_mode
+                transfer, track = client.transfer_mode, ctx.pool.cow
                 warm, fresh = statistics.median(baselines), memcpy.fresh()
     finally:
         if server is not None:
@@ -171,6 +174,7 @@ def run(args) -> int:
                    "num_layers": lay.num_layers, "num_kv_heads": lay.num_kv_heads,
                    "head_dim": lay.head_dim, "dtype": lay.dtype, "chunk_size": lay.chunk_size,
                    "modify_concurrency": args.modify_concurrency, "transfer_mode": transfer,
+                   "track_writes": track,
                    "torch_threads": torch.get_num_threads(),
                    "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"},
         "kv_bytes": kv_bytes,
@@ -185,6 +189,7 @@ def run(args) -> int:
                      "modify_vs_memcpy_all": ratios[name],
                      "bytes_stored": m.bytes_stored, "chunks_stored": m.chunks_stored,
                      "chunks_reused": m.chunks_reused, "chunks_deleted": m.chunks_deleted,
+                     "chunks_compared": m.chunks_compared,
                      "salt_changes": m.salt_changes,
                      "profile_summed_s": {"retrieve": m.retrieve_s, "fn": m.fn_s,
                                           "store": m.store_s}}

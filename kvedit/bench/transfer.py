@@ -4,7 +4,9 @@ Qwen3-8B-shaped chunks (36 layers, 8 KV heads, head_dim 128, bf16, 256 tokens = 
 Shared memory is compared with a plain torch memcpy of the same bytes (the client's copy is
 the whole cost of an shm transfer, so the ratio shows the protocol overhead); the socket path
 is compared with a raw loopback TCP transfer of the same bytes to another process.
-Each figure is the best of --rounds rounds. No torch at module level (CLI start-up).
+Each figure is the best of --rounds rounds; each ratio divides a path by the baseline rounds
+run alternately with it, so load from other processes on a shared box hits both sides alike.
+No torch at module level (CLI start-up).
 """
 from __future__ import annotations
 
@@ -142,6 +144,9 @@ def measure(total_gb: float, rounds: int, batch: int) -> dict:
                 out[f"{mode}_store_gbps"] = gbps(st)
                 out[f"{mode}_retrieve_gbps"] = gbps(rt)
                 out[f"{base_name}_gbps"] = gbps(min(b1, b2))
+                # the ratios compare each path with the baseline rounds run alternately with it
+                out[f"{base_name}_gbps_beside_{mode}_store"] = gbps(b1)
+                out[f"{base_name}_gbps_beside_{mode}_retrieve"] = gbps(b2)
                 out[f"{mode}_store_vs_{base_name}"] = round(b1 / st, 3)
                 out[f"{mode}_retrieve_vs_{base_name}"] = round(b2 / rt, 3)
     finally:

@@ -63,6 +63,7 @@ def _add_modify(m: Metrics, r: ModifyResult) -> None:
     m.chunks_stored += r.chunks_stored
     m.chunks_reused += r.chunks_reused
     m.chunks_deleted += r.chunks_deleted
+    m.chunks_compared += r.chunks_compared
     m.salt_changes += r.salt_changed
     m.streams_skipped += r.skipped
     m.retrieve_s += r.retrieve_s

@@ -26,13 +26,14 @@ class Context:
     """One server + model. Use `close()` (or `with`) to release sockets, mappings and threads."""
 
     def __init__(self, client, url: str, http_url: str | None, model: str,
-                 layout: ModelLayout, *, io_threads: int = 32):
+                 layout: ModelLayout, *, io_threads: int = 32, track_writes: bool | None = None):
         self.client = client
         self.url, self.http_url, self.model, self.layout = url, http_url, model, layout
         self.refs: Counter[bytes] = Counter()
         self.closed = False
         self._ids = itertools.count()
-        self.pool = BufferPool()  # touched retrieve buffers, reused across modifies
+        # Touched retrieve buffers, reused across modifies; copy-on-write tracked (see buffers).
+        self.pool = BufferPool(cow=track_writes)
         # Blocking client calls (some wait server-side for stores) run here, never on the loop.
         self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvedit-io")
 
@@ -83,12 +84,17 @@ class Context:
 
 def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
             model_name: str = "", timeout: float = 60.0, *, use_shm: bool | None = None,
-            io_threads: int = 32) -> Context:
+            io_threads: int = 32, track_writes: bool | None = None) -> Context:
     """Connect to the kvedit server at `url` and read `model_name`'s layout.
 
     If the model is not registered yet, wait up to `timeout` seconds for the vLLM connector to
     register it, then fail with the list of models the server has. `http_url` (the server's
     HTTP port) is checked too when given. Errors arrive within `timeout`.
+
+    `track_writes` (None: where the OS allows it) hands fn its tensor through a copy-on-write
+    mapping so modify need not byte-compare chunks fn left untouched (kvedit.sdk.buffers):
+    faster for edits that read kv and return it or a new tensor, slower (a page copy per
+    written page) for edits that rewrite much of kv in place; False turns it off.
     """
     from kvedit.client import KVClient, KVError
 
@@ -125,7 +131,8 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
     except BaseException:
         client.close()
         raise
-    return Context(client, url, http_url, model_name, layout, io_threads=io_threads)
+    return Context(client, url, http_url, model_name, layout, io_threads=io_threads,
+                   track_writes=track_writes)
 
 
 def _wait_for_layout(client, model: str, deadline: float) -> ModelLayout | None:

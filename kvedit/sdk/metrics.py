@@ -42,6 +42,7 @@ class Metrics:
     chunks_stored: int = 0
     chunks_reused: int = 0
     chunks_deleted: int = 0
+    chunks_compared: int = 0
     salt_changes: int = 0
     streams_skipped: int = 0
     retrieve_s: float = 0.0  # summed over streams (they overlap, so the sum can exceed duration)
@@ -98,6 +99,7 @@ class Metrics:
                      ("stored", f"{self.bytes_stored / 1e9:.3f} GB"),
                      ("chunks stored / reused / deleted",
                       f"{self.chunks_stored} / {self.chunks_reused} / {self.chunks_deleted}"),
+                     ("chunks byte-compared", self.chunks_compared),
                      ("salt changes", self.salt_changes),
                      ("retrieve / fn / store (summed)",
                       f"{self.retrieve_s:.3f} / {self.fn_s:.3f} / {self.store_s:.3f} s")]

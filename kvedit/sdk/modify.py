@@ -10,6 +10,9 @@ switches to a fresh derived salt `f"{salt}~kvedit-<12 hex>"`, stores ALL its edi
 under that salt's keys, and sends that salt with every later request; vLLM's own prefix
 cache is salted too, so it cannot serve the stale blocks either.
 
+The comparison is skipped for chunks that fn left untouched in place: the retrieve buffer
+is mapped copy-on-write, so the kernel records every page fn wrote (kvedit.sdk.buffers).
+
 Atomicity. The stream's tokens/salt/keys change only after the store has committed. If fn
 raises, returns something invalid, or the store fails, the stream is unchanged, the error
 names the stream and the reason, and the original chunks are untouched (still retrievable).
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kvedit.layout import ModelLayout
+from kvedit.sdk.buffers import KVBuffer, untouched_chunks
 from kvedit.sdk.errors import ModifyError
 from kvedit.sdk.rowcopy import chunk_equal, load_chunk, save_chunk
 from kvedit.sdk.stream import Stream, check_token_ids
@@ -47,6 +51,7 @@ class ModifyResult:
     chunks_stored: int = 0
     chunks_reused: int = 0
     chunks_deleted: int = 0
+    chunks_compared: int = 0  # present chunks whose bytes had to be compared
     salt_changed: bool = False
     skipped: bool = False
     retrieve_s: float = 0.0  # lookup wait excluded: retrieve copy only
@@ -68,20 +73,20 @@ def wants_layout(fn) -> bool:
                for p in params)
 
 
-def retrieve_kv(ctx, keys: list[bytes], buf: torch.Tensor) -> torch.Tensor:
-    """The chunks of `keys` as one contiguous [2, L, N*C, D] tensor carved out of `buf`
-    (a flat uint8 tensor from the context's pool): one copy out of shm."""
+def retrieve_kv(ctx, keys: list[bytes], buf: KVBuffer) -> torch.Tensor:
+    """The chunks of `keys` as one contiguous [2, L, N*C, D] tensor: one copy out of shm
+    into the pooled buffer, handed out through `buf.open()` (see kvedit.sdk.buffers)."""
     lay = ctx.layout
     n, c = len(keys), lay.chunk_size
+    shape, dtype = (2, lay.num_layers, n * c, lay.hidden), getattr(torch, lay.dtype)
     with ctx.client.retrieve(ctx.model, keys) as got:
         if len(got.tensors) < n:
             raise LookupError(f"only {len(got.tensors)} of its {n} chunks could be retrieved "
                               f"(evicted meanwhile?)")
-        kv = buf[:n * lay.chunk_bytes].view(getattr(torch, lay.dtype)).view(
-            2, lay.num_layers, n * c, lay.hidden)
+        target = buf.target[:n * lay.chunk_bytes].view(dtype).view(shape)
         for i, chunk in enumerate(got.tensors):
-            load_chunk(kv, i, chunk)
-    return kv
+            load_chunk(target, i, chunk)
+    return buf.open()[:n * lay.chunk_bytes].view(dtype).view(shape)
 
 
 def check_result(result, layout: ModelLayout) -> tuple[torch.Tensor, list[int]]:
@@ -119,16 +124,22 @@ class _Differs(Exception):
     """An edited chunk's key is present with other data: abort the store, switch the salt."""
 
 
-def store_kv(ctx, tokens: list[int], salt: str, kv: torch.Tensor, keys_for):
-    """Store the edited full chunks. Returns (salt, keys, stored, reused)."""
+def store_kv(ctx, tokens: list[int], salt: str, kv: torch.Tensor, keys_for,
+             old_keys: list[bytes], untouched: set[int]):
+    """Store the edited full chunks. Returns (salt, keys, stored, reused, compared).
+
+    `untouched`: chunks known identical to the retrieved chunk at the same index; if their
+    key is that chunk's original key, the stored object is the one retrieved: no compare."""
     keys = keys_for(tokens, salt)
     try:
         with ctx.client.prepare_store(ctx.model, keys) as h:
             present = sorted(set(range(len(keys))) - set(h.missing))
-            if present and not chunks_identical(ctx, keys, present, kv):
+            check = [j for j in present
+                     if not (j in untouched and j < len(old_keys) and keys[j] == old_keys[j])]
+            if check and not chunks_identical(ctx, keys, check, kv):
                 raise _Differs
             _fill(h, kv)
-        return salt, keys, len(h.missing), len(present)
+        return salt, keys, len(h.missing), len(present), len(check)
     except _Differs:
         pass
     salt = derive_salt(salt)
@@ -137,7 +148,7 @@ def store_kv(ctx, tokens: list[int], salt: str, kv: torch.Tensor, keys_for):
         if len(h.missing) != len(keys):
             raise RuntimeError(f"fresh salt {salt!r} already has chunks in the server")
         _fill(h, kv)
-    return salt, keys, len(keys), 0
+    return salt, keys, len(keys), 0, len(check)
 
 
 def _fill(h, kv: torch.Tensor) -> None:
@@ -175,6 +186,7 @@ async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False
         res.bytes_retrieved = kv.numel() * kv.element_size()
         head = stream.tokens[:n * c]
         kwargs = {"layout": lay} if wants_layout(fn) else {}
+        geometry = (kv.data_ptr(), kv.stride(), kv.element_size())  # before fn can touch it
         t1 = time.perf_counter()
         try:
             if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
@@ -192,8 +204,11 @@ async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False
         m = len(new_tokens) // c
         t2 = time.perf_counter()
         try:
-            salt, keys, stored, reused = await ctx.call(
-                store_kv, ctx, new_tokens[:m * c], stream.cache_salt, new_kv, stream.keys_for)
+            untouched = await ctx.call(untouched_chunks, buf, *geometry, new_kv,
+                                       range(min(n, m)), c)
+            salt, keys, stored, reused, compared = await ctx.call(
+                store_kv, ctx, new_tokens[:m * c], stream.cache_salt, new_kv, stream.keys_for,
+                old_keys, untouched)
         except Exception as e:
             raise ModifyError(stream, f"storing the edited KV failed ({type(e).__name__}: {e}); "
                                       f"the original KV is kept") from e
@@ -207,6 +222,7 @@ async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False
     stream.cache_salt = salt
     all_old, stream.keys = stream.keys, keys
     res.tokens_after, res.chunks_stored, res.chunks_reused = m * c, stored, reused
+    res.chunks_compared = compared
     res.bytes_stored = stored * lay.chunk_bytes
     ctx.ref(keys)
     dead = ctx.unref(all_old)

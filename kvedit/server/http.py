@@ -104,7 +104,7 @@ class _Handler(BaseHTTPRequestHandler):
             "objects": {k: state[k] for k in ("ready", "writing", "leased")},
             "leases": state["leases"], "pending_stores": state["pending_stores"],
             "evictions": state["evictions"], "uptime_s": state["uptime_s"],
-            "models": models,
+            "models": models, "notes": s.arena.notes,
         }
 
     def _cache_page(self, q: dict) -> None:

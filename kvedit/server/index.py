@@ -127,10 +127,8 @@ class Index:
                 objs.append(o)
                 missing.append(i)
         finally:
-            for o in pinned:
+            for o in pinned:  # nothing can have deleted them meanwhile (we hold the lock)
                 o.leases -= 1
-                if not o.live and o.leases == 0:
-                    self.alloc.free(o.offset, o.nbytes)
         present = len(keys) - len(missing)
         sid = next(self._ids)
         now = time.monotonic()

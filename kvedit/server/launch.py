@@ -20,7 +20,9 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """A running server; `.stop()` ends it (SIGTERM, then SIGKILL) and removes its segment."""
+    """A running server; `.stop()` ends it (SIGTERM, then SIGKILL) and removes its segment.
+
+    Its output goes to `.log_path` (kept when the server did not stop cleanly)."""
 
     def __init__(self, args: list[str], host: str, port: int, http_port: int, shm_name: str,
                  startup_timeout: float = 30.0):
@@ -37,7 +39,7 @@ class ServerProcess:
         return self.proc.pid
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def _start(self) -> None:
         cmd = [sys.executable, "-m", "kvedit.server.cli", *self._args]
@@ -73,7 +75,9 @@ class ServerProcess:
                 self.proc.wait()
         rc = self.proc.returncode
         self.proc = None
-        if self.shm_name and os.path.exists(f"/dev/shm/{self.shm_name}") and rc != 0:
+        if rc == 0:  # a clean stop: the log holds nothing worth keeping
+            self.log_path.unlink(missing_ok=True)
+        elif self.shm_name and os.path.exists(f"/dev/shm/{self.shm_name}"):
             os.unlink(f"/dev/shm/{self.shm_name}")  # the killed server could not do it
         return rc
 

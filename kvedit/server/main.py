@@ -62,6 +62,8 @@ def serve(cfg: ServerConfig) -> int:
              cfg.host, cfg.http_port, service.data.port, cfg.pool_bytes / 2**30,
              "lazy" if cfg.l1_use_lazy else "pre-faulted", cfg.eviction_policy,
              cfg.chunk_size, mode)
+    for note in arena.notes:
+        log.warning("%s", note)
     try:
         service.run(wakeup_fd=rsock.fileno())
     finally:

@@ -43,8 +43,9 @@ class Arena:
         self.size = HEADER_BYTES + pool_bytes
         self.path = os.path.join(SHM_DIR, shm_name) if shm_name else ""
         self._fd = -1
+        self.notes: list[str] = []  # what /status and the start-up log should tell the user
         if shm_name:
-            self._fd = self._create_segment()
+            self._fd = self._create_segment(lazy)
             self.mm = mmap.mmap(self._fd, self.size, flags=mmap.MAP_SHARED)
         else:
             self.mm = mmap.mmap(-1, self.size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
@@ -54,7 +55,7 @@ class Arena:
             self.buf[::mmap.PAGESIZE] = 0
         _HEADER.pack_into(self.mm, 0, MAGIC, instance, self.pool_offset, pool_bytes)
 
-    def _create_segment(self) -> int:
+    def _create_segment(self, lazy: bool) -> int:
         path = self.path
         if os.path.exists(path):
             fd = os.open(path, os.O_RDWR)
@@ -77,6 +78,11 @@ class Arena:
                 f"{free / 2**30:.2f} GiB free and the pool needs {self.size / 2**30:.2f} GiB: "
                 f"lower --l1-size-gb, enlarge {SHM_DIR}, or pass --shm-name '' for socket-only "
                 f"transfers")
+        if lazy:
+            self.notes.append(
+                f"lazy pool: {path} takes tmpfs pages as data arrives; {SHM_DIR} had "
+                f"{free / 2**30:.2f} GiB free at start, shared with other processes (if it fills "
+                f"up, writes into the pool fail); --no-l1-use-lazy reserves the pool up front")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
@@ -84,7 +90,10 @@ class Arena:
                             f"while starting: pass another --shm-name") from None
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
-            os.posix_fallocate(fd, 0, self.size)  # reserve tmpfs pages: no SIGBUS later
+            if lazy:  # sparse: tmpfs pages are taken as objects land in them
+                os.ftruncate(fd, self.size)
+            else:     # take every page now: no SIGBUS later if /dev/shm fills up
+                os.posix_fallocate(fd, 0, self.size)
         except OSError as e:
             os.close(fd)
             os.unlink(path)

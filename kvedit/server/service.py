@@ -161,17 +161,22 @@ class Service:
             case P.Commit(store_id=sid):
                 return self._commit(sid)
             case P.Abort(store_id=sid):
-                try:
-                    self.index.abort(sid)
-                except KeyError:
-                    raise Fail("unknown_store", self.unknown_store(sid)) from None
+                p = self.index.stores.get(sid)
+                if p is None:
+                    raise Fail("unknown_store", self.unknown_store(sid))
+                if p.busy:  # its slots are being written by the data link right now
+                    raise Fail("busy", f"store {sid} is receiving data on the data link")
+                self.index.abort(sid)
                 return P.Ok()
             case P.Retrieve():
                 return self._retrieve(req)
             case P.Release(lease_id=lid):
-                if lid not in self.index.leases:
+                p = self.index.leases.get(lid)
+                if p is None:
                     raise Fail("unknown_lease", f"lease {lid} is unknown, already released, or "
                                                 f"expired (lease TTL {self.cfg.lease_ttl} s)")
+                if p.busy:  # the data link is sending from it and releases it when done
+                    raise Fail("busy", f"lease {lid} is being sent on the data link")
                 self.release(lid)
                 return P.Ok()
             case P.Delete(model=model, keys=keys, tp_rank=tp):

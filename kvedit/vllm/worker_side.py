@@ -112,32 +112,37 @@ class WorkerSide:
         return loaded
 
     def store(self, meta: KVEditMetadata) -> None:
+        """Store this step's completed chunks of every request: one prepare/commit pair with
+        the server per step, one gather per chunk the server is missing."""
         failed, self.failed_from = self.failed_from, {}
-        for run in meta.stores:
-            client = self.link.client if self.link else None
-            if client is None:
-                continue
-            if run.req_id in failed:  # blocks past a failed load hold garbage: never store them
-                n = max(0, failed[run.req_id] // self.layout.chunk_size - run.first)
-                if n == 0:
-                    continue
-                run = ChunkRun(run.req_id, run.first, [k[:n] for k in run.keys], run.start,
-                               (run.first + n) * self.layout.chunk_size, run.block_ids)
-            try:
-                self._store_run(client, run)
-            except Exception as e:
-                self.link.failed(e)
-
-    def _store_run(self, client, run: ChunkRun) -> None:
+        client = self.link.client if self.link else None
+        if client is None or not meta.stores:
+            return
         c = self.layout.chunk_size
+        todo: dict[bytes, tuple[list[int], int]] = {}  # key -> (block ids, chunk index)
+        for run in meta.stores:
+            keys = run.keys[self.tp_rank]
+            if run.req_id in failed:  # blocks past a failed load hold garbage: never store them
+                keys = keys[:max(0, failed[run.req_id] // c - run.first)]
+            for i, key in enumerate(keys):
+                todo.setdefault(key, (run.block_ids, run.first + i))
+        if not todo:
+            return
+        try:
+            self._store_chunks(client, todo)
+        except Exception as e:
+            self.link.failed(e)
+
+    def _store_chunks(self, client, todo: dict[bytes, tuple[list[int], int]]) -> None:
+        c = self.layout.chunk_size
+        keys = list(todo)
         on_host = self.paged.device.type == "cpu"
-        with client.prepare_store(self.model, run.keys[self.tp_rank],
-                                  tp_rank=self.tp_rank) as handle:
+        with client.prepare_store(self.model, keys, tp_rank=self.tp_rank) as handle:
             if handle.buffers:
                 self._pin(client, handle.buffers[0])
             for j, buf in zip(handle.missing, handle.buffers):
-                chunk = run.first + j
-                slots = self.paged.slots(run.block_ids, chunk * c, (chunk + 1) * c)
+                block_ids, chunk = todo[keys[j]]
+                slots = self.paged.slots(block_ids, chunk * c, (chunk + 1) * c)
                 if on_host:  # gather straight into the server's shared memory
                     self.paged.gather(slots, buf)
                 else:
