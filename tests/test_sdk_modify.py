@@ -306,9 +306,10 @@ def test_pool_hands_out_the_smallest_free_buffer_that_fits():
 
 @pytest.mark.skipif(not __import__("kvedit.sdk.buffers", fromlist=["x"])._cow_supported(),
                     reason="needs memfd and /proc/self/pagemap (Linux)")
-def test_untouched_chunks_skip_the_comparison_and_any_write_is_seen(ctx, engine):
+def test_untouched_chunks_skip_the_comparison_and_any_write_is_seen(kv_server, engine):
     import ctypes
 
+    ctx = connect(kv_server.url, None, MODEL, timeout=5)  # fresh pool: tracking on
     batch = prefilled(ctx, engine, 3 * C)
     m = batch.modify(identity)
     assert (m.chunks_reused, m.chunks_compared, m.salt_changes) == (3, 0, 0)
@@ -329,6 +330,15 @@ def test_untouched_chunks_skip_the_comparison_and_any_write_is_seen(ctx, engine)
 
     m = batch.modify(write_same_bytes)
     assert (m.chunks_compared, m.chunks_reused, m.salt_changes) == (1, 2, 0)
+
+    def rewrite_all(kv, t):  # write-heavy: the next buffers are handed out untracked
+        kv.mul_(1.0)
+        return kv, t
+
+    batch.modify(rewrite_all)
+    m = batch.modify(identity)
+    assert (m.chunks_compared, m.chunks_reused, m.salt_changes) == (2, 2, 0)
+    ctx.close()
 
 
 def test_without_write_tracking_reused_chunks_are_byte_compared(kv_server, engine):

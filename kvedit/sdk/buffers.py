@@ -13,6 +13,13 @@ file. Any write by fn, whether by torch, numpy, ctypes or `.data`, makes the ker
 the page, and /proc/self/pagemap says which pages were copied. So a chunk that fn returns
 in place and unwritten is known byte-identical to what was retrieved, and the key check in
 modify needs no comparison for it. Without memfd or pagemap, plain memory and memcmp.
+
+Copy-on-write costs a page copy per page fn writes (measured here: ~5x the time a
+byte-comparison of the same bytes takes), so it pays only when fn leaves whole chunks
+untouched and writes little. After an fn for which it did not pay (written page fraction x
+COW_COST_RATIO > fraction of chunks it spared a comparison), the next PLAIN_AFTER_LOSS
+buffers are handed out plainly (fn writes the buffer itself; reused chunks are
+byte-compared, which stops at the first difference), then tracking is tried again.
 """
 from __future__ import annotations
 
@@ -28,6 +35,8 @@ _PAGEMAP = "/proc/self/pagemap"
 # Storage references of a handed-out view nobody else uses: the view's own tensor + the
 # storage object untyped_storage() hands out. Views, tensors and arrays made from it add.
 _FREE_USES = 2
+COW_COST_RATIO = 5.0
+PLAIN_AFTER_LOSS = 8
 
 
 def _storage_uses(t: torch.Tensor) -> int | None:
@@ -55,10 +64,12 @@ class KVBuffer:
         else:
             self.target = torch.empty(nbytes, dtype=torch.uint8)
         self.view: torch.Tensor | None = None
+        self.private = False  # is `view` a copy-on-write mapping?
 
-    def open(self) -> torch.Tensor:
+    def open(self, cow: bool = True) -> torch.Tensor:
         """Flat bytes for fn: a new private mapping of the target (or the target itself)."""
-        if self._fd is None:
+        self.private = cow and self._fd is not None
+        if not self.private:
             self.view = self.target
         else:
             private = mmap.mmap(self._fd, self.nbytes, flags=mmap.MAP_PRIVATE,
@@ -71,7 +82,7 @@ class KVBuffer:
 
     def written_pages(self) -> np.ndarray | None:
         """Per page of the open private mapping: written since open()? None if unknown."""
-        if self._fd is None or self.view is None:
+        if not self.private or self.view is None:
             return None
         page = mmap.PAGESIZE
         first, npages = self.view.data_ptr() // page, -(-self.nbytes // page)
@@ -97,6 +108,21 @@ class BufferPool:
         self.cow = _cow_supported() if cow is None else cow
         self._bufs: list[KVBuffer] = []  # largest first
         self._lock = threading.Lock()     # taken/given from pool threads
+        self._plain_left = 0              # plain handouts left after a write-heavy fn
+
+    def open(self, buf: KVBuffer) -> torch.Tensor:
+        """buf's bytes for fn: copy-on-write tracked unless it did not pay off lately."""
+        with self._lock:
+            cow = self.cow and self._plain_left == 0
+            self._plain_left = max(0, self._plain_left - (not cow))
+        return buf.open(cow)
+
+    def note_outcome(self, written: np.ndarray | None, spared: float) -> None:
+        """After a tracked fn: the pages it wrote (KVBuffer.written_pages) and the fraction
+        of chunks whose comparison tracking spared."""
+        if written is not None and written.size and written.mean() * COW_COST_RATIO > spared:
+            with self._lock:
+                self._plain_left = PLAIN_AFTER_LOSS
 
     def take(self, nbytes: int) -> KVBuffer:
         """A buffer of at least nbytes: a touched, unused pooled one if any."""
@@ -122,16 +148,15 @@ class BufferPool:
             self._bufs.clear()
 
 
-def untouched_chunks(buf: KVBuffer, kv_ptr: int, kv_strides: tuple, elem: int,
-                     new_kv: torch.Tensor, idx, c: int) -> set[int]:
+def untouched_chunks(buf: KVBuffer, written: np.ndarray | None, kv_ptr: int,
+                     kv_strides: tuple, elem: int, new_kv: torch.Tensor, idx, c: int) -> set[int]:
     """The chunks j in idx that new_kv holds exactly where the retrieve put them (new_kv
     is kv or a prefix slice of it) and that no write has touched since `open()`.
-    kv (ptr, strides) is the contiguous tensor fn was given, starting at buf.view."""
-    if not idx or new_kv.data_ptr() != kv_ptr or new_kv.stride() != kv_strides \
-            or buf.view is None or buf.view.data_ptr() != kv_ptr:
-        return set()
-    written = buf.written_pages()
-    if written is None:
+    kv (ptr, strides) is the contiguous tensor fn was given, starting at buf.view;
+    `written` is buf.written_pages() read after fn."""
+    if written is None or not idx or new_kv.data_ptr() != kv_ptr \
+            or new_kv.stride() != kv_strides or buf.view is None \
+            or buf.view.data_ptr() != kv_ptr:
         return set()
     counts = np.concatenate(([0], np.cumsum(written)))
     page = mmap.PAGESIZE

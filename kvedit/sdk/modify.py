@@ -86,7 +86,7 @@ def retrieve_kv(ctx, keys: list[bytes], buf: KVBuffer) -> torch.Tensor:
         target = buf.target[:n * lay.chunk_bytes].view(dtype).view(shape)
         for i, chunk in enumerate(got.tensors):
             load_chunk(target, i, chunk)
-    return buf.open()[:n * lay.chunk_bytes].view(dtype).view(shape)
+    return ctx.pool.open(buf)[:n * lay.chunk_bytes].view(dtype).view(shape)
 
 
 def check_result(result, layout: ModelLayout) -> tuple[torch.Tensor, list[int]]:
@@ -204,8 +204,10 @@ async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False
         m = len(new_tokens) // c
         t2 = time.perf_counter()
         try:
-            untouched = await ctx.call(untouched_chunks, buf, *geometry, new_kv,
+            written = await ctx.call(buf.written_pages)
+            untouched = await ctx.call(untouched_chunks, buf, written, *geometry, new_kv,
                                        range(min(n, m)), c)
+            ctx.pool.note_outcome(written, len(untouched) / n)
             salt, keys, stored, reused, compared = await ctx.call(
                 store_kv, ctx, new_tokens[:m * c], stream.cache_salt, new_kv, stream.keys_for,
                 old_keys, untouched)

@@ -63,7 +63,7 @@ def serve(cfg: ServerConfig) -> int:
              "lazy" if cfg.l1_use_lazy else "pre-faulted", cfg.eviction_policy,
              cfg.chunk_size, mode)
     for note in arena.notes:
-        log.warning("%s", note)
+        log.info("note: %s", note)
     try:
         service.run(wakeup_fd=rsock.fileno())
     finally:
