@@ -178,8 +178,13 @@ def chart(s: dict, path: Path) -> None:
     ax.set_ylabel("decode throughput (tokens/s)")
     ax.set_ylim(0, max(vals) * 1.25)
     bound = f", bound {s['decode_gain_bound']:.2f}x" if s["decode_gain_bound"] else ""
+    steps = s["decode_tokens_per_step"]
+    per_step = (f"\ndecode tokens per engine step {steps['baseline']:.1f} -> "
+                f"{steps['dropped']:.1f}"
+                if steps["baseline"] and steps["dropped"] else "")
     ax.set_title(f"decode {s['decode_gain']:.2f}x faster{bound}\n{s['num_prompts']} prompts x "
-                 f"{s['prompt_len']} tokens, {s['max_tokens']} output tokens", fontsize=10)
+                 f"{s['prompt_len']} tokens, {s['max_tokens']} output tokens{per_step}",
+                 fontsize=9)
     ax.spines[["top", "right"]].set_visible(False)
     fig.tight_layout()
     fig.savefig(path)

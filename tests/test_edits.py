@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvedit.edits import DropMiddle, DropPolicy, KeyNorm, SnapKV, StreamingLLM, UniformDrop, rerotate
+from kvedit.edits import (DropMiddle, DropPolicy, KeyNorm, SnapKV, StreamingLLM, UniformDrop,
+                          rerotate)
 from kvedit.layout import ModelLayout, RopeParams
 
 L, H, HD, C = 2, 2, 8, 4
@@ -48,7 +49,8 @@ def test_call_gathers_rerotates_and_keeps_tokens_aligned():
     expect = rerotate(kv[:, :, idx].clone(), idx, torch.arange(len(idx)), LAYOUT)
     torch.testing.assert_close(out[0], expect[0])
     assert not torch.allclose(out[0], kv[0][:, idx])  # moved keys were re-rotated
-    plain, _ = DropMiddle(0.5, chunk_size=C, rerotate=False)(kv, tokens)  # no layout needed without rotation
+    # Without rotation no layout is needed.
+    plain, _ = DropMiddle(0.5, chunk_size=C, rerotate=False)(kv, tokens)
     torch.testing.assert_close(plain, kv[:, :, idx])
     tt, tk = DropMiddle(0.5, chunk_size=C, rerotate=False)(kv, torch.tensor(tokens))
     assert torch.equal(tk, torch.tensor(tokens)[idx])

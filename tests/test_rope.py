@@ -14,10 +14,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import Qwen3Config  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
-from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox_apply  # noqa: E402
+from transformers.models.gpt_neox.modeling_gpt_neox import (  # noqa: E402
+    apply_rotary_pos_emb as neox_apply)
 from transformers.models.gptj.modeling_gptj import apply_rotary_pos_emb as gptj_apply  # noqa: E402
 from transformers.models.gptj.modeling_gptj import create_sinusoidal_positions  # noqa: E402
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb  # noqa: E402
+from transformers.models.qwen3.modeling_qwen3 import (  # noqa: E402
+    Qwen3RotaryEmbedding, apply_rotary_pos_emb)
 
 from kvedit.edits import inv_freq, rerotate  # noqa: E402
 from kvedit.layout import ModelLayout, RopeParams  # noqa: E402
@@ -156,13 +158,15 @@ def test_partial_rotary_neox(dtype):
     # The pass-through dims are bit-identical.
     kv = kv_old.clone()
     rerotate(kv, old, new, rope=RopeParams(theta=10000.0, rotary_dim=rotary), head_dim=HD)
-    assert torch.equal(kv[0].view(L, -1, H, HD)[..., rotary:], kv_old[0].view(L, -1, H, HD)[..., rotary:])
+    heads = kv[0].view(L, -1, H, HD), kv_old[0].view(L, -1, H, HD)
+    assert torch.equal(heads[0][..., rotary:], heads[1][..., rotary:])
 
 
 def test_dynamic_ntk_matches_vllm():
     # vLLM fixes the dynamic-NTK base once from its config (max_trained_positions), so the
     # keys in its cache compose; check our frequencies against its cos/sin cache.
-    mod = pytest.importorskip("vllm.model_executor.layers.rotary_embedding.dynamic_ntk_scaling_rope")
+    mod = pytest.importorskip(
+        "vllm.model_executor.layers.rotary_embedding.dynamic_ntk_scaling_rope")
     from types import SimpleNamespace
 
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
@@ -170,7 +174,8 @@ def test_dynamic_ntk_matches_vllm():
                            max_trained_positions=2048, scaling_factor=2.0)
     fake._compute_inv_freq = lambda base: RotaryEmbedding._compute_inv_freq(fake, base)
     cache = mod.DynamicNTKScalingRotaryEmbedding._compute_cos_sin_cache(fake)  # [pos, cos|sin]
-    rope = RopeParams(theta=10000.0, rotary_dim=HD, rope_type="dynamic", max_position_embeddings=8192,
+    rope = RopeParams(theta=10000.0, rotary_dim=HD, rope_type="dynamic",
+                      max_position_embeddings=8192,
                       scaling={"factor": 2.0, "max_trained_positions": 2048})
     f = inv_freq(rope, HD)
     torch.testing.assert_close(cache[1, : HD // 2], torch.cos(f), rtol=0, atol=1e-6)

@@ -42,7 +42,7 @@ def register(bsub) -> None:
     p.add_argument("--model", default=None, help="model dir (default: the tiny Qwen3)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--no-pipelined", action="store_true", help="skip the BatchedStream.run arm")
-    p.add_argument("--repeats", type=int, default=2,
+    p.add_argument("--repeats", type=int, default=1,
                    help="baseline/dropped rounds per configuration (medians reported)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_main)

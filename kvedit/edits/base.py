@@ -59,7 +59,8 @@ class DropPolicy:
             raise ValueError(f"{type(self).__name__}.granularity must be one of {GRANULARITIES}, "
                              f"got {self.granularity!r}")
         if self.chunk_size is not None and self.chunk_size <= 0:
-            raise ValueError(f"{type(self).__name__}.chunk_size must be positive, got {self.chunk_size}")
+            raise ValueError(f"{type(self).__name__}.chunk_size must be positive, "
+                             f"got {self.chunk_size}")
 
     # -- what a policy implements -------------------------------------------------------
     def score(self, kv: torch.Tensor, units: Units, layout: ModelLayout | None) -> torch.Tensor:
@@ -87,7 +88,8 @@ class DropPolicy:
     def keep_indices(self, kv: torch.Tensor, layout: ModelLayout | None = None) -> torch.Tensor:
         """Sorted token indices this policy keeps for `kv` [2, L, T, D]."""
         if kv.dim() != 4 or kv.shape[0] != 2:
-            raise ValueError(f"{type(self).__name__}: kv must be [2, L, T, D], got {tuple(kv.shape)}")
+            raise ValueError(f"{type(self).__name__}: kv must be [2, L, T, D], "
+                             f"got {tuple(kv.shape)}")
         units = self.units(kv.shape[2], layout)
         drop = self.num_drop(units)
         if drop == 0:

@@ -33,7 +33,8 @@ def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
 def _scale(rope: RopeParams, key: str, default=None):
     value = rope.scaling.get(key, default)
     if value is None:
-        raise ValueError(f"rope_type {rope.rope_type!r} needs scaling[{key!r}], got {dict(rope.scaling)}")
+        raise ValueError(f"rope_type {rope.rope_type!r} needs scaling[{key!r}], "
+                         f"got {dict(rope.scaling)}")
     return value
 
 
@@ -55,7 +56,8 @@ def _yarn(rope: RopeParams, dim: int) -> torch.Tensor:
     base = rope.theta
     orig = rope.scaling.get("original_max_position_embeddings") or rope.max_position_embeddings
     if not orig:
-        raise ValueError("yarn needs scaling['original_max_position_embeddings'] or max_position_embeddings")
+        raise ValueError("yarn needs scaling['original_max_position_embeddings'] or "
+                         "max_position_embeddings")
     beta_fast = float(rope.scaling.get("beta_fast") or 32)
     beta_slow = float(rope.scaling.get("beta_slow") or 1)
 
@@ -119,7 +121,8 @@ def _dynamic_ntk(rope: RopeParams, dim: int) -> torch.Tensor:
     return _base_inv_freq(base, dim)
 
 
-def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, rope: RopeParams, head_dim: int) -> torch.Tensor:
+def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, rope: RopeParams,
+                head_dim: int) -> torch.Tensor:
     """Rotate `keys` [..., T, H*head_dim] in place by `delta` [T] positions; returns `keys`.
 
     Leading dims (layers, ...) broadcast, so one call covers every layer and head. Work is

@@ -6,7 +6,7 @@ Modules (one concern each):
 - `batch`    BatchedStream: prefill / modify / decode / pipelined run, sync and async.
 - `modify`   retrieve → fn → validate → store → swap → delete, and the keys/salt rule.
 - `rowcopy`  memcpy/memcmp between chunk slices of [2, L, T, D] and contiguous chunks.
-- `buffers`  reuse of touched retrieve buffers (fresh memory costs page faults).
+- `buffers`  reused retrieve buffers; copy-on-write tracking of what fn writes.
 - `metrics`  Metrics: counters, throughputs, TTFT/TPOT percentiles, to_dict(), table().
 - `openai`   openai_completion(): post_completion for OpenAI-compatible servers.
 - `loop`     the background event loop behind the synchronous facade.

@@ -10,8 +10,9 @@ switches to a fresh derived salt `f"{salt}~kvedit-<12 hex>"`, stores ALL its edi
 under that salt's keys, and sends that salt with every later request; vLLM's own prefix
 cache is salted too, so it cannot serve the stale blocks either.
 
-The comparison is skipped for chunks that fn left untouched in place: the retrieve buffer
-is mapped copy-on-write, so the kernel records every page fn wrote (kvedit.sdk.buffers).
+The comparison is skipped for chunks that fn left untouched in place: with write tracking
+(connect(track_writes=...), on by default on Linux) fn's tensor is a copy-on-write mapping
+of the retrieve buffer, so the kernel records every page fn wrote (kvedit.sdk.buffers).
 
 Atomicity. The stream's tokens/salt/keys change only after the store has committed. If fn
 raises, returns something invalid, or the store fails, the stream is unchanged, the error
