@@ -263,3 +263,15 @@ def test_missing_chunk_is_a_load_error_and_never_stored(kv_server, tiny_model, c
         assert client.lookup(model, keys[1:]) == 0
     finally:
         ws.close()
+
+
+def test_bad_connector_config_is_a_clear_error():
+    from kvedit.vllm.scheduler_side import SchedulerSide
+    from kvedit.vllm.settings import ConnectorSettings
+
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
+        ConnectorSettings.from_extra({"kvedit_url": "tcp://127.0.0.1:1", "chunk": 256})
+    cfg = SimpleNamespace(model_config=SimpleNamespace(served_model_name="m"),
+                          parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    with pytest.raises(ValueError, match="chunk_size 200 must be a multiple of vLLM's block"):
+        SchedulerSide(cfg, ConnectorSettings(chunk_size=200), block_size=128)

@@ -10,7 +10,8 @@ in alternation so machine noise hits both sides of each ratio alike):
   it (rounds in ABBA order). Target >= 0.9.
 Each ratio is the median over pairs measured back to back (noise from other work on a
 shared machine then hits both sides of a pair alike).
-`--paged`: only the paged-KV gather/scatter copies (GB/s), on CUDA when there is a GPU.
+`--paged`: only the copies (GB/s), on CUDA when there is a GPU: paged gather/scatter, and
+the connector's path through a real kvedit server's shared memory (store and load).
 No torch/vllm at module level (CLI start-up).
 """
 from __future__ import annotations
@@ -107,7 +108,54 @@ def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
         out["pin_seconds"] = time.perf_counter() - t0
         out["store_to_pinned_shm_GBps"] = timed(store)
         out["load_from_pinned_shm_GBps"] = timed(load)
+    out.update(_through_server(paged, slots, shape, chunk, timed))
     return out
+
+
+def _through_server(paged, slots, shape, chunk: int, timed) -> dict:
+    """The connector's copy path through a real kvedit server: paged -> its shared memory
+    (prepare_store / commit) and back (retrieve), fresh keys each time."""
+    import os
+
+    import torch
+
+    from kvedit.client import KVClient
+    from kvedit.layout import ModelLayout
+    from kvedit.server.launch import start_server
+    from kvedit.vllm.paged import pin_host
+
+    n = len(slots)
+    layout = ModelLayout(num_layers=shape[1], num_kv_heads=paged.num_heads,
+                         head_dim=paged.head_dim, dtype="bfloat16", chunk_size=chunk)
+    pool_gb = 3 * n * layout.chunk_bytes / 2**30 + 0.5
+    on_gpu = paged.device.type == "cuda"
+    staged = torch.empty(shape, dtype=torch.bfloat16, device=paged.device)
+    with start_server(pool_gb, chunk_size=chunk) as server, KVClient(server.url) as client:
+        client.register("bench", layout)
+        keys: list[bytes] = []
+
+        def store():
+            if keys:
+                client.delete("bench", keys)
+            keys[:] = [os.urandom(16) for _ in range(n)]
+            with client.prepare_store("bench", keys) as handle:
+                if on_gpu and not pinned:
+                    pinned.append(pin_host(handle.buffers[0]))
+                for j, buf in zip(handle.missing, handle.buffers):
+                    if on_gpu:
+                        paged.gather(slots[j], staged)
+                        buf.copy_(staged)
+                    else:
+                        paged.gather(slots[j], buf)
+
+        def load():
+            with client.retrieve("bench", keys) as got:
+                for s, t in zip(slots, got.tensors):
+                    paged.scatter(s, t.to(paged.device))
+        pinned: list[bool] = []
+        return {"transfer_mode": client.transfer_mode,
+                "store_via_server_GBps": timed(store), "load_via_server_GBps": timed(load),
+                **({"server_shm_pinned": pinned[0]} if pinned else {})}
 
 
 def _shm_tensors(n: int, shape, dtype) -> list:

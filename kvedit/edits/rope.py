@@ -151,8 +151,9 @@ def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, rope: RopeParams,
         a, b = x1[..., s: s + block, :, :], x2[..., s: s + block, :, :]
         # copy=True: for float32 keys .float() would alias `a`, which is overwritten first.
         af, bf = a.to(torch.float32, copy=True), b.to(torch.float32, copy=True)
-        a.copy_(af * cos - bf * sin)
-        b.copy_(bf * cos + af * sin)
+        new_a = (af * cos).addcmul_(bf, sin, value=-1)  # a·cos − b·sin
+        a.copy_(new_a)
+        b.copy_(bf.mul_(cos).addcmul_(af, sin))         # b·cos + a·sin
     return keys
 
 

@@ -16,15 +16,15 @@ GPTJ_STYLE_MODELS = {"gptj", "glm", "glm4", "chatglm", "cohere", "cohere2", "com
 
 @dataclass(slots=True)
 class ConnectorSettings:
-    """kv_connector_extra_config keys (all optional except kvedit_url)."""
-    kvedit_url: str = "tcp://127.0.0.1:6555"
-    kvedit_http_url: str = ""
-    chunk_size: int = 0          # 0: use the server's
-    store_generated: bool = True  # also store chunks made of generated tokens (multi-turn)
-    timeout: float = 2.0          # seconds before a server call counts as "server unavailable"
-    retry_interval: float = 1.0   # seconds between reconnect attempts while unavailable
-    rope_is_neox: bool | None = None  # override the GPT-J/NeoX guess from the model type
-    pin_shm: bool = True          # GPU: page-lock the server's shared memory for DMA copies
+    """kv_connector_extra_config keys."""
+    kvedit_url: str = "tcp://127.0.0.1:6555"  # the server's ZMQ address
+    kvedit_http_url: str = ""          # the server's HTTP address, named in the logs
+    chunk_size: int = 0                # tokens per chunk; 0: the server's
+    store_generated: bool = True       # also store chunks of generated tokens (multi-turn)
+    timeout: float = 2.0               # seconds before a call counts as "server unavailable"
+    retry_interval: float = 1.0        # seconds between reconnect attempts while unavailable
+    rope_is_neox: bool | None = None   # override the GPT-J/NeoX guess from the model type
+    pin_shm: bool = True               # GPU: page-lock the server's shared memory for DMA
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ConnectorSettings":

@@ -75,8 +75,10 @@ class WorkerSide:
                                  f"{self.paged.num_layers} x {self.paged.hidden}")
             self.layout = layout
         client.register(self.model, self.layout)
-        logger.info("kvedit: registered %s (rank %d) with %s: %s", self.model, self.tp_rank,
-                    self.settings.kvedit_url, self.layout)
+        http = self.settings.kvedit_http_url
+        logger.info("kvedit: registered %s (rank %d) with %s%s: %s", self.model, self.tp_rank,
+                    self.settings.kvedit_url, f" (status: {http}/status)" if http else "",
+                    self.layout)
 
     # ---- per step -----------------------------------------------------------------------
     def load(self, meta: KVEditMetadata) -> None:
