@@ -157,7 +157,7 @@ def _wait_registered(client, timeout: float = 60.0) -> None:
 
 @pytest.mark.vllm
 def test_server_outage(vllm_server, kv_server):
-    """Server stopped mid-run: vLLM keeps answering (recomputing); restarted: stores resume."""
+    """Server stopped mid-run: vLLM keeps answering (recomputing); restarted: stores and loads resume."""
     warning = r"kvedit server \S+ unavailable .*worker side"
     warned = len(re.findall(warning, vllm_server.log_path.read_text()))
     prompt = prompt_of(2 * CHUNK + 7, seed=5)
@@ -178,6 +178,14 @@ def test_server_outage(vllm_server, kv_server):
         fresh = prompt_of(2 * CHUNK + 1, seed=7)
         complete(vllm_server, fresh, max_tokens=1)
         assert c.lookup(MODEL, keys_of(c, fresh)) == 2
+    # Loads resume too, once the scheduler side has reconnected (it retries every second).
+    deadline = time.monotonic() + 30.0
+    while True:
+        reset_prefix_cache(vllm_server)
+        if complete(vllm_server, fresh, max_tokens=1)["cached"] == 2 * CHUNK:
+            break
+        assert time.monotonic() < deadline, "scheduler side never reconnected: no loads"
+        time.sleep(0.5)
 
 
 @pytest.mark.vllm
