@@ -20,7 +20,8 @@ COMMAND_MODULES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvedit", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="kvedit", description="Edit the KV cache of a live vLLM: server, connector, demo, benchmarks.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)

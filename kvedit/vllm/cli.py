@@ -15,7 +15,7 @@ def register(sub) -> None:
     s.add_argument("model", help="model directory or name")
     s.add_argument("--kvedit-url", default="tcp://127.0.0.1:6555",
                    help="kvedit server ZMQ url (default: %(default)s)")
-    s.add_argument("--kvedit-http-url", default="http://127.0.0.1:6556",
+    s.add_argument("--kvedit-http-url", default="http://127.0.0.1:8080",
                    help="kvedit server HTTP url (default: %(default)s)")
     s.add_argument("--chunk-size", type=int, default=None,
                    help="tokens per KV chunk (default: the server's)")
