@@ -193,6 +193,17 @@ class KVClient:
     def recv_pool(self):
         return self._link.recv_pool
 
+    def segment(self) -> tuple[str, torch.Tensor] | None:
+        """(path, bytes) of the attached shared-memory segment, None in socket mode.
+
+        Retrieved views point into these bytes, so `view.data_ptr() - bytes.data_ptr()` is the
+        chunk's offset in the file at `path` (what kvedit.sdk.chunkmap maps from). Ask again
+        after each retrieve: a server restart re-attaches a new segment."""
+        seg, info = self._seg, self._info
+        if seg is None or info is None or not info.shm_name:
+            return None
+        return f"/dev/shm/{info.shm_name}", seg
+
     # ---- API --------------------------------------------------------------------------
     def server_info(self) -> ServerInfo:
         return self._call(P.Hello())

@@ -275,8 +275,8 @@ def test_async_api(ctx, engine):
     assert m.chunks_reused == 1 and d.output_tokens == 2
 
 
-def test_retrieve_buffers_are_reused_only_when_free(ctx, engine):
-    ctx.pool.clear()
+def test_retrieve_buffers_are_reused_only_when_free(kv_server, engine):
+    ctx = connect(kv_server.url, None, MODEL, timeout=5, track_writes=False)  # copy path
     batch = prefilled(ctx, engine, C, count=3)
     batch.modify_concurrency = 1
     kept = []
@@ -287,6 +287,27 @@ def test_retrieve_buffers_are_reused_only_when_free(ctx, engine):
     kept.clear()
     assert not any(b.in_use() for b in bufs)
     assert any(ctx.pool.take(1) is b for b in bufs)  # released: reused (touched memory)
+    ctx.close()
+
+
+@pytest.mark.skipif(not __import__("kvedit.sdk.buffers", fromlist=["x"])._cow_supported(),
+                    reason="needs /proc/self/pagemap (Linux)")
+def test_mapped_kv_kept_by_fn_stays_valid_until_dropped(kv_server, engine):
+    ctx = connect(kv_server.url, None, MODEL, timeout=5)  # tracking on: kv is mapped from shm
+    batch = prefilled(ctx, engine, 2 * C)
+    before = stored(ctx, batch.streams[0].keys)
+    leases = ctx.client.stats()["leases"]
+    kept = []
+    m = batch.modify(lambda kv, t: (kept.append(kv) or kv[:, :, :C], t[:C]))
+    assert m.chunks_deleted == 1 and ctx.pool._bufs == []  # mapped: no copy buffer taken
+    assert ctx.client.stats()["leases"] == leases + 1  # the deleted chunk stays leased
+    prefilled(ctx, engine, 8 * C)  # new stores cannot land in the kept chunks' slots
+    assert torch.equal(kept[0], before)
+    kept[0][0, 0, 0, 0] = 5.0  # a write copies the page, never touching the stored chunk
+    assert torch.equal(stored(ctx, batch.streams[0].keys), before[:, :, :C])
+    kept.clear()  # last user gone: unmapped and released
+    assert ctx.client.stats()["leases"] == leases
+    ctx.close()
 
 
 def test_pool_hands_out_the_smallest_free_buffer_that_fits():

@@ -10,8 +10,10 @@ memory inside fn).
 each modify is paired with a memcpy (torch copy into touched memory, best of 3) timed just
 before it, since other work on a shared host makes timings drift; the median of the
 --repeats paired ratios is reported. `seconds`/`gbps` are the best modify.
-`identity_cold` is the first modify of the process: its retrieve buffers are fresh memory
-(page faults); the later runs reuse the context's touched buffers, as a long-lived process does.
+`identity_cold` is the first modify of the process. With write tracking (the default) in shm
+mode, fn's kv is mapped copy-on-write from the stored chunks (kvedit.sdk.chunkmap), so there
+is no retrieve copy; `--no-track-writes` measures the copy path (one copy into the context's
+reused buffers, byte-compare of reused chunks).
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ def register(bsub) -> None:
     p.add_argument("--modify-concurrency", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="paired runs per edit")
     p.add_argument("--no-track-writes", action="store_true",
-                   help="byte-compare reused chunks instead of copy-on-write tracking")
+                   help="copy the KV out and byte-compare reused chunks instead of "
+                        "copy-on-write mapping and tracking")
     p.add_argument("--server-url",
                    help="use this running server (tcp://...) instead of starting one")
     p.add_argument("--json", action="store_true", help="print only the JSON object")

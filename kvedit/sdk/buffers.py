@@ -13,11 +13,14 @@ file. Any write by fn, whether by torch, numpy, ctypes or `.data`, makes the ker
 the page, and /proc/self/pagemap says which pages were copied. So a chunk that fn returns
 in place and unwritten is known byte-identical to what was retrieved, and the key check in
 modify needs no comparison for it. Without memfd or pagemap, plain memory and memcmp.
+In shm mode modify maps the stored chunks themselves this way (kvedit.sdk.chunkmap) and
+needs no buffer; these buffers serve socket mode, odd layouts and untracked handouts.
 
 Copy-on-write costs a page copy per page fn writes (measured here: ~5x the time a
 byte-comparison of the same bytes takes), so it pays only when fn leaves whole chunks
 untouched and writes little. After an fn for which it did not pay (written page fraction x
-COW_COST_RATIO > fraction of chunks it spared a comparison), the next PLAIN_AFTER_LOSS
+COW_COST_RATIO > fraction of chunks it spared a comparison, plus chunkmap.COPY_SPARED where
+a mapping of the stored chunks also spared the retrieve copy), the next PLAIN_AFTER_LOSS
 buffers are handed out plainly (fn writes the buffer itself; reused chunks are
 byte-compared, which stops at the first difference), then tracking is tried again.
 """
@@ -84,22 +87,27 @@ class KVBuffer:
         """Per page of the open private mapping: written since open()? None if unknown."""
         if not self.private or self.view is None:
             return None
-        page = mmap.PAGESIZE
-        first, npages = self.view.data_ptr() // page, -(-self.nbytes // page)
+        return written_pages(self.view.data_ptr(), self.nbytes)
+
+
+def written_pages(ptr: int, nbytes: int) -> np.ndarray | None:
+    """Per page of a private file mapping at ptr: written (copied on write)? None if unknown."""
+    page = mmap.PAGESIZE
+    first, npages = ptr // page, -(-nbytes // page)
+    try:
+        fd = os.open(_PAGEMAP, os.O_RDONLY)
         try:
-            fd = os.open(_PAGEMAP, os.O_RDONLY)
-            try:
-                raw = os.pread(fd, npages * 8, first * 8)
-            finally:
-                os.close(fd)
-        except OSError:
-            return None
-        if len(raw) != npages * 8:
-            return None
-        e = np.frombuffer(raw, dtype=np.uint64)
-        present, swapped, file_page = ((e >> np.uint64(b)) & np.uint64(1) for b in (63, 62, 61))
-        # A written page of a private file mapping is an anonymous copy (or swapped out).
-        return ((present & (file_page ^ np.uint64(1))) | swapped).astype(bool)
+            raw = os.pread(fd, npages * 8, first * 8)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    if len(raw) != npages * 8:
+        return None
+    e = np.frombuffer(raw, dtype=np.uint64)
+    present, swapped, file_page = ((e >> np.uint64(b)) & np.uint64(1) for b in (63, 62, 61))
+    # A written page of a private file mapping is an anonymous copy (or swapped out).
+    return ((present & (file_page ^ np.uint64(1))) | swapped).astype(bool)
 
 
 class BufferPool:
@@ -110,12 +118,12 @@ class BufferPool:
         self._lock = threading.Lock()     # taken/given from pool threads
         self._plain_left = 0              # plain handouts left after a write-heavy fn
 
-    def open(self, buf: KVBuffer) -> torch.Tensor:
-        """buf's bytes for fn: copy-on-write tracked unless it did not pay off lately."""
+    def use_cow(self) -> bool:
+        """Track fn's writes this time? Unless it did not pay off lately."""
         with self._lock:
             cow = self.cow and self._plain_left == 0
             self._plain_left = max(0, self._plain_left - (not cow))
-        return buf.open(cow)
+        return cow
 
     def note_outcome(self, written: np.ndarray | None, spared: float) -> None:
         """After a tracked fn: the pages it wrote (KVBuffer.written_pages) and the fraction

@@ -12,7 +12,8 @@ cache is salted too, so it cannot serve the stale blocks either.
 
 The comparison is skipped for chunks that fn left untouched in place: with write tracking
 (connect(track_writes=...), on by default on Linux) fn's tensor is a copy-on-write mapping
-of the retrieve buffer, so the kernel records every page fn wrote (kvedit.sdk.buffers).
+of the stored chunks themselves (kvedit.sdk.chunkmap; no retrieve copy at all) or of the
+retrieve buffer (kvedit.sdk.buffers), so the kernel records every page fn wrote.
 
 Atomicity. The stream's tokens/salt/keys change only after the store has committed. If fn
 raises, returns something invalid, or the store fails, the stream is unchanged, the error
@@ -26,6 +27,7 @@ recomputed by vLLM on the next decode (their edited KV is not used).
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
@@ -36,6 +38,7 @@ import torch
 
 from kvedit.layout import ModelLayout
 from kvedit.sdk.buffers import KVBuffer, untouched_chunks
+from kvedit.sdk.chunkmap import COPY_SPARED, MappedKV, map_chunks
 from kvedit.sdk.errors import ModifyError
 from kvedit.sdk.rowcopy import chunk_equal, load_chunk, save_chunk
 from kvedit.sdk.stream import Stream, check_token_ids
@@ -74,12 +77,17 @@ def wants_layout(fn) -> bool:
                for p in params)
 
 
-def retrieve_kv(ctx, keys: list[bytes], buf: KVBuffer) -> torch.Tensor:
-    """The chunks of `keys` as one contiguous [2, L, N*C, D] tensor: one copy out of shm
-    into the pooled buffer, handed out through `buf.open()` (see kvedit.sdk.buffers)."""
+def retrieve_kv(ctx, keys: list[bytes]) -> tuple[KVBuffer | MappedKV, torch.Tensor]:
+    """(source, kv): the chunks of `keys` as one contiguous [2, L, N*C, D] tensor. With write
+    tracking in shm mode, mapped copy-on-write from the stored chunks (no copy, see
+    kvedit.sdk.chunkmap); else one copy out of shm into a pooled buffer (kvedit.sdk.buffers)."""
     lay = ctx.layout
     n, c = len(keys), lay.chunk_size
     shape, dtype = (2, lay.num_layers, n * c, lay.hidden), getattr(torch, lay.dtype)
+    cow = ctx.pool.use_cow()
+    if cow and (mapped := map_chunks(ctx.client, ctx.model, keys, lay)) is not None:
+        return mapped, mapped.view.view(dtype).view(shape)
+    buf = ctx.pool.take(n * lay.chunk_bytes)
     with ctx.client.retrieve(ctx.model, keys) as got:
         if len(got.tensors) < n:
             raise LookupError(f"only {len(got.tensors)} of its {n} chunks could be retrieved "
@@ -87,7 +95,15 @@ def retrieve_kv(ctx, keys: list[bytes], buf: KVBuffer) -> torch.Tensor:
         target = buf.target[:n * lay.chunk_bytes].view(dtype).view(shape)
         for i, chunk in enumerate(got.tensors):
             load_chunk(target, i, chunk)
-    return ctx.pool.open(buf)[:n * lay.chunk_bytes].view(dtype).view(shape)
+    return buf, buf.open(cow)[:n * lay.chunk_bytes].view(dtype).view(shape)
+
+
+def _done_with(ctx, src) -> None:
+    """modify no longer uses src: a pooled buffer goes back, a mapping is dropped."""
+    if isinstance(src, MappedKV):
+        src.close()
+    else:
+        ctx.pool.give(src)
 
 
 def check_result(result, layout: ModelLayout) -> tuple[torch.Tensor, list[int]]:
@@ -179,45 +195,47 @@ async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False
                                   f"vLLM with the kvedit connector, same model and salt?)")
     async with cpu_slots:
         t0 = time.perf_counter()
-        buf = ctx.pool.take(n * lay.chunk_bytes)
         try:
-            kv = await ctx.call(retrieve_kv, ctx, old_keys, buf)
+            buf, kv = await ctx.call(retrieve_kv, ctx, old_keys)
         except Exception as e:
             raise ModifyError(stream, f"retrieving its KV failed: {e}") from e
-        res.bytes_retrieved = kv.numel() * kv.element_size()
-        head = stream.tokens[:n * c]
-        kwargs = {"layout": lay} if wants_layout(fn) else {}
-        geometry = (kv.data_ptr(), kv.stride(), kv.element_size())  # before fn can touch it
-        t1 = time.perf_counter()
         try:
-            if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-                    getattr(fn, "__call__", None)):
-                out = await fn(kv, list(head), **kwargs)
-            else:
-                out = await ctx.call(fn, kv, list(head), **kwargs)
-        except Exception as e:
-            raise ModifyError(stream, f"fn raised {type(e).__name__}: {e}") from e
-        try:
-            new_kv, new_tokens = check_result(out, lay)
-        except ValueError as e:
-            raise ModifyError(stream, f"invalid edit: {e}") from None
-        del kv, out
-        m = len(new_tokens) // c
-        t2 = time.perf_counter()
-        try:
-            written = await ctx.call(buf.written_pages)
-            untouched = await ctx.call(untouched_chunks, buf, written, *geometry, new_kv,
-                                       range(min(n, m)), c)
-            ctx.pool.note_outcome(written, len(untouched) / n)
-            salt, keys, stored, reused, compared = await ctx.call(
-                store_kv, ctx, new_tokens[:m * c], stream.cache_salt, new_kv, stream.keys_for,
-                old_keys, untouched)
-        except Exception as e:
-            raise ModifyError(stream, f"storing the edited KV failed ({type(e).__name__}: {e}); "
-                                      f"the original KV is kept") from e
-        res.retrieve_s, res.fn_s, res.store_s = t1 - t0, t2 - t1, time.perf_counter() - t2
-        del new_kv
-        ctx.pool.give(buf)  # reused only once fn keeps no reference to it
+            res.bytes_retrieved = kv.numel() * kv.element_size()
+            head = stream.tokens[:n * c]
+            kwargs = {"layout": lay} if wants_layout(fn) else {}
+            geometry = (kv.data_ptr(), kv.stride(), kv.element_size())  # before fn can touch it
+            t1 = time.perf_counter()
+            try:
+                if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+                        getattr(fn, "__call__", None)):
+                    out = await fn(kv, list(head), **kwargs)
+                else:
+                    out = await ctx.call(fn, kv, list(head), **kwargs)
+            except Exception as e:
+                raise ModifyError(stream, f"fn raised {type(e).__name__}: {e}") from e
+            try:
+                new_kv, new_tokens = check_result(out, lay)
+            except ValueError as e:
+                raise ModifyError(stream, f"invalid edit: {e}") from None
+            kv = out = None
+            m = len(new_tokens) // c
+            t2 = time.perf_counter()
+            try:
+                written = await ctx.call(buf.written_pages)
+                untouched = await ctx.call(untouched_chunks, buf, written, *geometry, new_kv,
+                                           range(min(n, m)), c)
+                spared = len(untouched) / n + (COPY_SPARED if isinstance(buf, MappedKV) else 0)
+                ctx.pool.note_outcome(written, spared)
+                salt, keys, stored, reused, compared = await ctx.call(
+                    store_kv, ctx, new_tokens[:m * c], stream.cache_salt, new_kv,
+                    stream.keys_for, old_keys, untouched)
+            except Exception as e:
+                raise ModifyError(stream, f"storing the edited KV failed ({type(e).__name__}: "
+                                          f"{e}); the original KV is kept") from e
+            res.retrieve_s, res.fn_s, res.store_s = t1 - t0, t2 - t1, time.perf_counter() - t2
+        finally:  # a buffer is reused (a mapping released) only once fn keeps no reference
+            kv = out = new_kv = None
+            await asyncio.get_running_loop().run_in_executor(None, _done_with, ctx, buf)
     # Committed: swap the stream's state (nothing can fail between here and the swap).
     res.salt_changed = salt != stream.cache_salt
     stream.suffix = new_tokens[m * c:] + stream.tokens[n * c:] + stream.suffix

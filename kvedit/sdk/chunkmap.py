@@ -1,0 +1,131 @@
+"""Zero-copy retrieve: fn's kv mapped copy-on-write straight from the stored chunks.
+
+In shm mode a stored chunk [2, L, C, D] is a page-aligned slot of the server's tmpfs
+segment. Row r (K/V, layer) of chunk i of kv[2, L, T, D] is C*D contiguous elements, and so
+is row r of the chunk's slot; when that row is a whole number of pages it can be mapped
+MAP_PRIVATE at its place inside one reserved address range, so kv is assembled without
+copying a byte. Pages fn reads are mapped in on first touch (a fault per 16 pages); the
+first write to a page copies it (copy-on-write), so fn can never change a stored chunk, and
+/proc/self/pagemap tells which pages fn wrote, exactly as for the copy path's tracked
+buffers (kvedit.sdk.buffers).
+
+The chunks must not change while anything uses the mapping: the retrieve's read lease is
+held until the last tensor, view or array of it is gone (the server frees a deleted chunk
+only once its last lease is released, and never evicts a leased one); then the range is
+unmapped and the lease released. A kv that fn keeps after modify so stays valid, for at
+most the server's lease TTL.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+import weakref
+
+import torch
+
+from kvedit.sdk.buffers import written_pages
+
+MAX_MAPS = 16384  # mappings per kv; vm.max_map_count is 65530 per process by default
+# BufferPool.note_outcome credit for the retrieve copy a mapping spares (per chunk, in
+# comparisons): measured here, a drop-half edit writing 1/4 of the pages in place ran about
+# as fast mapped as copied, a zero-V edit writing 1/2 of them ~1.6x slower mapped. Ties go
+# to the mapping: it needs no buffer memory and no fresh pages on a context's first modify.
+COPY_SPARED = 1.5
+_MAP_FIXED, _MAP_NORESERVE = 0x10, 0x4000  # Linux values; the mmap module lacks MAP_FIXED
+
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _mmap, _munmap = _libc.mmap, _libc.munmap
+    _mmap.restype, _munmap.restype = ctypes.c_void_p, ctypes.c_int
+    _mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+    _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+except (OSError, AttributeError):
+    _mmap = None
+
+
+def _unmap(base: int, nbytes: int, release) -> None:
+    _munmap(base, nbytes)
+    try:
+        release()
+    except Exception:  # client closed, lease expired: the server drops it by TTL anyway
+        pass
+
+
+class MappedKV:
+    """The bytes of kv[2, L, n*C, D], mapped privately from n stored chunks."""
+
+    private = True
+
+    def __init__(self, path: str, offsets: list[int], layout, release):
+        rows = 2 * layout.num_layers
+        row = layout.chunk_bytes // rows  # one (K/V, layer) row of one chunk
+        n = len(offsets)
+        self.nbytes = nbytes = n * layout.chunk_bytes
+        base = _mmap(None, nbytes, 0,  # PROT_NONE: every byte is mapped over below
+                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        if base is None or base == ctypes.c_void_p(-1).value:
+            raise OSError(ctypes.get_errno(), f"cannot reserve {nbytes} bytes of address space")
+        try:
+            fd = os.open(path, os.O_RDONLY)  # a private mapping never writes the file
+        except OSError:
+            _munmap(base, nbytes)
+            raise
+        try:
+            for r in range(rows):
+                for i, off in enumerate(offsets):
+                    dst = base + (r * n + i) * row
+                    if _mmap(dst, row, mmap.PROT_READ | mmap.PROT_WRITE,
+                             mmap.MAP_PRIVATE | _MAP_FIXED, fd, off + r * row) != dst:
+                        err = ctypes.get_errno()
+                        _munmap(base, nbytes)
+                        raise OSError(err, f"cannot map {path} at offset {off + r * row}")
+        finally:
+            os.close(fd)
+        arr = (ctypes.c_ubyte * nbytes).from_address(base)
+        # Unmap and release once the array is gone: torch.frombuffer's storages keep it alive.
+        weakref.finalize(arr, _unmap, base, nbytes, release)
+        self.view: torch.Tensor | None = torch.frombuffer(arr, dtype=torch.uint8)
+
+    def written_pages(self):
+        return None if self.view is None else written_pages(self.view.data_ptr(), self.nbytes)
+
+    def close(self) -> None:
+        """modify is done with it: unmapped and released now, unless fn's tensors live on."""
+        self.view = None
+
+
+def map_chunks(client, model: str, keys: list[bytes], layout) -> MappedKV | None:
+    """keys' chunks as a MappedKV, or None where mapping is not possible (socket mode, rows
+    that are not whole pages, too many mappings); LookupError if some are missing. Slot
+    offsets are the retrieved views' offsets in the client's segment (KVClient.segment)."""
+    rows, page = 2 * layout.num_layers, mmap.PAGESIZE
+    if _mmap is None or sys.platform != "linux" or client.transfer_mode != "shm" \
+            or client.segment() is None or (layout.chunk_bytes // rows) % page \
+            or rows * len(keys) > MAX_MAPS:
+        return None
+    got = client.retrieve(model, keys)
+    try:
+        if len(got.tensors) < len(keys):
+            raise LookupError(f"only {len(got.tensors)} of its {len(keys)} chunks could be "
+                              f"retrieved (evicted meanwhile?)")
+        attached = client.segment()  # the one the replies' views point into (after a restart too)
+        path, seg = attached if attached is not None else (None, None)
+        offsets = [t.data_ptr() - seg.data_ptr() for t in got.tensors] if seg is not None else []
+        if not offsets or any(o % page or o < 0 or o + layout.chunk_bytes > seg.numel()
+                              for o in offsets):
+            got.release()
+            return None
+        m = MappedKV(path, offsets, layout, got.release)
+    except OSError:  # cannot open or map the segment here: the caller copies instead
+        got.release()
+        return None
+    except BaseException:
+        got.release()
+        raise
+    if not torch.equal(m.view[:64], got.tensors[0].reshape(-1).view(torch.uint8)[:64]):
+        m.close()  # the segment was replaced meanwhile (server restart): not our chunks
+        return None
+    return m
