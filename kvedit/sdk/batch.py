@@ -9,6 +9,7 @@ loop; the `a`-prefixed ones are the async API.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 
@@ -55,20 +56,14 @@ def _add_generation(m: Metrics, g: Generation) -> None:
         m.tpot.append(g.tpot)
 
 
+# ModifyResult (one stream) fields whose batch total in Metrics has another name.
+_TOTAL_NAME = {"salt_changed": "salt_changes", "skipped": "streams_skipped"}
+
+
 def _add_modify(m: Metrics, r: ModifyResult) -> None:
-    m.tokens_before += r.tokens_before
-    m.tokens_after += r.tokens_after
-    m.bytes_retrieved += r.bytes_retrieved
-    m.bytes_stored += r.bytes_stored
-    m.chunks_stored += r.chunks_stored
-    m.chunks_reused += r.chunks_reused
-    m.chunks_deleted += r.chunks_deleted
-    m.chunks_compared += r.chunks_compared
-    m.salt_changes += r.salt_changed
-    m.streams_skipped += r.skipped
-    m.retrieve_s += r.retrieve_s
-    m.fn_s += r.fn_s
-    m.store_s += r.store_s
+    for f in dataclasses.fields(r):
+        total = _TOTAL_NAME.get(f.name, f.name)
+        setattr(m, total, getattr(m, total) + getattr(r, f.name))
 
 
 class BatchedStream:
