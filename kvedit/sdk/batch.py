@@ -98,8 +98,17 @@ class BatchedStream:
         return tqdm(total=total, desc=desc, unit="stream", disable=not self.progress,
                     leave=False)
 
-    async def _each(self, phase: str, streams, work, bar) -> None:
-        """Run work(stream) for all streams; raise the stream errors once all have finished."""
+    async def _each(self, phase: str, streams, work, m: Metrics) -> None:
+        """Run work(stream) for all streams under a progress bar, timing the phase into
+        m.duration; raise the stream errors once all have finished."""
+        bar = self._bar(phase, len(streams))
+        start = time.perf_counter()
+        try:
+            await self._gather(phase, streams, work, bar)
+        finally:
+            m.duration = time.perf_counter() - start
+
+    async def _gather(self, phase: str, streams, work, bar) -> None:
         async def one(s):
             try:
                 await work(s)
@@ -135,12 +144,7 @@ class BatchedStream:
             async with http:
                 _add_generation(m, await s.generate(sampling_params, max_tokens=1))
 
-        start = time.perf_counter()
-        try:
-            bar = self._bar("prefill", len(self.streams))
-            await self._each("prefill", self.streams, work, bar)
-        finally:
-            m.duration = time.perf_counter() - start
+        await self._each("prefill", self.streams, work, m)
         return m
 
     async def amodify(self, fn, *, keep_old: bool = False,
@@ -154,12 +158,7 @@ class BatchedStream:
             _add_modify(m, await modify_stream(s, fn, cpu_slots=cpu, keep_old=keep_old,
                                                wait_timeout=wait))
 
-        start = time.perf_counter()
-        try:
-            bar = self._bar("modify", len(self.streams))
-            await self._each("modify", self.streams, work, bar)
-        finally:
-            m.duration = time.perf_counter() - start
+        await self._each("modify", self.streams, work, m)
         return m
 
     async def adecode(self, sampling_params=None) -> Metrics:
@@ -172,11 +171,7 @@ class BatchedStream:
             async with http:
                 _add_generation(m, await s.generate(sampling_params))
 
-        start = time.perf_counter()
-        try:
-            await self._each("decode", live, work, self._bar("decode", len(live)))
-        finally:
-            m.duration = time.perf_counter() - start
+        await self._each("decode", live, work, m)
         return m
 
     async def arun(self, prefill_params, fn, decode_params, *, keep_old: bool = False,
@@ -203,18 +198,14 @@ class BatchedStream:
                 with spans["decode"]:
                     _add_generation(parts["decode"], await s.generate(decode_params))
 
-        start = time.perf_counter()
+        run = Metrics("run", num_streams=len(self.streams), parts=parts)
         try:
-            bar = self._bar("run", len(self.streams))
-            await self._each("run", self.streams, work, bar)
+            await self._each("run", self.streams, work, run)
         finally:
-            total = time.perf_counter() - start
             for p in names:
                 parts[p].duration = spans[p].seconds
-        run = Metrics("run", num_streams=len(self.streams), duration=total,
-                      input_tokens=parts["prefill"].input_tokens,
-                      output_tokens=parts["prefill"].output_tokens + parts["decode"].output_tokens,
-                      parts=parts)
+        run.input_tokens = parts["prefill"].input_tokens
+        run.output_tokens = parts["prefill"].output_tokens + parts["decode"].output_tokens
         run.ttft, run.tpot = parts["decode"].ttft, parts["decode"].tpot
         return run
 
