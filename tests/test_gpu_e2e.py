@@ -96,7 +96,9 @@ def probe(model: str, url: str, http_url: str | None, dtype: str, seed: int = 0)
     worker_side.WorkerSide.register_kv_caches = register
     worker_side.WorkerSide.load, worker_side.WorkerSide.store = load, store
 
-    llm = LLM(model=model, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
+    # Its own served name: the server keeps one layout (dtype included) per model name.
+    llm = LLM(model=model, served_model_name=f"kvedit-probe-{dtype}", dtype=dtype,
+              enforce_eager=True, skip_tokenizer_init=True,
               kv_transfer_config=KVTransferConfig(**_kv_transfer_config(url, http_url, CHUNK)),
               max_model_len=2048, kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.3,
               enable_prefix_caching=True, seed=seed)
@@ -223,6 +225,32 @@ def test_loaded_kv_is_the_computed_kv_byte_for_byte(tiny_model, kv_server, dtype
         "recomputing the same prompt is not deterministic"
     if dtype == "float32":  # numerics noise ~1e-6: greedy agrees over the issue's 8 tokens
         assert res["tokens"]["B_loaded"][:8] == res["tokens"]["A_computed"][:8]
+
+
+def test_stored_kv_matches_transformers_layer_by_layer(vllm_server, kv_server, tiny_model):
+    """The float32 server (CUDA) stores transformers' KV: exactly at layer 0, whose KV needs
+    no attention; within TF32 error at later layers (float32 attention on CUDA runs in a
+    Triton kernel whose dots are TF32). A layout or store bug would be off at every layer."""
+    import torch
+
+    from kvedit.client import KVClient
+    from tests.test_connector import CHUNK as C, MODEL, complete, hf_kv, keys_of, prompt_of
+
+    prompt = prompt_of(3 * C + C // 2, seed=1)
+    complete(vllm_server, prompt, max_tokens=1)
+    client = KVClient(kv_server.url)
+    try:
+        keys = keys_of(client, prompt)
+        with client.retrieve(MODEL, keys) as got:
+            stored = torch.cat([t.clone() for t in got.tensors], dim=2)
+    finally:
+        client.close()
+    ref = hf_kv(tiny_model, prompt[: 3 * C])
+    rel = [[float((stored[kv, l] - ref[kv, l]).norm() / ref[kv, l].norm())
+            for l in range(stored.shape[1])] for kv in (0, 1)]
+    print("relative error per layer, K and V:", rel)
+    assert max(rel[0][0], rel[1][0]) < 1e-5, rel
+    assert max(max(r) for r in rel) < 5e-3, rel
 
 
 if __name__ == "__main__":
