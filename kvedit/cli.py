@@ -13,7 +13,7 @@ import sys
 
 COMMAND_MODULES = [
     "kvedit.server.cli",   # kvedit server
-    "kvedit.vllm.cli",     # kvedit vllm serve, kvedit tiny-model
+    "kvedit.harness.cli",  # kvedit vllm serve, kvedit tiny-model, kvedit model
     "kvedit.bench.cli",    # kvedit bench transfer|connector|modify|dropping
     "kvedit.demo",         # kvedit demo
 ]

@@ -64,7 +64,7 @@ def run_demo(args) -> tuple[dict, Path]:
     """The whole demo; returns (summary, output dir)."""
     import kvedit
     from kvedit.edits import POLICIES
-    from kvedit.edits.experiment import Workload, engines, run_arm, warm_up
+    from kvedit.harness.experiment import Workload, engines, run_arm, warm_up
 
     if args.policy not in POLICIES:
         raise SystemExit(f"--policy {args.policy!r}: expected one of {sorted(POLICIES)}")

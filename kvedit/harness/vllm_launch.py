@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,14 +19,10 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from kvedit.server.launch import free_port  # one helper for every launcher
+
 CONNECTOR_CLASS = "KVEditConnector"
 CONNECTOR_MODULE = "kvedit.vllm.connector"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _is_cpu_build() -> bool:

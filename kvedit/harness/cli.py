@@ -35,7 +35,7 @@ def register(sub) -> None:
 
 
 def _serve(args) -> int:
-    from kvedit.vllm.launch import kv_transfer_config, vllm_command, vllm_env
+    from kvedit.harness.vllm_launch import kv_transfer_config, vllm_command, vllm_env
 
     connector = None if args.no_connector else kv_transfer_config(
         args.kvedit_url, args.kvedit_http_url, args.chunk_size, not args.no_store_generated)
@@ -47,7 +47,7 @@ def _serve(args) -> int:
 
 
 def _tiny_model(args) -> int:
-    from kvedit.vllm.tiny_model import build_tiny_model
+    from kvedit.harness.tiny_model import build_tiny_model
 
     print(build_tiny_model(args.dir, seed=args.seed))
     return 0

@@ -64,7 +64,7 @@ class Engines:
 
 def block_size() -> int:
     """vLLM's KV block size: 128 on the CPU build, 16 on GPUs."""
-    from kvedit.vllm.launch import _is_cpu_build
+    from kvedit.harness.vllm_launch import _is_cpu_build
 
     return 128 if _is_cpu_build() else 16
 
@@ -92,8 +92,8 @@ def engines(*, server_url: str | None = None, server_http_url: str | None = None
         if vllm_url:
             yield Engines(url, http_url, vllm_url.rstrip("/"), served_model_name, None)
             return
-        from kvedit.vllm.launch import start_vllm
-        from kvedit.vllm.tiny_model import default_tiny_model
+        from kvedit.harness.vllm_launch import start_vllm
+        from kvedit.harness.tiny_model import default_tiny_model
 
         model_dir = model or str(default_tiny_model())
         extra = []
