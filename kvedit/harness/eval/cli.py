@@ -45,6 +45,12 @@ def register(sub) -> None:
     p.add_argument("--gain-each", action="store_true",
                    help="one gain arm per policy x ratio (default: one per kept size)")
     p.add_argument("--no-progress", action="store_true")
+    g = p.add_argument_group("existing engines (default: start a kvedit server and vLLMs here)")
+    g.add_argument("--server-url", help="kvedit server ZMQ url (tcp://host:port)")
+    g.add_argument("--server-http-url", help="its HTTP url")
+    g.add_argument("--vllm-url", help="vLLM with the kvedit connector on --model; the gain "
+                                      "arms need a KV-bound vLLM we start, so they are skipped")
+    g.add_argument("--served-model-name", help="the model's name on that vLLM")
     p.set_defaults(func=_main)
 
 
@@ -90,6 +96,23 @@ def resolve_model(name: str) -> tuple[Path, str]:
     return path, path.name
 
 
+def _engines_kw(args, cfg, log) -> dict:
+    kw: dict = {}
+    if args.vllm_url and not args.server_url:
+        raise SystemExit("--vllm-url needs the kvedit server its connector uses "
+                         "(--server-url and --server-http-url)")
+    if args.server_url:
+        kw.update(server_url=args.server_url, server_http_url=args.server_http_url)
+    if args.vllm_url:
+        kw.update(vllm_url=args.vllm_url)
+        if cfg.gain:
+            log("--vllm-url: skipping the decode-gain arms (they need a KV-bound vLLM we start)")
+            cfg.gain = False
+    if args.served_model_name:
+        kw["served_model_name"] = args.served_model_name
+    return kw
+
+
 def _main(args) -> int:
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
@@ -119,7 +142,8 @@ def _main(args) -> int:
         out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
         out.mkdir(parents=True, exist_ok=True)
         log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
-        result = run_eval(cfg, out, log=log)
+        engines_kw = _engines_kw(args, cfg, log)
+        result = run_eval(cfg, out, log=log, engines_kw=engines_kw)
     except KeyboardInterrupt:
         print("\ninterrupted; everything eval started is stopped", file=sys.stderr)
         return 130

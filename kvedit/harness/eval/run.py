@@ -46,11 +46,8 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
 
     t0 = time.perf_counter()
     engines_kw = dict(engines_kw or {})
-    if "model_dir" in engines_kw:  # tests: a model dir (and maybe engines) of their own
-        model_dir = Path(engines_kw.pop("model_dir"))
-        served = engines_kw.get("served_model_name", model_dir.name)
-    else:
-        model_dir, served = resolve_model(cfg.model)
+    model_dir, served = resolve_model(cfg.model)
+    served = engines_kw.get("served_model_name", served)
     tok = load(model_dir)
     samples = suite(tok, cfg.tasks, cfg.lengths, cfg.samples, seed=cfg.seed)
     longest_tail = max(len(s.prompt_ids) - s.length for s in samples)
@@ -81,6 +78,11 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
         with engines(**kw) as eng:
             timings["start_s"] = time.perf_counter() - t0
             with _session(eng) as (ctx, completion):
+                odd = sorted({n for n in cfg.lengths if n % ctx.chunk_size})
+                if odd:
+                    raise ValueError(f"lengths {odd} are not whole chunks of the server's "
+                                     f"{ctx.chunk_size} tokens: part of a question would be "
+                                     "editable")
                 acc = AccuracyRun(ctx, completion, samples, tok.decode, progress=False)
                 log("accuracy: prefill every sample once, decode the baseline")
                 base_records, timings["baseline"] = acc.baseline()
