@@ -150,8 +150,9 @@ def sampling(max_tokens: int) -> dict:
 def run_arm(ctx, completion, prompts, *, max_tokens: int, fn=None, pipelined: bool = False,
             progress: bool = True, label: str = "arm", vllm_url: str | None = None) -> dict:
     """One arm on fresh streams: prefill → [modify(fn)] → decode, or run() when pipelined.
-    Returns the phases' metrics, total seconds, and vLLM's counters over the arm ("engine")
-    and over the decode phase (["decode"]["engine"])."""
+    Returns the phases' metrics, total seconds, vLLM's counters over the arm ("engine") and
+    over the decode phase (["decode"]["engine"]), and each prompt's generated token ids
+    ("outputs", in prompt order: what quality checks score)."""
     import kvedit
 
     salt = f"{label}-{uuid.uuid4().hex[:8]}"  # fresh: no cache hit from another arm
@@ -176,6 +177,8 @@ def run_arm(ctx, completion, prompts, *, max_tokens: int, fn=None, pipelined: bo
     out["total_s"] = time.perf_counter() - t0
     out["engine"] = _delta(start, snap())
     out["decode_prompt_tokens"] = sum(g.prompt_tokens for s in batch for g in s.generations[-1:])
+    # Per prompt, in prompt order: all it generated (the prefill's token, then the decode's).
+    out["outputs"] = [list(s.output_token_ids) for s in batch]
     return out
 
 
