@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 
@@ -80,8 +81,9 @@ def _serve(args) -> int:
         received.append(signum)
         raise _Stop
 
-    # vLLM leads its own group: Ctrl-C on the terminal reaches only us, and we stop it.
-    proc = spawn_group(cmd, env=vllm_env(dev_mode=dev_mode))
+    # vLLM leads its own group: Ctrl-C on the terminal reaches only us, and we stop it. Not the
+    # terminal's foreground group, so it must not read the terminal (SIGTTIN): no stdin.
+    proc = spawn_group(cmd, env=vllm_env(dev_mode=dev_mode), stdin=subprocess.DEVNULL)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
     try:
