@@ -15,7 +15,7 @@ COMMAND_MODULES = [
     "kvedit.server.cli",   # kvedit server
     "kvedit.harness.cli",  # kvedit vllm serve, kvedit tiny-model, kvedit model
     "kvedit.bench.cli",    # kvedit bench transfer|connector|modify|dropping
-    "kvedit.demo",         # kvedit demo
+    "kvedit.harness.demo", # kvedit demo
     "kvedit.harness.eval.cli",  # kvedit eval
 ]
 

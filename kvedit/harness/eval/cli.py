@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 DEFAULT_TASKS = ("passkey", "multikey", "multivalue", "vartrack")
-DEFAULT_LENGTHS = (512, 768)
+DEFAULT_LENGTHS = (512, 640)
 DEFAULT_SAMPLES = 5
 DEFAULT_RATIOS = (0.25, 0.5, 0.75)
 CHUNK = 128  # server chunk = one vLLM CPU block: the finest granularity the connector stores

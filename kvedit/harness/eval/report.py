@@ -30,7 +30,8 @@ def summarize(base_records, cells: list[dict]) -> tuple[dict, list[dict]]:
         row = {"policy": c.pop("policy"), "ratio": c.pop("ratio"), **acc.to_dict()}
         row["relative_accuracy"] = (acc.value / base["accuracy"]
                                     if acc.value is not None and base["accuracy"] else None)
-        row.update(c)
+        row.update({"decode_gain": None, "step_gain": None, "decode_gain_bound": None})
+        row.update(c)  # the gain fields when the gain arms ran
         row.update(_groups(recs))
         results.append(row)
     return base, results
@@ -115,3 +116,23 @@ def charts(base: dict, results: list[dict], out: Path, title: str) -> list[Path]
         fig.savefig(path)
         plt.close(fig)
     return paths
+
+
+def markdown(base: dict, results: list[dict]) -> str:
+    """Accuracy per policy (rows) and ratio (columns), with the decode gain per ratio: the
+    table the README and docs/eval.md show (written to table.md)."""
+    ratios = sorted({r["ratio"] for r in results})
+    policies = list(dict.fromkeys(r["policy"] for r in results))
+    cell = {(r["policy"], r["ratio"]): r for r in results}
+    lines = ["| policy | " + " | ".join(f"{x:g}" for x in ratios) + " |",
+             "|---|" + "---|" * len(ratios),
+             "| none (baseline) | " + " | ".join(
+                 f"{base['accuracy']:.2f}" for _ in ratios) + " |"]
+    for p in policies:
+        lines.append(f"| {p} | " + " | ".join(
+            f"{cell[p, x]['accuracy']:.2f}" if (p, x) in cell else "-" for x in ratios) + " |")
+    gains = [next((cell[p, x] for p in policies if (p, x) in cell), {}) for x in ratios]
+    lines.append("| decode gain (step gain; bound) | " + " | ".join(
+        f"{g['decode_gain']:.2f}x ({g['step_gain']:.2f}x; {g['decode_gain_bound']:.1f}x)"
+        if g.get("decode_gain") and g.get("step_gain") else "-" for g in gains) + " |")
+    return "\n".join(lines) + "\n"

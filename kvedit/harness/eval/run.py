@@ -129,6 +129,7 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
             f.write(json.dumps(r) + "\n")
     charts = report.charts(base, results, out, f"{model_dir.name}: {len(samples)} samples, "
                                                f"{', '.join(cfg.tasks)}; {cfg.lengths} tokens")
+    (out / "table.md").write_text(report.markdown(base, results))
     log("\n" + report.table(base, results))
     log(f"\nacceptance: {json.dumps(result['acceptance'])}")
     log(f"wrote {out / 'results.json'}, {out / 'samples.jsonl'}, "
