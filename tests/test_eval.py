@@ -76,9 +76,9 @@ def test_gain_arms_share_one_prefill_and_keep_what_the_policy_keeps(kv_server, v
 
 
 def test_gain_bound_counts_decode_waves():
-    cfg = GainConfig()  # 6 x (1024 + 64) tokens = 9 blocks each, 21 blocks
-    assert cfg.at_once(1024 + 64, 128) == 2
-    assert [cfg.bound(k, 128) for k in (768, 512, 256)] == [1.5, 1.5, 3.0]
+    cfg = GainConfig()  # 12 x (512 + 32) tokens = 5 blocks each, 12 blocks
+    assert cfg.at_once(512 + 32, 128) == 2
+    assert [cfg.bound(k, 128) for k in (384, 256, 128)] == [1.5, 2.0, 3.0]
     with pytest.raises(ValueError, match="cannot hold one request"):
         GainConfig(kv_blocks=4).bound(256, 128)
 

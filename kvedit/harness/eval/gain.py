@@ -28,14 +28,16 @@ from kvedit.harness.experiment import _delta, sampling, vllm_counters
 class GainConfig:
     """N prompts of P tokens, O output tokens, KV capacity C blocks. Requests decode the same
     number of tokens, so a batch drains in waves of as many requests as fit at once, and the
-    gain is (baseline waves) / (dropped waves). Defaults: P + O = 1088 tokens = 9 blocks;
-    kept at r = 0.25 / 0.5 / 0.75 is 7 / 5 / 3 blocks; with C = 21 blocks 2 baseline requests
-    decode at once (3 waves of 6) and 3 / 4 / 6 dropped ones (2 / 2 / 1 waves): bounds
-    1.5, 1.5, 3.0. Small, because SmolLM2 decodes ~10-40 tokens/s on two busy cores."""
-    num_prompts: int = 6
-    prompt_len: int = 1024
-    max_tokens: int = 64
-    kv_blocks: int = 21
+    gain is (baseline waves) / (dropped waves). Sizes keep every request in the blocks it is
+    admitted with (P a multiple of 128, O < 128: vLLM never has to grow, and so never
+    preempts, a running request): P + O = 544 tokens = 5 blocks; kept at r = 0.25 / 0.5 /
+    0.75 is 4 / 3 / 2 blocks. With C = 12 blocks, 2 baseline requests decode at once (6
+    waves of 12) and 3 / 4 / 6 dropped ones (4 / 3 / 2 waves): bounds 1.5, 2.0, 3.0. Small,
+    because SmolLM2 decodes ~10-40 tokens/s on two busy cores."""
+    num_prompts: int = 12
+    prompt_len: int = 512
+    max_tokens: int = 32
+    kv_blocks: int = 12
     seed: int = 0
 
     def validate(self) -> None:

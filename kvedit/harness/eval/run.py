@@ -127,8 +127,9 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
     with open(out / "samples.jsonl", "w") as f:
         for r in all_records:
             f.write(json.dumps(r) + "\n")
-    charts = report.charts(base, results, out, f"{model_dir.name}: {len(samples)} samples, "
-                                               f"{', '.join(cfg.tasks)}; {cfg.lengths} tokens")
+    charts = report.charts(base, results, out, f"{model_dir.name}, {len(samples)} samples "
+                                               f"({', '.join(cfg.tasks)}; "
+                                               f"{'/'.join(map(str, cfg.lengths))} tokens)")
     (out / "table.md").write_text(report.markdown(base, results))
     log("\n" + report.table(base, results))
     log(f"\nacceptance: {json.dumps(result['acceptance'])}")
