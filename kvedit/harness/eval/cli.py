@@ -1,5 +1,7 @@
-"""`kvedit eval`: accuracy vs KV compression per policy, in the live engine, with the decode
-gain of each policy x ratio measured in the same run.
+"""`kvedit eval`: accuracy vs KV compression per policy, and the decode gain, in one run.
+
+Accuracy of each policy x ratio on a live engine, with the decode gain of the same edits
+measured in the same run.
 
 Starts a kvedit server (128-token chunks) and a vLLM with the connector on the model, its KV
 capacity set so the gain batch is KV-bound; generates the task suite with the model's
@@ -27,14 +29,16 @@ def register(sub) -> None:
                        description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2",
                    help="smollm2 (built by `kvedit model smollm2`), tiny, or a model dir")
-    p.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma-separated")
+    p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
+                   help="comma-separated kvedit.harness.eval.tasks.TASKS (default %(default)s)")
     p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)),
                    help=f"context tokens, multiples of {CHUNK} (default %(default)s)")
     p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
                    help="samples per task and length; depths cycle 0.1..0.9 (default %(default)s)")
     p.add_argument("--policies", default="all",
                    help="comma-separated names of kvedit.edits.POLICIES (default: all)")
-    p.add_argument("--ratios", default=",".join(map(str, DEFAULT_RATIOS)))
+    p.add_argument("--ratios", default=",".join(map(str, DEFAULT_RATIOS)),
+                   help="fractions of the context KV to drop (default %(default)s)")
     p.add_argument("--granularity", default="token", choices=("token", "chunk"),
                    help="unit a policy keeps or drops (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)

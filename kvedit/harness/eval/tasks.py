@@ -10,8 +10,8 @@ chunks, so they are the stream's un-chunked suffix and no policy can drop the qu
 
 Tasks (a generator is one function; `TASKS` registers it):
 - passkey: one 5-digit pass key at a given depth (RULER's niah_single, "noise" haystack).
-- multikey: three "pass key for <key>" needles (each said twice); the question asks one
-  key, the other two are distractors at random depths (niah_multikey).
+- multikey: three "pass key of the <noun>" needles (each said twice); the question asks
+  one key, the other two are distractors at random depths (niah_multikey).
 - multivalue: a first and a second secret code of one city; both must be answered
   (niah_multivalue).
 - vartrack: a chain of variable assignments (VAR A = 12345 ... VAR B = VAR A ...) among
@@ -32,8 +32,6 @@ from kvedit.harness.eval.tokenizer import ChatTokenizer
 INSTRUCTION = ("Below is a long text. Some important facts are hidden in it. Read it and "
                "answer the question at the end.")
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
-KEY_ADJ = ["amber", "silent", "crimson", "frozen", "hollow", "golden", "rapid", "wicked",
-           "gentle", "bitter", "lucky", "hidden", "narrow", "purple", "swift", "ancient"]
 KEY_NOUN = ["falcon", "harbor", "lantern", "meadow", "tiger", "violin", "glacier", "cactus",
             "orchid", "anchor", "comet", "walnut", "pepper", "marble", "willow", "rocket"]
 CITIES = ["Paris", "Tokyo", "Cairo", "Lima", "Oslo", "Delhi", "Rome", "Quito", "Dublin",
@@ -95,18 +93,16 @@ def passkey(rng: random.Random, depth: float) -> Spec:
                 "What is the pass key?", "The pass key is", (key,), 8)
 
 
-def _key(rng: random.Random) -> str:
-    return f"{rng.choice(KEY_ADJ)}-{rng.choice(KEY_NOUN)}"
-
-
 def multikey(rng: random.Random, depth: float) -> Spec:
-    keys = _distinct(rng, 3, lambda: _key(rng))
+    # Keys are single nouns ("the falcon"): with hyphenated two-word keys ("amber-falcon")
+    # SmolLM2-135M answered a distractor's number about half the time even unedited.
+    keys = _distinct(rng, 3, lambda: rng.choice(KEY_NOUN))
     values = _distinct(rng, 3, lambda: _number(rng, 5))
     depths = [depth] + [rng.random() for _ in keys[1:]]
-    needles = tuple(Needle(f" The pass key for {k} is {v}. Remember it: the pass key for {k} "
-                           f"is {v}.", d) for k, v, d in zip(keys, values, depths))
-    return Spec(needles, f"What is the pass key for {keys[0]}?",
-                f"The pass key for {keys[0]} is", (values[0],), 8)
+    needles = tuple(Needle(f" The pass key of the {k} is {v}. Remember it: the pass key of the "
+                           f"{k} is {v}.", d) for k, v, d in zip(keys, values, depths))
+    return Spec(needles, f"What is the pass key of the {keys[0]}?",
+                f"The pass key of the {keys[0]} is", (values[0],), 8)
 
 
 def multivalue(rng: random.Random, depth: float) -> Spec:
