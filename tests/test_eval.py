@@ -1,6 +1,6 @@
 """`kvedit eval` end to end through the real path on a few samples: the session's vLLM on
 SmolLM2 prefills, the SDK modifies with each policy, vLLM decodes; plus the decode-gain arms'
-plumbing on the session's tiny-model vLLM (the KV-bound gain itself is what the default
+plumbing on the same vLLM (the KV-bound gain itself is what the default
 suite measures and reports, never asserted: timings are noisy)."""
 from __future__ import annotations
 
@@ -51,16 +51,17 @@ def test_eval_end_to_end_json_table_charts(kv_server, smollm2_vllm, smollm2_mode
 
 
 @pytest.mark.vllm
-def test_gain_arms_share_one_prefill_and_keep_what_the_policy_keeps(kv_server, vllm_server):
+def test_gain_arms_share_one_prefill_and_keep_what_the_policy_keeps(kv_server, smollm2_vllm):
     from kvedit.edits import DropMiddle
     from kvedit.harness.eval.gain import GainRun
     from kvedit.sdk.context import connect
     from kvedit.sdk.openai import openai_completion
 
     cfg = GainConfig(num_prompts=2, prompt_len=512, max_tokens=8, kv_blocks=21)
-    with connect(kv_server.url, kv_server.http_url, vllm_server.model, timeout=60) as ctx:
-        g = GainRun(ctx, openai_completion(vllm_server.base_url, vllm_server.model),
-                    vllm_server.base_url, cfg, 128, progress=False)
+    vp = smollm2_vllm  # the session's one vLLM on SmolLM2 (not KV-bound: plumbing only)
+    with connect(kv_server.url, kv_server.http_url, vp.model, timeout=60) as ctx:
+        g = GainRun(ctx, openai_completion(vp.base_url, vp.model), vp.base_url, cfg, 128,
+                    progress=False)
         g.prefill()
         held = dict(ctx.refs)
         b = g.arm()

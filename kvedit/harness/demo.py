@@ -17,8 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-# 6 prompts of 1024 context tokens (+ the question), 64 output tokens each; with fill 0.55
-# about 3 baseline requests decode at once and all 6 dropped ones.
+# 6 prompts of 1024 context tokens (+ the question), 64 output tokens each: 9 blocks of 128
+# per unedited request, 5 dropped; the capacity (30 blocks) decodes 3 unedited requests at
+# once (2 waves) and all 6 dropped ones (1 wave): bound 2.0.
 DEFAULTS = dict(num_prompts=6, prompt_len=1024, max_tokens=64)
 DEMO_TASKS = ("passkey", "multikey")
 CHUNK = 128  # the server chunk we start: the question stays in the un-edited suffix
@@ -38,9 +39,9 @@ def register(sub) -> None:
                    help="name vLLM serves the model as (default: smollm2, tiny-qwen3, dir name)")
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--kv-tokens", type=int, default=None,
-                   help="KV capacity of the vLLM we start, in tokens (default: fill·N·(P+O), "
-                        "so decode is KV-memory-bound; 0: vLLM's own default)")
-    g.add_argument("--fill", type=float, default=0.55, help="see --kv-tokens (default %(default)s)")
+                   help="KV capacity of the vLLM we start, in tokens (default: what the "
+                        "dropped batch needs at once, so the unedited decode is "
+                        "KV-memory-bound; 0: vLLM's own default)")
     g.add_argument("--l1-gb", type=float, default=1.0, help="kvedit server memory we start")
     w = p.add_argument_group("workload")
     w.add_argument("--policy", default="keydiff",
@@ -114,11 +115,7 @@ def run_demo(args) -> tuple[dict, Path]:
     token_ids = [s.prompt_ids for s in samples]
     full = round(sum(map(len, token_ids)) / len(token_ids))
     w = Workload(args.num_prompts, full, args.max_tokens, args.ratio, args.seed)
-    kv_tokens = None if args.vllm_url else (w.capacity(args.fill) if args.kv_tokens is None
-                                            else args.kv_tokens or None)
-    if kv_tokens and kv_tokens < max(map(len, token_ids)) + w.max_tokens:
-        raise SystemExit(f"--kv-tokens {kv_tokens} cannot hold one request of "
-                         f"{max(map(len, token_ids)) + w.max_tokens} tokens")
+    kv_tokens, bound = (None, None) if args.vllm_url else capacity(token_ids, args)
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
@@ -141,6 +138,7 @@ def run_demo(args) -> tuple[dict, Path]:
             kvedit.close(ctx)
     answers = {arm["label"]: _answers(samples, arm, tok) for arm in (base, drop)}
     summary = _summary(w, policy, kv_tokens, base, drop)
+    summary["decode_gain_bound"] = bound
     summary["prompt_context_tokens"] = args.prompt_len
     summary["accuracy"] = {k: _acc(v) for k, v in answers.items()}
     print("\n" + table(summary))
@@ -149,6 +147,28 @@ def run_demo(args) -> tuple[dict, Path]:
     chart(summary, out / "decode_throughput.png")
     accuracy_chart(summary, out / "accuracy.png")
     return summary, out
+
+
+def capacity(token_ids, args) -> tuple[int | None, float | None]:
+    """(KV capacity in tokens, decode gain bound). Default: exactly the blocks the dropped
+    batch needs at once, so every dropped request decodes together while the unedited ones
+    drain in waves. Requests decode the same number of tokens, so the bound is baseline waves
+    over dropped waves, in whole vLLM blocks."""
+    from kvedit.harness.experiment import block_size
+
+    bs, n = block_size(), len(token_ids)
+    extra = 1 + args.max_tokens  # the prefill's token, then the decode
+    base = max(-(-(len(t) + extra) // bs) for t in token_ids)
+    kept = [len(t) - int(args.ratio * (len(t) // CHUNK * CHUNK)) for t in token_ids]
+    drop = max(-(-(k + extra) // bs) for k in kept)
+    if args.kv_tokens == 0:
+        return None, None
+    blocks = n * drop if args.kv_tokens is None else args.kv_tokens // bs
+    if blocks < base:
+        raise SystemExit(f"--kv-tokens {args.kv_tokens} cannot hold one request of "
+                         f"{base * bs} tokens ({base} blocks of {bs})")
+    waves = [-(-n // min(n, blocks // b)) for b in (base, drop)]
+    return blocks * bs, waves[0] / waves[1]
 
 
 def _answers(samples, arm: dict, tok) -> list[dict]:
