@@ -1,4 +1,4 @@
-"""`kvedit demo`: drop half of each long request's KV; see decode get faster and what the answers lose.
+"""`kvedit demo`: drop half of each request's KV; see decode get faster and what answers lose.
 
 With no arguments: build SmolLM2-135M-Instruct if needed (`kvedit model smollm2`), start a
 kvedit server and a vLLM (CPU) with the connector, its KV capacity set so decode is

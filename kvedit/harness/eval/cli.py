@@ -141,7 +141,8 @@ def _main(args) -> int:
         cfg = EvalConfig(model=args.model, tasks=tasks, lengths=lengths, samples=args.samples,
                          policies=policy_names(args.policies), ratios=ratios,
                          granularity=args.granularity, seed=args.seed, gain=not args.no_gain,
-                         gain_prompts=args.gain_prompts, gain_each=args.gain_each, progress=not args.no_progress,
+                         gain_prompts=args.gain_prompts, gain_each=args.gain_each,
+                         progress=not args.no_progress,
                          chunk_size=CHUNK)
         out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
         out.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,8 @@ is a fresh set of streams of the same prompts and salt that find those chunks in
 server, so an arm costs its modify and its decode. The decode of a KV-bound batch depends on
 how many KV tokens each request holds, not on which: policies that keep the same number of
 tokens (all of them at token granularity and one ratio) share one arm unless every cell is
-asked for (`kvedit eval --gain-each`); the JSON names the arm each gain comes from. The baseline arm runs first and last; its mean is the reference (a slow drift on
+asked for (`kvedit eval --gain-each`); the JSON names the arm each gain comes from. The
+baseline arm runs first and last; its mean is the reference (a slow drift on
 a shared machine hits both halves alike).
 """
 from __future__ import annotations
