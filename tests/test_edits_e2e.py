@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from kvedit.edits import DropMiddle
+from kvedit.edits import POLICIES, DropMiddle
 from kvedit.keys import request_keys
 from kvedit.sdk.batch import BatchedStream
 from kvedit.sdk.context import connect
@@ -83,3 +83,27 @@ def test_drop_middle_rerotated_runs_through_vllm(ctx, vllm_server):
     assert external_hits(vllm_server) - hits >= 4 * C  # all edited chunks came from kvedit
     assert gen.cached_tokens >= 4 * C
     assert len(gen.token_ids) == 8
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_keeps_what_it_chooses_on_vllms_kv(ctx, vllm_server, name):
+    """Each policy through the SDK on the KV vLLM computed: the stream keeps exactly the
+    tokens the policy picks from that KV (so the score saw the registered layout and the real
+    keys), and vLLM decodes the shortened prompt from kvedit's chunks."""
+    post = openai_completion(vllm_server.base_url, vllm_server.model)
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(10, 8000, (8 * C + 40,), generator=g).tolist()
+    batch = BatchedStream([create_request(ctx, post, prompt, cache_salt=uuid.uuid4().hex)],
+                          progress=False)
+    batch.prefill(GREEDY)
+    s = batch.streams[0]
+    original = torch.cat(stored(ctx, s.keys[:8]), dim=2)
+    policy = POLICIES[name](0.5)
+    expect = policy.keep_indices(original, ctx.layout)
+    assert len(expect) == 4 * C  # 8 chunks, half kept
+    batch.modify(policy)
+    assert s.tokens == [prompt[i] for i in expect.tolist()]
+    httpx.post(f"{vllm_server.base_url}/reset_prefix_cache", timeout=30).raise_for_status()
+    batch.decode({**GREEDY, "max_tokens": 4})
+    gen = s.generations[-1]
+    assert gen.prompt_tokens == 4 * C + 40 + 1 and gen.cached_tokens >= 4 * C

@@ -23,7 +23,7 @@ from transformers.models.qwen3.modeling_qwen3 import (  # noqa: E402
 
 from kvedit.edits import inv_freq, rerotate  # noqa: E402
 from kvedit.layout import ModelLayout, RopeParams  # noqa: E402
-from kvedit.vllm.tiny_model import CONFIG  # noqa: E402
+from kvedit.harness.tiny_model import CONFIG  # noqa: E402
 
 L, H, HD = CONFIG["num_hidden_layers"], CONFIG["num_key_value_heads"], CONFIG["head_dim"]
 TOL = {torch.float32: 2e-4, torch.bfloat16: 8e-3}

@@ -206,8 +206,8 @@ def _prefill_tput(vp, prompts: list[list[int]]) -> float:
 
 def vllm_bench(tokens: int, n_prompts: int, rounds: int) -> dict:
     from kvedit.server.launch import start_server
-    from kvedit.vllm.launch import start_vllm
-    from kvedit.vllm.tiny_model import default_tiny_model
+    from kvedit.harness.vllm_launch import start_vllm
+    from kvedit.harness.tiny_model import default_tiny_model
 
     model = default_tiny_model()
     rng = random.Random(0)

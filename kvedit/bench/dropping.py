@@ -50,7 +50,7 @@ def register(bsub) -> None:
 
 def _configs(args) -> tuple[int, list]:
     """The shared capacity C (tokens) and one Workload per configuration."""
-    from kvedit.edits.experiment import Workload, block_size
+    from kvedit.harness.experiment import Workload, block_size
 
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
@@ -83,7 +83,7 @@ def _median(xs):
 
 def _one(name, w, capacity, ctx, completion, eng, args, log) -> dict:
     from kvedit.edits import DropMiddle
-    from kvedit.edits.experiment import config_dict, run_arm
+    from kvedit.harness.experiment import config_dict, run_arm
 
     prompts = w.prompts()
     common = dict(max_tokens=w.max_tokens, progress=not args.json, vllm_url=eng.vllm_url)
@@ -146,7 +146,7 @@ def _one(name, w, capacity, ctx, completion, eng, args, log) -> dict:
 
 def _main(args) -> int:
     import kvedit
-    from kvedit.edits.experiment import block_size, engines, warm_up
+    from kvedit.harness.experiment import block_size, engines, warm_up
 
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     capacity, workloads = _configs(args)

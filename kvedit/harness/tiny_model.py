@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
+
+from kvedit.harness.cache import build_into, cache_root
 
 VERSION = "v1"  # bump when the recipe changes, so cached copies are rebuilt
 VOCAB_SIZE = 8192
@@ -70,20 +71,8 @@ def build_tiny_model(dir: str | os.PathLike, seed: int = 0) -> Path:
 
 
 def default_tiny_model(seed: int = 0) -> Path:
-    """The cached tiny model (~/.cache/kvedit, or $KVEDIT_CACHE_DIR), built on first use.
-
-    Several processes may ask at once: each builds into its own temp dir and renames it
-    into place; the loser discards its copy.
-    """
-    root = Path(os.environ.get("KVEDIT_CACHE_DIR", Path.home() / ".cache" / "kvedit"))
-    target = root / f"tiny-qwen3-{VERSION}-seed{seed}"
+    """The cached tiny model (~/.cache/kvedit, or $KVEDIT_CACHE_DIR), built on first use."""
+    target = cache_root() / f"tiny-qwen3-{VERSION}-seed{seed}"
     if all((target / f).exists() for f in _FILES):
         return target
-    tmp = root / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny_model(tmp, seed)
-    try:
-        os.rename(tmp, target)
-    except OSError:  # someone else finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_into(target, lambda tmp: build_tiny_model(tmp, seed))

@@ -64,7 +64,7 @@ class Engines:
 
 def block_size() -> int:
     """vLLM's KV block size: 128 on the CPU build, 16 on GPUs."""
-    from kvedit.vllm.launch import _is_cpu_build
+    from kvedit.harness.vllm_launch import _is_cpu_build
 
     return 128 if _is_cpu_build() else 16
 
@@ -92,8 +92,8 @@ def engines(*, server_url: str | None = None, server_http_url: str | None = None
         if vllm_url:
             yield Engines(url, http_url, vllm_url.rstrip("/"), served_model_name, None)
             return
-        from kvedit.vllm.launch import start_vllm
-        from kvedit.vllm.tiny_model import default_tiny_model
+        from kvedit.harness.vllm_launch import start_vllm
+        from kvedit.harness.tiny_model import default_tiny_model
 
         model_dir = model or str(default_tiny_model())
         extra = []
@@ -150,8 +150,9 @@ def sampling(max_tokens: int) -> dict:
 def run_arm(ctx, completion, prompts, *, max_tokens: int, fn=None, pipelined: bool = False,
             progress: bool = True, label: str = "arm", vllm_url: str | None = None) -> dict:
     """One arm on fresh streams: prefill → [modify(fn)] → decode, or run() when pipelined.
-    Returns the phases' metrics, total seconds, and vLLM's counters over the arm ("engine")
-    and over the decode phase (["decode"]["engine"])."""
+    Returns the phases' metrics, total seconds, vLLM's counters over the arm ("engine") and
+    over the decode phase (["decode"]["engine"]), and each prompt's generated token ids
+    ("outputs", in prompt order: what quality checks score)."""
     import kvedit
 
     salt = f"{label}-{uuid.uuid4().hex[:8]}"  # fresh: no cache hit from another arm
@@ -176,6 +177,8 @@ def run_arm(ctx, completion, prompts, *, max_tokens: int, fn=None, pipelined: bo
     out["total_s"] = time.perf_counter() - t0
     out["engine"] = _delta(start, snap())
     out["decode_prompt_tokens"] = sum(g.prompt_tokens for s in batch for g in s.generations[-1:])
+    # Per prompt, in prompt order: all it generated (the prefill's token, then the decode's).
+    out["outputs"] = [list(s.output_token_ids) for s in batch]
     return out
 
 

@@ -1,0 +1,159 @@
+"""`kvedit eval`: accuracy vs KV compression per policy, and the decode gain, in one run.
+
+Accuracy of each policy x ratio on a live engine, with the decode gain of the same edits
+measured in the same run.
+
+Starts a kvedit server (128-token chunks) and a vLLM with the connector on the model, its KV
+capacity set so the gain batch is KV-bound; generates the task suite with the model's
+tokenizer; runs the baseline and every policy x ratio through prefill -> modify -> decode
+(runner.py) and the gain arms (gain.py); prints a table and writes results.json,
+samples.jsonl and two charts into --out. Everything it started is stopped on exit.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_TASKS = ("passkey", "multikey", "multivalue", "vartrack")
+DEFAULT_LENGTHS = (512, 640)
+DEFAULT_SAMPLES = 5
+DEFAULT_RATIOS = (0.25, 0.5, 0.75)
+CHUNK = 128  # server chunk = one vLLM CPU block: the finest granularity the connector stores
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="accuracy vs KV compression per policy, and decode gain",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2 (built by `kvedit model smollm2`), tiny, or a model dir")
+    p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
+                   help="comma-separated kvedit.harness.eval.tasks.TASKS (default %(default)s)")
+    p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)),
+                   help=f"context tokens, multiples of {CHUNK} (default %(default)s)")
+    p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
+                   help="samples per task and length; depths cycle 0.1..0.9 (default %(default)s)")
+    p.add_argument("--policies", default="all",
+                   help="comma-separated names of kvedit.edits.POLICIES (default: all)")
+    p.add_argument("--ratios", default=",".join(map(str, DEFAULT_RATIOS)),
+                   help="fractions of the context KV to drop (default %(default)s)")
+    p.add_argument("--granularity", default="token", choices=("token", "chunk"),
+                   help="unit a policy keeps or drops (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output dir (default runs/eval-<time>)")
+    p.add_argument("--json", action="store_true", help="print only the JSON result")
+    p.add_argument("--no-gain", action="store_true", help="skip the decode-gain arms")
+    p.add_argument("--gain-prompts", type=int, default=None, help="N of the gain batch")
+    p.add_argument("--gain-each", action="store_true",
+                   help="one gain arm per policy x ratio (default: one per kept size)")
+    p.add_argument("--no-progress", action="store_true")
+    g = p.add_argument_group("existing engines (default: start a kvedit server and vLLMs here)")
+    g.add_argument("--server-url", help="kvedit server ZMQ url (tcp://host:port)")
+    g.add_argument("--server-http-url", help="its HTTP url")
+    g.add_argument("--vllm-url", help="vLLM with the kvedit connector on --model; the gain "
+                                      "arms need a KV-bound vLLM we start, so they are skipped")
+    g.add_argument("--served-model-name", help="the model's name on that vLLM")
+    p.set_defaults(func=_main)
+
+
+def _list(text: str, kind, what: str) -> list:
+    try:
+        items = [kind(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--{what}: expected comma-separated {kind.__name__}s, got {text!r}")
+    if not items:
+        raise SystemExit(f"--{what}: empty")
+    return items
+
+
+def policy_names(text: str) -> list[str]:
+    """Registry keys of --policies; class names (KeyNorm) are accepted too."""
+    from kvedit.edits import POLICIES
+
+    if text == "all":
+        return list(POLICIES)
+    by_class = {cls.__name__.lower(): key for key, cls in POLICIES.items()}
+    out = []
+    for name in _list(text, str, "policies"):
+        key = name if name in POLICIES else by_class.get(name.lower())
+        if key is None:
+            raise SystemExit(f"--policies: unknown {name!r}; expected some of {sorted(POLICIES)}")
+        out.append(key)
+    return out
+
+
+def resolve_model(name: str) -> tuple[Path, str]:
+    """(model dir, served name)."""
+    if name == "smollm2":
+        from kvedit.harness.models import smollm2
+
+        return Path(smollm2()), "smollm2"
+    if name == "tiny":
+        from kvedit.harness.tiny_model import default_tiny_model
+
+        return Path(default_tiny_model()), "tiny-qwen3"
+    path = Path(name)
+    if not path.is_dir():
+        raise SystemExit(f"--model {name!r}: expected smollm2, tiny or a model directory")
+    return path, path.name
+
+
+def _engines_kw(args, cfg, log) -> dict:
+    kw: dict = {}
+    if args.vllm_url and not args.server_url:
+        raise SystemExit("--vllm-url needs the kvedit server its connector uses "
+                         "(--server-url and --server-http-url)")
+    if args.server_url:
+        kw.update(server_url=args.server_url, server_http_url=args.server_http_url)
+    if args.vllm_url:
+        kw.update(vllm_url=args.vllm_url)
+        if cfg.gain:
+            log("--vllm-url: skipping the decode-gain arms (they need a KV-bound vLLM we start)")
+            cfg.gain = False
+    if args.served_model_name:
+        kw["served_model_name"] = args.served_model_name
+    return kw
+
+
+def _main(args) -> int:
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        from kvedit.harness.eval.run import EvalConfig, run_eval
+
+        tasks = _list(args.tasks, str, "tasks")
+        from kvedit.harness.eval.tasks import TASKS
+
+        bad = [t for t in tasks if t not in TASKS]
+        if bad:
+            raise SystemExit(f"--tasks: unknown {bad}; expected some of {sorted(TASKS)}")
+        lengths = _list(args.lengths, int, "lengths")
+        if any(n <= 0 or n % CHUNK for n in lengths):
+            raise SystemExit(f"--lengths: each must be a positive multiple of {CHUNK} (the "
+                             f"chunk size, so the question is never in an edited chunk), "
+                             f"got {lengths}")
+        ratios = _list(args.ratios, float, "ratios")
+        if any(not 0 < r < 1 for r in ratios):
+            raise SystemExit(f"--ratios: each must be in (0, 1), got {ratios}")
+        if args.samples <= 0:
+            raise SystemExit(f"--samples must be positive, got {args.samples}")
+        cfg = EvalConfig(model=args.model, tasks=tasks, lengths=lengths, samples=args.samples,
+                         policies=policy_names(args.policies), ratios=ratios,
+                         granularity=args.granularity, seed=args.seed, gain=not args.no_gain,
+                         gain_prompts=args.gain_prompts, gain_each=args.gain_each,
+                         progress=not args.no_progress,
+                         chunk_size=CHUNK)
+        out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+        out.mkdir(parents=True, exist_ok=True)
+        log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+        engines_kw = _engines_kw(args, cfg, log)
+        result = run_eval(cfg, out, log=log, engines_kw=engines_kw)
+    except KeyboardInterrupt:
+        print("\ninterrupted; everything eval started is stopped", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    return 0

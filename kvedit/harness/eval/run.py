@@ -1,0 +1,191 @@
+"""`kvedit eval` orchestration: engines up, suite generated, accuracy cells, gain arms, report."""
+from __future__ import annotations
+
+import json
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class EvalConfig:
+    model: str = "smollm2"
+    tasks: list[str] = field(default_factory=lambda: ["passkey"])
+    lengths: list[int] = field(default_factory=lambda: [512])
+    samples: int = 5
+    policies: list[str] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75])
+    granularity: str = "token"
+    seed: int = 0
+    gain: bool = True
+    gain_prompts: int | None = None
+    gain_each: bool = False  # one gain arm per cell, not per kept size
+    progress: bool = True
+    chunk_size: int = 128
+
+
+def _policy(name: str, ratio: float, granularity: str):
+    from kvedit.edits import POLICIES
+
+    return POLICIES[name](ratio=ratio, granularity=granularity)
+
+
+def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None = None) -> dict:
+    """The whole eval; writes results.json, samples.jsonl and the charts into `out` and
+    returns the JSON result. `engines_kw` overrides kvedit.harness.experiment.engines
+    arguments (tests pass the session's server and vLLM)."""
+    from kvedit.harness.eval import report
+    from kvedit.harness.eval.cli import resolve_model
+    from kvedit.harness.eval.gain import GainConfig
+    from kvedit.harness.eval.runner import AccuracyRun, Cell
+    from kvedit.harness.eval.tasks import suite
+    from kvedit.harness.eval.tokenizer import load
+    from kvedit.harness.experiment import block_size, engines
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    engines_kw = dict(engines_kw or {})
+    model_dir, served = resolve_model(cfg.model)
+    served = engines_kw.get("served_model_name", served)
+    tok = load(model_dir)
+    samples = suite(tok, cfg.tasks, cfg.lengths, cfg.samples, seed=cfg.seed)
+    longest_tail = max(len(s.prompt_ids) - s.length for s in samples)
+    if longest_tail >= cfg.chunk_size:
+        raise ValueError(f"a question takes {longest_tail} tokens, more than a chunk "
+                         f"({cfg.chunk_size}): it would be editable")
+    gcfg = GainConfig(seed=cfg.seed)
+    if cfg.gain_prompts:
+        gcfg.num_prompts = cfg.gain_prompts
+    gcfg.validate()
+    bs = block_size()
+    longest = max(len(s.prompt_ids) for s in samples) + max(s.max_tokens for s in samples)
+    kw = dict(model=str(model_dir), served_model_name=served, dtype="bfloat16",
+              max_model_len=longest + bs, chunk_size=cfg.chunk_size, log=log)
+    kw.update(engines_kw)
+    cells = [Cell(p, r) for p in cfg.policies for r in cfg.ratios]
+    log(f"{len(samples)} samples ({', '.join(cfg.tasks)} at {cfg.lengths} tokens), "
+        f"{len(cells)} policy x ratio cells, model {model_dir}")
+    timings: dict = {}
+    rows: list[dict] = []
+    with ExitStack() as stack:
+        if "server_url" not in kw:
+            from kvedit.server.launch import start_server
+
+            log(f"starting kvedit server (L1 2 GB, chunk {cfg.chunk_size}) ...")
+            server = stack.enter_context(start_server(2.0, chunk_size=cfg.chunk_size))
+            kw.update(server_url=server.url, server_http_url=server.http_url)
+        with engines(**kw) as eng:
+            timings["start_s"] = time.perf_counter() - t0
+            with _session(eng) as (ctx, completion):
+                odd = sorted({n for n in cfg.lengths if n % ctx.chunk_size})
+                if odd:
+                    raise ValueError(f"lengths {odd} are not whole chunks of the server's "
+                                     f"{ctx.chunk_size} tokens: part of a question would be "
+                                     "editable")
+                acc = AccuracyRun(ctx, completion, samples, tok.decode, progress=False)
+                log("accuracy: prefill every sample once, decode the baseline")
+                base_records, timings["baseline"] = acc.baseline()
+                bar = tqdm(cells, desc="accuracy (policy x ratio)", disable=not cfg.progress)
+                for c in bar:
+                    bar.set_postfix_str(c.label)
+                    recs, info = acc.cell(_policy(c.policy, c.ratio, cfg.granularity), c)
+                    rows.append({"policy": _class(c.policy), "ratio": c.ratio, "records": recs,
+                                 **info})
+                acc.close()
+        timings["accuracy_s"] = time.perf_counter() - t0 - timings["start_s"]
+        if cfg.gain:
+            t1 = time.perf_counter()
+            gkw = {**kw, "kv_tokens": gcfg.kv_blocks * bs,
+                   "max_model_len": gcfg.prompt_len + gcfg.max_tokens + bs}
+            if "vllm_url" in gkw:
+                raise ValueError("the decode-gain arms start their own KV-bound vLLM: "
+                                 "run with gain=False against an existing vLLM")
+            with engines(**gkw) as eng, _session(eng) as (ctx, completion):
+                _gains(ctx, completion, eng, gcfg, bs, cells, rows, cfg, log)
+            timings["gain_s"] = time.perf_counter() - t1
+    all_records = base_records + [r for row in rows for r in row["records"]]
+    base, results = report.summarize(base_records, rows)
+    timings["total_s"] = time.perf_counter() - t0
+    result = {
+        "model": cfg.model, "model_dir": str(model_dir),
+        "config": {**asdict(cfg), "gain_workload": asdict(gcfg) if cfg.gain else None,
+                   "samples_total": len(samples)},
+        "baseline": base, "results": results,
+        "gain_baseline": rows and rows[0].get("gain_baseline"),
+        "acceptance": report.acceptance(base, results),
+        "timings": timings,
+        "notes": ("accuracy: greedy; a sample is correct when every expected number is in the "
+                  "answer. kept_fraction: context tokens that survive the edit (stored or "
+                  "recomputed); decode_gain: wall-clock decode throughput vs the unedited "
+                  "batch, step_gain: decode tokens per vLLM engine step (contention-free)."),
+    }
+    for row in results:
+        row.pop("gain_baseline", None)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    with open(out / "samples.jsonl", "w") as f:
+        for r in all_records:
+            f.write(json.dumps(r) + "\n")
+    charts = report.charts(base, results, out, f"{model_dir.name}, {len(samples)} samples "
+                                               f"({', '.join(cfg.tasks)}; "
+                                               f"{'/'.join(map(str, cfg.lengths))} tokens)")
+    (out / "table.md").write_text(report.markdown(base, results))
+    log("\n" + report.table(base, results))
+    log(f"\nacceptance: {json.dumps(result['acceptance'])}")
+    log(f"wrote {out / 'results.json'}, {out / 'samples.jsonl'}, "
+        + ", ".join(str(p) for p in charts) + f" in {timings['total_s']:.0f} s")
+    return result
+
+
+def _class(key: str) -> str:
+    from kvedit.edits import POLICIES
+
+    return POLICIES[key].__name__
+
+
+@contextmanager
+def _session(eng):
+    import kvedit
+
+    ctx = kvedit.connect(eng.url, eng.http_url, eng.model, timeout=180)
+    completion = kvedit.openai_completion(eng.vllm_url, eng.model)
+    try:
+        yield ctx, completion
+    finally:
+        kvedit.close(ctx)
+
+
+def _kept(policy, tokens: int) -> int:
+    """Tokens `policy` keeps of `tokens` (from its units; no KV needed)."""
+    units = policy.units(tokens, None)
+    return tokens - policy.num_drop(units) * units.size
+
+
+def _gains(ctx, completion, eng, gcfg, bs, cells, rows, cfg, log) -> None:
+    from tqdm.auto import tqdm
+
+    from kvedit.harness.eval.gain import GainRun
+
+    log(f"decode gain: {gcfg.num_prompts} prompts x {gcfg.prompt_len} tokens, "
+        f"{gcfg.max_tokens} output tokens, KV capacity {gcfg.kv_blocks} blocks")
+    g = GainRun(ctx, completion, eng.vllm_url, gcfg, bs, progress=False)
+    policies = [_policy(c.policy, c.ratio, cfg.granularity) for c in cells]
+    # One arm per kept size (or per cell): the first cell of each group runs it.
+    group = [i if cfg.gain_each else _kept(p, gcfg.prompt_len) for i, p in enumerate(policies)]
+    first = {k: i for i, k in reversed(list(enumerate(group)))}
+    try:
+        g.prefill()
+        g.arm()  # baseline, first
+        arms = {}
+        for k, i in tqdm(sorted(first.items(), key=lambda kv: kv[1]), desc="decode gain",
+                         disable=not cfg.progress):
+            arms[k] = (cells[i].label, g.arm(policies[i]))
+        g.arm()  # baseline, last
+        ref = g.reference()
+        for row, k in zip(rows, group):
+            label, arm = arms[k]
+            row.update(GainRun.gains(arm, ref), gain_arm=label)
+        rows[0]["gain_baseline"] = ref
+    finally:
+        g.close()

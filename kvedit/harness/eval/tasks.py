@@ -1,0 +1,186 @@
+"""RULER-style synthetic tasks, generated procedurally with the model's tokenizer, seeded.
+
+A sample is one prompt as token ids: the chat template's opening, an instruction, a haystack
+of filler sentences (`filler.py`) with needles inserted at sentence boundaries, then the
+question, the template's assistant turn and an answer prime ("The pass key is"). The part up
+to the end of the haystack is exactly `length` tokens: that is the region a KV edit may
+change. The question and the prime come after it; the runner picks lengths that are whole
+chunks, so they are the stream's un-chunked suffix and no policy can drop the question
+(kvpress's question-agnostic setting: compress the context, then ask).
+
+Tasks (a generator is one function; `TASKS` registers it):
+- passkey: one 5-digit pass key at a given depth (RULER's niah_single, "noise" haystack).
+- multikey: three "pass key of the <noun>" needles (each said twice); the question asks
+  one key, the other two are distractors at random depths (niah_multikey).
+- multivalue: a first and a second secret code of one city; both must be answered
+  (niah_multivalue).
+- vartrack: a chain of variable assignments (VAR A = 12345 ... VAR B = VAR A ...) among
+  distractor chains; the question asks the value of the chain's last variable, so the
+  answer is found by following the chain, not by matching the question (RULER's vt, asked
+  backwards so a small model can answer in a few tokens).
+"""
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from kvedit.harness.eval.filler import sentence
+from kvedit.harness.eval.tokenizer import ChatTokenizer
+
+INSTRUCTION = ("Below is a long text. Some important facts are hidden in it. Read it and "
+               "answer the question at the end.")
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+KEY_NOUN = ["falcon", "harbor", "lantern", "meadow", "tiger", "violin", "glacier", "cactus",
+            "orchid", "anchor", "comet", "walnut", "pepper", "marble", "willow", "rocket"]
+CITIES = ["Paris", "Tokyo", "Cairo", "Lima", "Oslo", "Delhi", "Rome", "Quito", "Dublin",
+          "Nairobi", "Madrid", "Seoul", "Vienna", "Havana", "Lisbon", "Manila"]
+VAR_LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
+
+
+@dataclass(frozen=True)
+class Needle:
+    text: str     # the sentence inserted into the haystack (with its leading space)
+    depth: float  # where in the haystack, 0 = start, 1 = end
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a task generator decides; `build` turns it into token ids."""
+    needles: tuple[Needle, ...]
+    question: str
+    prime: str
+    answers: tuple[str, ...]   # all must appear in the model's answer
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Sample:
+    task: str
+    length: int                     # tokens before the question (the editable context)
+    depth: float                    # depth of the needle the question asks for
+    index: int
+    prompt_ids: list[int]
+    answers: tuple[str, ...]
+    needle_positions: tuple[int, ...]  # first token of each needle, in `Spec.needles` order
+    needle_ids: tuple[tuple[int, ...], ...]
+    max_tokens: int
+
+    def correct(self, output: str) -> bool:
+        """True when every expected answer is in the output (numbers as whole numbers)."""
+        found = set(re.findall(r"\d+", output))
+        return all(a in found if a.isdigit() else a.lower() in output.lower()
+                   for a in self.answers)
+
+
+def _number(rng: random.Random, digits: int) -> str:
+    return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+
+
+def _distinct(rng: random.Random, n: int, make) -> list:
+    out: list = []
+    while len(out) < n:
+        x = make()
+        if x not in out:
+            out.append(x)
+    return out
+
+
+def passkey(rng: random.Random, depth: float) -> Spec:
+    key = _number(rng, 5)
+    return Spec((Needle(f" The pass key is {key}. Remember it. {key} is the pass key.", depth),),
+                "What is the pass key?", "The pass key is", (key,), 8)
+
+
+def multikey(rng: random.Random, depth: float) -> Spec:
+    # Keys are single nouns ("the falcon"): with hyphenated two-word keys ("amber-falcon")
+    # SmolLM2-135M answered a distractor's number about half the time even unedited.
+    keys = _distinct(rng, 3, lambda: rng.choice(KEY_NOUN))
+    values = _distinct(rng, 3, lambda: _number(rng, 5))
+    depths = [depth] + [rng.random() for _ in keys[1:]]
+    needles = tuple(Needle(f" The pass key of the {k} is {v}. Remember it: the pass key of the "
+                           f"{k} is {v}.", d) for k, v, d in zip(keys, values, depths))
+    return Spec(needles, f"What is the pass key of the {keys[0]}?",
+                f"The pass key of the {keys[0]} is", (values[0],), 8)
+
+
+def multivalue(rng: random.Random, depth: float) -> Spec:
+    key = rng.choice(CITIES)
+    values = _distinct(rng, 2, lambda: _number(rng, 5))
+    other = rng.uniform(0.05, 0.95)
+    needles = (Needle(f" The first secret code of {key} is {values[0]}.", depth),
+               Needle(f" The second secret code of {key} is {values[1]}.", other))
+    return Spec(needles, f"What are the first and the second secret codes of {key}?",
+                f"The first secret code of {key} is", tuple(values), 24)
+
+
+def vartrack(rng: random.Random, depth: float) -> Spec:
+    names = _distinct(rng, 4, lambda: "".join(rng.choices(VAR_LETTERS, k=3)))
+    values = _distinct(rng, 2, lambda: _number(rng, 5))
+    a, b, x, y = names
+    # The asked chain a -> b: its value at `depth`, the copy later; a distractor chain x -> y.
+    later = min(0.98, depth + rng.uniform(0.05, 0.3))
+    dx = rng.uniform(0.02, 0.9)
+    needles = (Needle(f" VAR {a} = {values[0]}.", depth),
+               Needle(f" VAR {b} = VAR {a}.", later),
+               Needle(f" VAR {x} = {values[1]}.", dx),
+               Needle(f" VAR {y} = VAR {x}.", min(0.98, dx + rng.uniform(0.02, 0.1))))
+    return Spec(needles, f"What is the value of VAR {b}?", f"The value of VAR {b} is",
+                (values[0],), 8)
+
+
+TASKS: dict[str, Callable[[random.Random, float], Spec]] = {
+    "passkey": passkey, "multikey": multikey, "multivalue": multivalue, "vartrack": vartrack,
+}
+
+
+def build(tok: ChatTokenizer, task: str, length: int, depth: float, index: int,
+          seed: int) -> Sample:
+    """One sample of `task`: exactly `length` context tokens, the asked needle at `depth`."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; expected one of {sorted(TASKS)}")
+    rng = random.Random(f"{seed}/{task}/{length}/{depth}/{index}")
+    spec = TASKS[task](rng, depth)
+    header = tok.header(INSTRUCTION)
+    needles = [tok.encode(n.text) for n in spec.needles]
+    room = length - len(header) - sum(map(len, needles))
+    if room < 64:
+        raise ValueError(f"length {length} leaves {room} haystack tokens for task {task!r} "
+                         f"(header {len(header)}, needles {sum(map(len, needles))}); "
+                         "ask for a longer context")
+    hay: list[list[int]] = []  # filler sentences, in order
+    total = 0
+    while total < room:
+        s = tok.encode(" " + sentence(rng))
+        hay.append(s)
+        total += len(s)
+    hay[-1] = hay[-1][: len(hay[-1]) - (total - room)]  # cut the last sentence to fit exactly
+    bounds = [0]  # haystack token offset at each sentence boundary
+    for s in hay:
+        bounds.append(bounds[-1] + len(s))
+    # Each needle goes to the sentence boundary nearest its depth (of the haystack).
+    at = [min(range(len(hay) + 1), key=lambda i: abs(bounds[i] - n.depth * room))
+          for n in spec.needles]
+    order = sorted(range(len(needles)), key=lambda j: (at[j], j))
+    ids = list(header)
+    pos = [0] * len(needles)
+    k = 0
+    for i in range(len(hay) + 1):
+        while k < len(order) and at[order[k]] == i:
+            pos[order[k]] = len(ids)
+            ids += needles[order[k]]
+            k += 1
+        if i < len(hay):
+            ids += hay[i]
+    assert len(ids) == length, (len(ids), length)
+    prompt = ids + tok.footer(spec.question, spec.prime)
+    return Sample(task, length, depth, index, prompt, spec.answers, tuple(pos),
+                  tuple(tuple(n) for n in needles), spec.max_tokens)
+
+
+def suite(tok: ChatTokenizer, tasks, lengths, samples: int, seed: int = 0,
+          depths=DEPTHS) -> list[Sample]:
+    """`samples` per task and length, depths cycling through `depths`."""
+    return [build(tok, t, n, depths[i % len(depths)], i, seed)
+            for t in tasks for n in lengths for i in range(samples)]
