@@ -38,7 +38,7 @@ class SchedulerSide:
             self._set_chunk_size(settings.chunk_size)
         self.reqs: dict[str, _Req] = {}
         self.link = ServerLink(settings.kvedit_url, settings.timeout, settings.retry_interval,
-                               self._on_connect, "scheduler")
+                               self._on_connect, "scheduler", secret=settings.secret())
 
     # ---- server connection ------------------------------------------------------------
     def _set_chunk_size(self, chunk_size: int) -> None:
