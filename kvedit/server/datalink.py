@@ -8,8 +8,7 @@ to ~0.3x of raw loopback TCP. Here the server `recv_into`s the slots themselves 
 One thread per connection (a client opens one per thread); each blocks only on its own peer.
 The ZMQ loop stays the only place that decides things: a transfer names a store or lease that
 the loop created, and the index keeps it (marked busy) until the bytes have moved.
-Frames: request  <4s B 3x q Q>  magic "KVD1", op (PUT=1, GET=2), store/lease id, byte count
-        reply    <4s B 3x Q I>  magic, status (0 ok, 1 error), payload bytes, message bytes
+Framing: kvedit.wire.
 PUT sends the missing chunks in key order after the request; GET's reply carries the leased
 chunks in key order, and the server releases that lease once they are sent.
 """
@@ -17,32 +16,11 @@ from __future__ import annotations
 
 import logging
 import socket
-import struct
 import threading
 
+from kvedit.wire import GET, MAGIC, PUT, REPLY, REQUEST, recv_exact, tune  # noqa: F401 (re-export)
+
 log = logging.getLogger("kvedit.server")
-
-MAGIC = b"KVD1"
-PUT, GET = 1, 2
-REQUEST = struct.Struct("<4sB3xqQ")
-REPLY = struct.Struct("<4sB3xQI")
-SOCK_BUF = 4 << 20
-
-
-def recv_exact(sock: socket.socket, buf) -> None:
-    """Fill `buf` (a writable buffer) from `sock`; ConnectionError if the peer goes away."""
-    view, pos = memoryview(buf).cast("B"), 0
-    while pos < len(view):
-        n = sock.recv_into(view[pos:])
-        if not n:
-            raise ConnectionError("peer closed the data connection mid-transfer")
-        pos += n
-
-
-def tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
 
 
 class DataLink:

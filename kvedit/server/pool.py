@@ -12,25 +12,19 @@ import fcntl
 import logging
 import mmap
 import os
-import struct
 
 import numpy as np
+
+from kvedit.wire import HEADER_BYTES, SEGMENT_MAGIC as MAGIC, read_header, write_header  # noqa: F401
 
 log = logging.getLogger("kvedit.server")
 
 ALIGN = 4096
-HEADER_BYTES = 4096
-MAGIC = b"KVEDIT01"
-_HEADER = struct.Struct("<8sQQQ")  # magic, instance, pool_offset, pool_bytes
 SHM_DIR = "/dev/shm"
 
 
 class PoolError(RuntimeError):
     """The pool cannot be set up as configured (message says why and what to do)."""
-
-
-def read_header(buf) -> tuple[bytes, int, int, int]:
-    return _HEADER.unpack_from(buf, 0)
 
 
 class Arena:
@@ -53,7 +47,7 @@ class Arena:
         if not lazy:
             # Touch every page now so that first-touch faults never land on a transfer.
             self.buf[::mmap.PAGESIZE] = 0
-        _HEADER.pack_into(self.mm, 0, MAGIC, instance, self.pool_offset, pool_bytes)
+        write_header(self.mm, instance, self.pool_offset, pool_bytes)
 
     def _create_segment(self, lazy: bool) -> int:
         path = self.path
