@@ -69,17 +69,54 @@ def test_metrics(server):
 
 def test_cache_pagination(server):
     page = get(server, "/cache", params={"limit": 4}).json()
-    assert page["total"] == 6 and len(page["items"]) == 4 and page["next_offset"] == 4
-    rest = get(server, "/cache", params={"offset": 4, "limit": 4}).json()
-    assert len(rest["items"]) == 2 and rest["next_offset"] is None
+    assert page["total"] == 6 and len(page["items"]) == 4 and page["next_after"]
+    rest = get(server, "/cache", params={"after": page["next_after"], "limit": 4}).json()
+    assert len(rest["items"]) == 2 and rest["next_after"] is None
     keys = {i["key"] for i in page["items"] + rest["items"]}
     assert key(0, "b").hex() in keys and len(keys) == 6
     only_b = get(server, "/cache", params={"model": "b"}).json()
-    assert [i["model"] for i in only_b["items"]] == ["b"]
+    assert [i["model"] for i in only_b["items"]] == ["b"] and only_b["total"] == 1
     assert only_b["items"][0]["bytes"] == ROPE_LAYOUT.chunk_bytes
     assert only_b["items"][0]["age_s"] >= 0
-    bad = get(server, "/cache", params={"limit": 0})
-    assert bad.status_code == 400 and "limit" in bad.json()["error"]
+    for params, word in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"),
+                         ({"limit": 1001}, "limit"), ({"offset": 4}, "next_after"),
+                         ({"after": "a" * 2000}, "after")):
+        bad = get(server, "/cache", params=params)
+        assert bad.status_code == 400 and word in bad.json()["error"], params
+    r = get(server, "/cache", params={"model": "nobody"})
+    assert r.status_code == 404 and "'a'" in r.json()["error"]
+
+
+def test_wrong_method_is_json_405(server):
+    r = httpx.post(server.http_url + "/cache", timeout=10)
+    assert r.status_code == 405 and "POST" in r.json()["error"]
+    assert set(r.headers["allow"].replace(" ", "").split(",")) >= {"GET", "DELETE"}
+
+
+def test_openapi_describes_every_endpoint(server):
+    spec = get(server, "/openapi.json").json()
+    assert spec["openapi"].startswith("3.")
+    assert set(spec["paths"]) == {"/health", "/status", "/config", "/metrics", "/cache",
+                                  "/openapi.json"}
+    limit = next(p for p in spec["paths"]["/cache"]["get"]["parameters"] if p["name"] == "limit")
+    assert limit["schema"]["maximum"] == 1000
+
+
+def test_early_disconnect_leaves_no_traceback(server):
+    """Clients that vanish mid-request or before reading the reply: no traceback, server up."""
+    import socket
+    import struct
+    for req in (b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n",   # reply never read (RST)
+                b"GET /cache?limit=1000 HTTP/1.1\r\nHo",       # headers cut off
+                b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n" * 50):  # pipelined, then gone
+        for _ in range(20):
+            s = socket.create_connection(("127.0.0.1", server.http_port))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.sendall(req)
+            s.close()
+    assert get(server, "/health").json()["status"] == "ok"
+    log = server.log()
+    assert "Traceback" not in log and "BrokenPipe" not in log and "Error" not in log, log
 
 
 def test_unknown_path_is_404(server):
