@@ -1,24 +1,92 @@
-"""The object index: keys -> slots, object states, read leases, pending stores and eviction.
+"""The object index: keys -> slots, object states, read leases, pending stores, eviction, fence.
 
 States: an object is WRITING from prepare-store until commit (invisible to lookups and
 retrieves), then READY. A READY object with leases > 0 is read-leased and never evicted or
 reused; deleting it only hides it, its memory is freed when the last lease goes. Prepared
 stores and leases carry deadlines (write/lease TTL), so a crashed client cannot leak slots.
+
+The index is the one owner of these invariants; the service and the data link call only the
+methods below (results are dataclasses, refusals are `Refused` with a protocol error code):
+- Holders: every store and lease records the client session (`holder`) that made it; commit,
+  abort, release and the data-link begin_put/begin_get from anyone else are `not_holder`.
+  Ids are `secrets.randbits(63)`: unguessable, unique among live and recently ended ids.
+- Fence: a store or lease that expires is remembered (a bounded table of recently ended ids),
+  so a late commit/abort/release gets `store_expired`/`lease_expired`, not `unknown_*`. The
+  slots of an expired store, and those of objects that were deleted under an expired lease,
+  go to quarantine: not reused until the holder acknowledges (that late commit/abort/release),
+  its session is gone (`session_gone`), or `quarantine_ttl` passes. So a late shm writer
+  scribbles only on memory nobody else owns.
+- Transfers: `begin_put`/`begin_get` mark a store/lease as moving bytes on the data link; it is
+  not expired under the transfer, and commit/abort/release answer `busy`. When the transfer's
+  own deadline passes, `expire` cuts it (the id is returned so the data link aborts the
+  socket); `finish_put`/`finish_get` then free its slots.
+- Eviction order (LRU or FIFO) holds only evictable objects (READY, live, not leased): a leased
+  object leaves it at its first lease and re-enters at its place at its last release, and
+  in-flight (WRITING) objects are never in it. So evicting is O(log n) whatever is leased.
+- Counters are kept as things change (`counters`, O(1) to read); ready objects are also kept
+  in commit order, so a page of /cache costs O(page), not a scan.
 Not thread-safe on its own: the service and the HTTP threads share it under one lock.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+import secrets
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar, Literal
 
+from kvedit.protocol import ErrorCode
+from kvedit.server.ordered import SortedInts
 from kvedit.server.pool import Allocator
 
 WRITING, READY = "writing", "ready"
+Ident = tuple[str, int, bytes]          # (model, tp_rank, key)
+Kind = Literal["store", "lease"]
+GONE_CAP = 16384        # recently ended ids remembered for store_expired/lease_expired replies
+FINISH_GRACE = 2.0      # seconds a store has left after its PUT finished, for the Commit to come
 
 
+# ---- refusals ---------------------------------------------------------------------------
+class Refused(Exception):
+    """An operation the index refuses; `code` is the protocol error code of the reply."""
+    code: ClassVar[ErrorCode] = "internal"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class PoolFull(Refused):
+    code = "pool_full"
+
+
+class UnknownStore(Refused):
+    code = "unknown_store"
+
+
+class UnknownLease(Refused):
+    code = "unknown_lease"
+
+
+class StoreExpired(Refused):
+    code = "store_expired"
+
+
+class LeaseExpired(Refused):
+    code = "lease_expired"
+
+
+class NotHolder(Refused):
+    code = "not_holder"
+
+
+class Busy(Refused):
+    code = "busy"
+
+
+# ---- state ------------------------------------------------------------------------------
 @dataclass(slots=True, eq=False)
 class Obj:
     model: str
@@ -30,40 +98,167 @@ class Obj:
     created: float = field(default_factory=time.time)
     leases: int = 0
     live: bool = True        # False once evicted/deleted/aborted: hidden, freed at last lease
+    seq: int = 0             # commit order (the /cache cursor); 0 while WRITING
+    rank: int = 0            # place in the eviction order (LRU: last use, FIFO: commit)
+    evictable: bool = False  # in the eviction order right now
 
     @property
-    def ident(self) -> tuple[str, int, bytes]:
+    def ident(self) -> Ident:
         return (self.model, self.tp_rank, self.key)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Pending:
-    """A prepared store or a read lease: objects plus deadline."""
+    """A prepared store or a read lease: its objects, holder and deadlines."""
+    kind: Kind
+    id: int
+    holder: bytes
     objs: list[Obj]
     deadline: float
     started: float
-    busy: bool = False   # bytes moving on the data link: expiry waits for it
+    transfer_deadline: float | None = None   # set while the data link moves its bytes
+
+    @property
+    def busy(self) -> bool:
+        return self.transfer_deadline is not None
 
 
-class PoolFull(Exception):
-    pass
+@dataclass(slots=True)
+class Gone:
+    """A store/lease id that ended other than by commit/abort/release (for late replies)."""
+    holder: bytes
+    reason: Literal["expired", "cut", "failed"]
 
 
+@dataclass(slots=True)
+class Quarantined:
+    holder: bytes
+    ranges: list[tuple[int, int]]   # (offset, nbytes) not to reuse yet
+    deadline: float
+
+
+@dataclass(slots=True)
+class Counters:
+    """Everything /status, /stats and /metrics show about the index, kept as things change."""
+    objects: int = 0            # live objects (ready + writing)
+    ready: int = 0
+    writing: int = 0
+    leased: int = 0             # objects with at least one lease (hidden ones too, until released)
+    leases: int = 0
+    pending_stores: int = 0
+    transfers: int = 0          # data-link transfers in progress
+    evictions: int = 0
+    expired_leases: int = 0
+    expired_stores: int = 0
+    cut_transfers: int = 0
+    quarantined_objects: int = 0
+    quarantined_bytes: int = 0
+    pool_bytes: int = 0
+    pool_used: int = 0
+    pool_free: int = 0
+
+
+# ---- results ----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    store_id: int
+    missing: list[int]       # indices (into the request's keys) this store must write
+    offsets: list[int]       # their slots, same order
+    present: int             # keys already ready or being written by another store
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    store_id: int
+    objs: list[Obj]          # now READY (wake the waiters parked on their idents)
+    nbytes: int
+    started: float           # monotonic time of prepare
+
+
+@dataclass(frozen=True, slots=True)
+class Leased:
+    lease_id: int
+    objs: list[Obj]          # the leading ready objects, leased (possibly none)
+    offsets: list[int]
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    lease_id: int
+    nbytes: int
+    started: float           # monotonic time of the retrieve
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """What a data-link PUT writes / GET sends: slots in key order, and until when."""
+    id: int
+    slots: list[Slot]
+    nbytes: int
+    deadline: float          # monotonic; past it the index cuts the transfer
+
+
+@dataclass(frozen=True, slots=True)
+class Expiry:
+    stores: int = 0          # stores expired now
+    leases: int = 0          # leases expired now
+    cut: list[int] = field(default_factory=list)   # store/lease ids whose transfer is cut
+    unquarantined: int = 0   # bytes whose quarantine deadline passed (freed)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEntry:
+    seq: int                 # the cursor: pass it as `after` for the next page
+    model: str
+    tp_rank: int
+    key: bytes
+    nbytes: int
+    created: float           # time.time() at prepare
+    leases: int
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    items: list[CacheEntry]
+    next_after: int | None   # None: this was the last page
+    total: int               # ready objects of that model (or all)
+
+
+# ---- the index --------------------------------------------------------------------------
 class Index:
-    def __init__(self, allocator: Allocator, policy: str, lease_ttl: float, write_ttl: float):
+    def __init__(self, allocator: Allocator, policy: str, lease_ttl: float, write_ttl: float,
+                 *, quarantine_ttl: float | None = None, transfer_timeout: float = 120.0):
         self.alloc = allocator
         self.policy = policy
         self.lease_ttl = lease_ttl
         self.write_ttl = write_ttl
-        self.objects: dict[tuple[str, int, bytes], Obj] = {}
-        self.ready: OrderedDict[tuple[str, int, bytes], Obj] = OrderedDict()  # eviction order
+        self.quarantine_ttl = (quarantine_ttl if quarantine_ttl is not None
+                               else 4 * max(lease_ttl, write_ttl))
+        self.transfer_timeout = transfer_timeout
+        self.counters = Counters(pool_bytes=allocator.capacity, pool_used=allocator.used,
+                                 pool_free=allocator.capacity - allocator.used)
+        self.objects: dict[Ident, Obj] = {}               # live objects by key
         self.stores: dict[int, Pending] = {}
         self.leases: dict[int, Pending] = {}
-        self._deadlines: list[tuple[float, int, bool]] = []  # (deadline, id, is_lease)
-        self._ids = itertools.count(1)
-        self.evictions = 0
-        self.expired_leases = 0
-        self.expired_stores = 0
+        self._cut: dict[int, Pending] = {}                # cut transfers awaiting finish_*
+        self._gone: OrderedDict[int, Gone] = OrderedDict()
+        self._quarantine: dict[int, Quarantined] = {}     # by store/lease id
+        self._q_by_holder: dict[bytes, set[int]] = {}
+        self._deadlines: list[tuple[float, int, str, int]] = []  # (when, tiebreak, what, id)
+        self._tiebreak = itertools.count()
+        self._clock = itertools.count(1)                  # seq and LRU ranks
+        self._evict = SortedInts()                        # ranks of evictable objects
+        self._by_rank: dict[int, Obj] = {}
+        self._pages = SortedInts()                        # seqs of ready objects
+        self._model_pages: dict[str, SortedInts] = {}
+        self._by_seq: dict[int, Obj] = {}
 
     # ---- reads ------------------------------------------------------------------------
     def leading_ready(self, model: str, tp_rank: int, keys: list[bytes]) -> int:
@@ -75,39 +270,59 @@ class Index:
             n += 1
         return n
 
-    def lease(self, model: str, tp_rank: int, keys: list[bytes]) -> tuple[int, list[Obj]]:
+    def snapshot(self) -> dict:
+        """The counters as a dict (O(1): a fixed number of fields)."""
+        return asdict(self.counters)
+
+    def page(self, model: str | None, after: int | None, limit: int) -> Page:
+        """Up to `limit` ready objects (of `model`) in commit order after cursor `after`."""
+        seqs = self._pages if model is None else self._model_pages.get(model)
+        if seqs is None:
+            return Page([], None, 0)
+        items = []
+        for s in seqs.after(after):
+            if len(items) == limit:
+                return Page(items, items[-1].seq, len(seqs))
+            o = self._by_seq[s]
+            items.append(CacheEntry(o.seq, o.model, o.tp_rank, o.key, o.nbytes, o.created,
+                                    o.leases))
+        return Page(items, None, len(seqs))
+
+    # ---- leases -----------------------------------------------------------------------
+    def lease(self, model: str, tp_rank: int, keys: list[bytes], holder: bytes) -> Leased:
         objs = [self.objects[(model, tp_rank, k)]
                 for k in keys[: self.leading_ready(model, tp_rank, keys)]]
         for o in objs:
-            o.leases += 1
-            self._touch(o)
-        lid = next(self._ids)
-        now = time.monotonic()
-        self.leases[lid] = Pending(objs, now + self.lease_ttl, now)
-        heapq.heappush(self._deadlines, (now + self.lease_ttl, lid, True))
-        return lid, objs
+            self._lease_obj(o)
+        p = self._new_pending("lease", holder, objs, self.lease_ttl)
+        self.leases[p.id] = p
+        self.counters.leases += 1
+        return Leased(p.id, objs, [o.offset for o in objs], sum(o.nbytes for o in objs))
 
-    def release(self, lease_id: int) -> Pending:
-        p = self.leases.pop(lease_id)  # KeyError: unknown or expired
-        for o in p.objs:
-            o.leases -= 1
-            if not o.live and o.leases == 0:
-                self.alloc.free(o.offset, o.nbytes)
-        return p
+    def release(self, lease_id: int, holder: bytes) -> Released:
+        p = self._pending("lease", lease_id, holder)
+        if p.busy:
+            raise Busy(f"lease {lease_id} is being sent on the data link; the data link "
+                       f"releases it when the bytes are sent")
+        self._end_lease(p)
+        return Released(lease_id, sum(o.nbytes for o in p.objs), p.started)
 
-    # ---- writes -----------------------------------------------------------------------
-    def prepare(self, model: str, tp_rank: int, keys: list[bytes], nbytes: int
-                ) -> tuple[int, list[int], list[int], int]:
-        """Allocate WRITING objects for missing keys -> (store_id, missing, offsets, present).
+    # ---- stores -----------------------------------------------------------------------
+    def prepare(self, model: str, tp_rank: int, keys: list[bytes], nbytes: int,
+                holder: bytes) -> Prepared:
+        """Allocate WRITING objects for missing keys.
 
         Keys already present (ready, or being written by another store) are not written again.
         Raises PoolFull (nothing allocated) when the missing ones do not fit.
         """
         have = [self.objects.get((model, tp_rank, k)) for k in keys]
-        pinned = [o for o in have if o is not None]
-        for o in pinned:  # what we report present must survive this store's own evictions
-            o.leases += 1
-            self._touch(o)
+        pinned = []   # what we report present must survive this store's own evictions
+        for o in have:
+            if o is not None and o.evictable:
+                self._leave_evict(o)
+                pinned.append(o)
+            elif o is not None and o.leases and self.policy == "LRU":
+                o.rank = next(self._clock)   # touched: its place when its last lease goes
         missing, objs = [], []
         try:
             for i, k in enumerate(keys):
@@ -117,34 +332,54 @@ class Index:
                 if off is None:
                     for o in objs:
                         self._forget(o)
+                    a = self.alloc
                     raise PoolFull(
-                        f"{len(keys) - len(pinned) - len(objs)} more chunk(s) of {nbytes} bytes "
-                        f"do not fit: {self.alloc.used} of {self.alloc.capacity} bytes in use "
-                        f"and nothing evictable (eviction policy {self.policy}; leased and "
-                        f"in-flight objects are not evictable)")
+                        f"chunk {len(objs) + 1} of the {nbytes}-byte chunks this store needs "
+                        f"does not fit: {a.used} of {a.capacity} bytes "
+                        f"in use (largest free range {a.largest_free()} bytes; "
+                        f"{self.counters.quarantined_bytes} bytes in quarantine) and nothing "
+                        f"evictable (eviction policy {self.policy}; leased and in-flight objects "
+                        f"are not evictable)")
                 o = Obj(model, tp_rank, k, off, nbytes)
                 self.objects[o.ident] = o
+                self.counters.objects += 1
+                self.counters.writing += 1
                 objs.append(o)
                 missing.append(i)
         finally:
-            for o in pinned:  # nothing can have deleted them meanwhile (we hold the lock)
-                o.leases -= 1
-        present = len(keys) - len(missing)
-        sid = next(self._ids)
-        now = time.monotonic()
-        self.stores[sid] = Pending(objs, now + self.write_ttl, now)
-        heapq.heappush(self._deadlines, (now + self.write_ttl, sid, False))
-        return sid, missing, [o.offset for o in objs], present
+            for o in pinned:   # touched: LRU puts them at the most recently used end
+                if self.policy == "LRU":
+                    o.rank = next(self._clock)
+                self._enter_evict(o)
+        p = self._new_pending("store", holder, objs, self.write_ttl)
+        self.stores[p.id] = p
+        self.counters.pending_stores += 1
+        return Prepared(p.id, missing, [o.offset for o in objs], len(keys) - len(missing))
 
-    def commit(self, store_id: int) -> Pending:
-        p = self.stores.pop(store_id)  # KeyError: unknown or expired
+    def commit(self, store_id: int, holder: bytes) -> Committed:
+        p = self._pending("store", store_id, holder)
+        if p.busy:
+            raise Busy(f"store {store_id} is still receiving its data on the data link")
+        self._drop_store(p)
+        c = self.counters
         for o in p.objs:
             o.state = READY
-            self.ready[o.ident] = o
-        return p
+            o.seq = next(self._clock)
+            o.rank = o.seq
+            c.writing -= 1
+            c.ready += 1
+            self._pages.add(o.seq)
+            self._model_pages.setdefault(o.model, SortedInts()).add(o.seq)
+            self._by_seq[o.seq] = o
+            self._enter_evict(o)
+        return Committed(store_id, p.objs, sum(o.nbytes for o in p.objs), p.started)
 
-    def abort(self, store_id: int) -> None:
-        for o in self.stores.pop(store_id).objs:  # KeyError: unknown or expired
+    def abort(self, store_id: int, holder: bytes) -> None:
+        p = self._pending("store", store_id, holder)
+        if p.busy:
+            raise Busy(f"store {store_id} is receiving data on the data link")
+        self._drop_store(p)
+        for o in p.objs:
             self._forget(o)
 
     def delete(self, model: str, tp_rank: int, keys: list[bytes]) -> int:
@@ -157,65 +392,350 @@ class Index:
         return n
 
     def clear(self, model: str | None = None) -> int:
-        """Delete every ready object (of one model): DELETE /cache."""
-        victims = [o for o in self.ready.values() if model is None or o.model == model]
+        """Delete every ready object (of one model): DELETE /cache. O(objects deleted)."""
+        seqs = self._pages if model is None else self._model_pages.get(model)
+        victims = [self._by_seq[s] for s in seqs.after(None)] if seqs else []
         for o in victims:
             self._forget(o)
         return len(victims)
 
+    def drop_model(self, model: str, tp_rank: int) -> int:
+        """Delete every object of (model, tp_rank) before Unregister; Busy if any is leased
+        or being written (nothing is deleted then)."""
+        writing = sum(1 for p in self.stores.values() for o in p.objs
+                      if o.model == model and o.tp_rank == tp_rank)
+        seqs = self._model_pages.get(model)
+        mine = [o for o in (self._by_seq[s] for s in seqs.after(None))
+                if o.tp_rank == tp_rank] if seqs else []
+        leased = sum(1 for o in mine if o.leases)
+        if writing or leased:
+            raise Busy(f"model {model!r} tp_rank {tp_rank} has {leased} leased and {writing} "
+                       f"in-flight object(s); release/commit them first")
+        for o in mine:
+            self._forget(o)
+        return len(mine)
+
+    # ---- data-link transfers ----------------------------------------------------------
+    def begin_put(self, store_id: int, holder: bytes) -> Transfer:
+        """The data link starts receiving a store's bytes: the slots to fill, in key order."""
+        return self._begin("store", store_id, holder)
+
+    def finish_put(self, store_id: int, ok: bool) -> None:
+        """The PUT ended. ok=False (peer gone, timeout, cut): the store is dropped and its
+        slots freed (a later Commit gets store_expired)."""
+        p = self._finish("store", store_id)
+        if p is None:
+            return
+        if ok and p.id in self.stores:   # not cut: wait for the Commit
+            p.deadline = max(p.deadline, time.monotonic() + FINISH_GRACE)
+            self._push(p.deadline, "store", p.id)
+            return
+        if p.id in self.stores:
+            self._drop_store(p)
+            self._remember(p.id, p.holder, "failed")
+        for o in p.objs:   # only the server wrote them (the data link): nothing to fence
+            self._forget(o)
+
+    def begin_get(self, lease_id: int, holder: bytes) -> Transfer:
+        """The data link starts sending a lease's bytes: the slots to send, in key order."""
+        return self._begin("lease", lease_id, holder)
+
+    def finish_get(self, lease_id: int, ok: bool = True) -> None:
+        """The GET ended (sent, failed or cut): the lease is released."""
+        p = self._finish("lease", lease_id)
+        if p is None:
+            return
+        if p.id in self.leases:
+            self._end_lease(p)
+        else:   # cut: already counted as ended; only the objects' leases remain
+            self._unlease_objs(p, quarantine=False)
+
+    # ---- clients ----------------------------------------------------------------------
+    def session_gone(self, holder: bytes) -> int:
+        """The holder's last socket went away: release its quarantined slots -> bytes freed."""
+        return sum(self._unquarantine(i) for i in list(self._q_by_holder.get(holder, ())))
+
     # ---- deadlines --------------------------------------------------------------------
     def next_deadline(self) -> float | None:
-        while self._deadlines:
-            deadline, pid, is_lease = self._deadlines[0]
-            if pid in (self.leases if is_lease else self.stores):
-                return deadline
-            heapq.heappop(self._deadlines)  # already released / committed
+        h = self._deadlines
+        while h:
+            when, _, what, pid = h[0]
+            if self._due(what, pid) == when:
+                return when
+            heapq.heappop(h)   # stale: released, committed, finished, acknowledged
         return None
 
-    def expire(self, now: float) -> None:
+    def expire(self, now: float) -> Expiry:
+        stores = leases = freed = 0
+        cut = []
         while (d := self.next_deadline()) is not None and d <= now:
-            _, pid, is_lease = heapq.heappop(self._deadlines)
-            p = (self.leases if is_lease else self.stores)[pid]
-            if p.busy:  # look again in a second; freeing slots mid-transfer would tear them
-                heapq.heappush(self._deadlines, (now + 1.0, pid, is_lease))
+            _, _, what, pid = heapq.heappop(self._deadlines)
+            if what == "quarantine":
+                freed += self._unquarantine(pid)
                 continue
-            if is_lease:
-                self.release(pid)
-                self.expired_leases += 1
+            p = (self.stores if what == "store" else self.leases)[pid]
+            if p.busy:
+                self._cut_transfer(p)
+                cut.append(pid)
+            elif what == "store":
+                self._expire_store(p, now)
+                stores += 1
             else:
-                self.abort(pid)
-                self.expired_stores += 1
+                self._expire_lease(p, now)
+                leases += 1
+        return Expiry(stores, leases, cut, freed)
 
-    # ---- internals --------------------------------------------------------------------
-    def _touch(self, o: Obj) -> None:
-        if self.policy == "LRU" and o.state == READY:
-            self.ready.move_to_end(o.ident)
+    # ---- internals: pendings ----------------------------------------------------------
+    def _new_id(self) -> int:
+        while True:
+            i = secrets.randbits(63)
+            if i and i not in self.stores and i not in self.leases and i not in self._gone \
+                    and i not in self._cut and i not in self._quarantine:
+                return i
+
+    def _new_pending(self, kind: Kind, holder: bytes, objs: list[Obj], ttl: float) -> Pending:
+        now = time.monotonic()
+        p = Pending(kind, self._new_id(), holder, objs, now + ttl, now)
+        self._push(p.deadline, kind, p.id)
+        return p
+
+    def _pending(self, kind: Kind, pid: int, holder: bytes) -> Pending:
+        """The live store/lease `pid` of `holder`, or the right refusal."""
+        p = (self.stores if kind == "store" else self.leases).get(pid)
+        if p is not None:
+            if p.holder != holder:
+                raise NotHolder(f"{kind} {pid} belongs to another client session")
+            return p
+        gone = self._gone.get(pid)
+        if gone is None:
+            if kind == "store":
+                raise UnknownStore(f"store {pid} is unknown or already committed/aborted")
+            raise UnknownLease(f"lease {pid} is unknown or already released")
+        if gone.holder != holder:
+            raise NotHolder(f"{kind} {pid} belonged to another client session")
+        self._unquarantine(pid)   # the holder acknowledges: it no longer touches those slots
+        why = {"expired": f"passed its TTL ({self.write_ttl if kind == 'store' else self.lease_ttl}"
+                          f" s)",
+               "cut": "its data-link transfer passed its deadline and was cut",
+               "failed": "its data-link transfer failed"}[gone.reason]
+        if kind == "store":
+            raise StoreExpired(f"store {pid} {why}: its bytes were discarded; store again")
+        raise LeaseExpired(f"lease {pid} {why}: bytes read under it may not be the keys' "
+                           f"bytes; discard them and retrieve again")
+
+    def _drop_store(self, p: Pending) -> None:
+        del self.stores[p.id]
+        self.counters.pending_stores -= 1
+
+    def _end_lease(self, p: Pending) -> None:
+        del self.leases[p.id]
+        self.counters.leases -= 1
+        self._unlease_objs(p, quarantine=False)
+
+    def _remember(self, pid: int, holder: bytes, reason: str) -> None:
+        self._gone[pid] = Gone(holder, reason)
+        if len(self._gone) > GONE_CAP:
+            self._gone.popitem(last=False)
+
+    def _expire_store(self, p: Pending, now: float) -> None:
+        self._drop_store(p)
+        self._remember(p.id, p.holder, "expired")
+        self.counters.expired_stores += 1
+        for o in p.objs:           # the holder may still be writing into them (shm)
+            self._hide(o)
+        self._quarantine_objs(p, p.objs, now)
+
+    def _expire_lease(self, p: Pending, now: float) -> None:
+        del self.leases[p.id]
+        self.counters.leases -= 1
+        self._remember(p.id, p.holder, "expired")
+        self.counters.expired_leases += 1
+        self._unlease_objs(p, quarantine=True, now=now)
+
+    def _cut_transfer(self, p: Pending) -> None:
+        """The transfer passed its deadline: end the store/lease now (late Commit/Release get
+        *_expired); its slots stay with the data-link thread until finish_*."""
+        c = self.counters
+        c.cut_transfers += 1
+        self._remember(p.id, p.holder, "cut")
+        if p.kind == "store":
+            self._drop_store(p)
+            c.expired_stores += 1
+            for o in p.objs:
+                self._hide(o)
+        else:
+            del self.leases[p.id]
+            c.leases -= 1
+            c.expired_leases += 1
+        self._cut[p.id] = p
+
+    def _begin(self, kind: Kind, pid: int, holder: bytes) -> Transfer:
+        p = self._pending(kind, pid, holder)
+        if p.busy:
+            raise Busy(f"{kind} {pid} is already moving bytes on another data connection")
+        p.transfer_deadline = time.monotonic() + self.transfer_timeout
+        self.counters.transfers += 1
+        self._push(p.transfer_deadline, kind, pid)
+        slots = [Slot(o.offset, o.nbytes) for o in p.objs]
+        return Transfer(pid, slots, sum(s.nbytes for s in slots), p.transfer_deadline)
+
+    def _finish(self, kind: Kind, pid: int) -> Pending | None:
+        p = self._cut.pop(pid, None) or (self.stores if kind == "store" else self.leases).get(pid)
+        if p is None or p.kind != kind or not p.busy:
+            return None   # a finish without a begin: nothing to do
+        p.transfer_deadline = None
+        self.counters.transfers -= 1
+        return p
+
+    def _due(self, what: str, pid: int) -> float | None:
+        if what == "quarantine":
+            q = self._quarantine.get(pid)
+            return None if q is None else q.deadline
+        p = (self.stores if what == "store" else self.leases).get(pid)
+        if p is None:
+            return None
+        return p.transfer_deadline if p.busy else p.deadline
+
+    def _push(self, when: float, what: str, pid: int) -> None:
+        h = self._deadlines
+        heapq.heappush(h, (when, next(self._tiebreak), what, pid))
+        live = len(self.stores) + len(self.leases) + len(self._quarantine)
+        if len(h) > 4 * live + 4096:   # drop stale entries so the heap stays O(live)
+            self._deadlines = [e for e in h if self._due(e[2], e[3]) == e[0]]
+            heapq.heapify(self._deadlines)
+
+    # ---- internals: quarantine --------------------------------------------------------
+    def _quarantine_objs(self, p: Pending, objs: list[Obj], now: float) -> None:
+        if not objs:
+            return
+        ranges = [(o.offset, o.nbytes) for o in objs]
+        q = self._quarantine.get(p.id)
+        if q is None:
+            q = self._quarantine[p.id] = Quarantined(p.holder, [], now + self.quarantine_ttl)
+            self._q_by_holder.setdefault(p.holder, set()).add(p.id)
+            self._push(q.deadline, "quarantine", p.id)
+        q.ranges.extend(ranges)
+        self.counters.quarantined_objects += len(ranges)
+        self.counters.quarantined_bytes += sum(self.alloc.rounded(n) for _, n in ranges)
+
+    def _unquarantine(self, pid: int) -> int:
+        q = self._quarantine.pop(pid, None)
+        if q is None:
+            return 0
+        ids = self._q_by_holder[q.holder]
+        ids.discard(pid)
+        if not ids:
+            del self._q_by_holder[q.holder]
+        freed = 0
+        for off, n in q.ranges:
+            freed += self._free(off, n)
+        self.counters.quarantined_objects -= len(q.ranges)
+        self.counters.quarantined_bytes -= freed
+        return freed
+
+    # ---- internals: objects -----------------------------------------------------------
+    def _lease_obj(self, o: Obj) -> None:
+        if o.leases == 0:
+            self._leave_evict(o)
+            self.counters.leased += 1
+        o.leases += 1
+        if self.policy == "LRU":
+            o.rank = next(self._clock)   # re-enters the order at this place when released
+
+    def _unlease_objs(self, p: Pending, quarantine: bool, now: float = 0.0) -> None:
+        dead = []
+        for o in p.objs:
+            o.leases -= 1
+            if o.leases:
+                continue
+            self.counters.leased -= 1
+            if o.live:
+                self._enter_evict(o)
+            else:
+                dead.append(o)
+        if quarantine:   # the holder may still be reading them (shm)
+            self._quarantine_objs(p, dead, now)
+        else:
+            for o in dead:
+                self._free(o.offset, o.nbytes)
+
+    def _enter_evict(self, o: Obj) -> None:
+        if o.live and o.state == READY and o.leases == 0 and not o.evictable:
+            o.evictable = True
+            self._evict.add(o.rank)
+            self._by_rank[o.rank] = o
+
+    def _leave_evict(self, o: Obj) -> None:
+        if o.evictable:
+            o.evictable = False
+            self._evict.discard(o.rank)
+            del self._by_rank[o.rank]
 
     def _alloc(self, nbytes: int) -> int | None:
+        # Evict only when no free range fits (the allocator finds any range that does).
         while (off := self.alloc.alloc(nbytes)) is None:
             if self.policy == "none" or not self._evict_one():
                 return None
+        n = self.alloc.rounded(nbytes)
+        self.counters.pool_used += n
+        self.counters.pool_free -= n
         return off
 
+    def _free(self, offset: int, nbytes: int) -> int:
+        self.alloc.free(offset, nbytes)
+        n = self.alloc.rounded(nbytes)
+        self.counters.pool_used -= n
+        self.counters.pool_free += n
+        return n
+
     def _evict_one(self) -> bool:
-        for o in self.ready.values():   # oldest first (LRU: least recently used)
-            if o.leases == 0:
-                self._forget(o)
-                self.evictions += 1
-                return True
-        return False
+        rank = self._evict.first()   # oldest (LRU: least recently used); never a leased one
+        if rank is None:
+            return False
+        self._forget(self._by_rank[rank])
+        self.counters.evictions += 1
+        return True
+
+    def _hide(self, o: Obj) -> None:
+        """Take the object out of every lookup, page and the eviction order (not its slot)."""
+        if not o.live:
+            return
+        c = self.counters
+        del self.objects[o.ident]
+        o.live = False
+        c.objects -= 1
+        if o.state == READY:
+            c.ready -= 1
+            self._leave_evict(o)
+            self._pages.discard(o.seq)
+            model_seqs = self._model_pages[o.model]
+            model_seqs.discard(o.seq)
+            if not model_seqs:
+                del self._model_pages[o.model]
+            del self._by_seq[o.seq]
+        else:
+            c.writing -= 1
 
     def _forget(self, o: Obj) -> None:
         """Hide the object; free its memory now, or when its last lease is released."""
-        self.objects.pop(o.ident, None)
-        self.ready.pop(o.ident, None)
-        o.live = False
+        self._hide(o)
         if o.leases == 0:
-            self.alloc.free(o.offset, o.nbytes)
+            self._free(o.offset, o.nbytes)
+
+    # ---- legacy names (the service before issue 9 reads these) -------------------------
+    @property
+    def evictions(self) -> int:
+        return self.counters.evictions
+
+    @property
+    def expired_leases(self) -> int:
+        return self.counters.expired_leases
+
+    @property
+    def expired_stores(self) -> int:
+        return self.counters.expired_stores
 
     def counts(self) -> dict[str, int]:
-        ready = len(self.ready)
-        return {"objects": len(self.objects), "ready": ready,
-                "writing": len(self.objects) - ready,
-                "leased": sum(1 for o in self.ready.values() if o.leases),
-                "leases": len(self.leases), "pending_stores": len(self.stores)}
+        c = self.counters
+        return {"objects": c.objects, "ready": c.ready, "writing": c.writing,
+                "leased": c.leased, "leases": c.leases, "pending_stores": c.pending_stores}

@@ -12,6 +12,7 @@ import fcntl
 import logging
 import mmap
 import os
+from bisect import bisect_left, insort
 
 import numpy as np
 
@@ -115,49 +116,89 @@ class Arena:
 
 
 class Allocator:
-    """First-fit allocator of page-aligned byte ranges with coalescing on free.
+    """Best-fit allocator of page-aligned byte ranges, coalescing on free.
 
-    Several object sizes (several model layouts) share one pool. An exact-size bucket makes
-    the common case (one size, freed and reused) O(1).
+    Free ranges are kept by start (to coalesce with neighbours on free) and segregated by size:
+    one bucket of starts per distinct free-range size, plus the sorted list of those sizes.
+    `alloc` bisects that list for the smallest size >= the request (best fit) and takes any
+    range of that bucket, so its cost does not grow with the number of free holes: O(log d)
+    for d distinct free sizes, plus an insort/del in that list when a size appears or goes
+    (d is small: the sizes of d distinct page-multiple holes add up to at most the pool, so
+    d <= sqrt(2 * pool pages), and in practice it is a few sizes per model layout).
+
+    Several object sizes (several model layouts) share one pool. Best fit is the choice for
+    that mix: a small object goes into the smallest hole that takes it (an exact-size hole
+    first), so it does not split a hole that a large object fits into, and large holes stay
+    whole for large objects. `alloc` returns None only when no free range of the requested
+    size exists (the index evicts only then).
     """
 
     def __init__(self, start: int, size: int):
         self.capacity = size
         self.used = 0
-        self._free: dict[int, int] = {}     # start -> size
-        self._ends: dict[int, int] = {}     # end -> start
-        self._by_size: dict[int, set[int]] = {}
-        self._add(start, size)
+        self._free: dict[int, int] = {}      # start -> size
+        self._ends: dict[int, int] = {}      # end -> start
+        self._by_size: dict[int, dict[int, None]] = {}   # size -> starts (an ordered set)
+        self._sizes: list[int] = []          # the keys of _by_size, ascending
+        if size > 0:
+            self._add(start, size)
 
     @staticmethod
     def rounded(nbytes: int) -> int:
         return -(-nbytes // ALIGN) * ALIGN
 
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used
+
+    @property
+    def holes(self) -> int:
+        """Number of free ranges (after coalescing)."""
+        return len(self._free)
+
+    def largest_free(self) -> int:
+        return self._sizes[-1] if self._sizes else 0
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The free ranges (start, size) by address: for tests and debugging (O(n log n))."""
+        return sorted(self._free.items())
+
     def _add(self, start: int, size: int) -> None:
         self._free[start] = size
         self._ends[start + size] = start
-        self._by_size.setdefault(size, set()).add(start)
+        bucket = self._by_size.get(size)
+        if bucket is None:
+            bucket = self._by_size[size] = {}
+            insort(self._sizes, size)
+        bucket[start] = None
 
     def _remove(self, start: int) -> int:
         size = self._free.pop(start)
         del self._ends[start + size]
         bucket = self._by_size[size]
-        bucket.discard(start)
+        del bucket[start]
         if not bucket:
-            del self._by_size[size]
+            self._drop_size(size)
         return size
 
+    def _drop_size(self, size: int) -> None:
+        del self._by_size[size]
+        del self._sizes[bisect_left(self._sizes, size)]
+
     def alloc(self, nbytes: int) -> int | None:
+        """The start of a free range of `nbytes` (rounded up to pages), or None if none fits."""
         n = self.rounded(nbytes)
-        bucket = self._by_size.get(n)
-        if bucket:
-            start = next(iter(bucket))
-            self._remove(start)
-        else:
-            start = next((s for s, size in self._free.items() if size >= n), None)
-            if start is None:
-                return None
-            size = self._remove(start)
+        i = bisect_left(self._sizes, n)
+        if i == len(self._sizes):
+            return None
+        size = self._sizes[i]
+        bucket = self._by_size[size]
+        start, _ = bucket.popitem()   # LIFO within a size: O(1), and the most recently freed
+        if not bucket:
+            self._drop_size(size)
+        del self._free[start]
+        del self._ends[start + size]
+        if size > n:
             self._add(start + n, size - n)
         self.used += n
         return start
@@ -166,10 +207,10 @@ class Allocator:
         n = self.rounded(nbytes)
         self.used -= n
         end = start + n
-        if end in self._free:           # merge with the next block
+        if end in self._free:           # merge with the next range
             n += self._remove(end)
         prev = self._ends.get(start)
-        if prev is not None:            # merge with the previous block
+        if prev is not None:            # merge with the previous range
             n += self._remove(prev)
             start = prev
         self._add(start, n)
