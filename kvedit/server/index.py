@@ -234,8 +234,10 @@ class Page:
 # ---- the index --------------------------------------------------------------------------
 class Index:
     def __init__(self, allocator: Allocator, policy: str, lease_ttl: float, write_ttl: float,
-                 *, quarantine_ttl: float | None = None, transfer_timeout: float = 120.0):
+                 *, quarantine_ttl: float | None = None, transfer_timeout: float = 120.0,
+                 clock=time.monotonic):
         self.alloc = allocator
+        self.clock = clock   # monotonic seconds; tests pass a fake one
         self.policy = policy
         self.lease_ttl = lease_ttl
         self.write_ttl = write_ttl
@@ -427,7 +429,7 @@ class Index:
         if p is None:
             return
         if ok and p.id in self.stores:   # not cut: wait for the Commit
-            p.deadline = max(p.deadline, time.monotonic() + FINISH_GRACE)
+            p.deadline = max(p.deadline, self.clock() + FINISH_GRACE)
             self._push(p.deadline, "store", p.id)
             return
         if p.id in self.stores:
@@ -494,7 +496,7 @@ class Index:
                 return i
 
     def _new_pending(self, kind: Kind, holder: bytes, objs: list[Obj], ttl: float) -> Pending:
-        now = time.monotonic()
+        now = self.clock()
         p = Pending(kind, self._new_id(), holder, objs, now + ttl, now)
         self._push(p.deadline, kind, p.id)
         return p
@@ -573,7 +575,7 @@ class Index:
         p = self._pending(kind, pid, holder)
         if p.busy:
             raise Busy(f"{kind} {pid} is already moving bytes on another data connection")
-        p.transfer_deadline = time.monotonic() + self.transfer_timeout
+        p.transfer_deadline = self.clock() + self.transfer_timeout
         self.counters.transfers += 1
         self._push(p.transfer_deadline, kind, pid)
         slots = [Slot(o.offset, o.nbytes) for o in p.objs]
