@@ -131,7 +131,9 @@ def build_app(service: Service, secret: bytes | None) -> Starlette:
               Route("/openapi.json", openapi),
               Route("/status", guarded(status)), Route("/config", guarded(config)),
               Route("/cache", guarded(cache), methods=["GET", "DELETE"])]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app.router.redirect_slashes = False  # /status/ is a JSON 404, not a bodiless redirect
+    return app
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -1,0 +1,109 @@
+"""Fuzz the HTTP API of a real server against its own OpenAPI description.
+
+Requests are drawn from /openapi.json: every (path, method) it lists, with each declared
+query parameter omitted, valid for its schema, just outside its bounds, or arbitrary text;
+plus undeclared paths, methods, parameters and Authorization headers. Every answer must be
+2xx/4xx with a JSON body (text for /metrics), never 5xx, and the server must stay up with no
+traceback in its log.
+"""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvedit.client import KVClient
+from kvedit.server.launch import start_server
+from tests.kv_helpers import SMALL, chunk_for, key
+
+METHODS = ["GET", "DELETE", "POST", "PUT", "PATCH", "HEAD", "OPTIONS"]
+# printable ASCII without edge blanks: what an HTTP header value may carry (h11 refuses the rest)
+HEADER_TEXT = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E),
+                      max_size=80).map(str.strip)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with start_server(0.05) as s, KVClient(s.url) as c:
+        c.register("a", SMALL)
+        c.store("a", [key(i, "fz") for i in range(8)], [chunk_for(key(i, "fz")) for i in range(8)])
+        yield s
+
+
+@pytest.fixture(scope="module")
+def spec(server) -> dict:
+    return httpx.get(server.http_url + "/openapi.json", timeout=10).json()
+
+
+def _value(schema: dict) -> st.SearchStrategy:
+    """A value valid for the schema, one just outside its bounds, or anything."""
+    if schema.get("type") == "integer":
+        lo, hi = schema.get("minimum", -2**31), schema.get("maximum", 2**31)
+        valid = st.integers(lo, hi)
+        edge = st.sampled_from([lo - 1, hi + 1, 0, -1, 2**63, 10**30])
+        return st.one_of(valid, edge).map(str)
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength", 100)
+    return st.one_of(st.text(min_size=lo, max_size=min(hi, 64)),
+                     st.just("x" * (hi + 1)), st.just(""))
+
+
+def _request(spec: dict) -> st.SearchStrategy:
+    ops = [(path, method.upper(), op.get("parameters", []))
+           for path, item in spec["paths"].items() for method, op in item.items()]
+
+    @st.composite
+    def draw(d):
+        if d(st.integers(0, 9)) == 0:  # off the map: unknown path or method
+            path = d(st.sampled_from(["/", "/nope", "/cache/x", "/status/", "//cache",
+                                      "/%00", "/metrics?"]))
+            method, declared = d(st.sampled_from(METHODS)), []
+        else:
+            path, method, declared = d(st.sampled_from(ops))
+            if d(st.integers(0, 5)) == 0:
+                method = d(st.sampled_from(METHODS))
+        params: list[tuple[str, str]] = []
+        for p in declared:
+            for _ in range(d(st.integers(0, 2))):   # absent, once, or repeated
+                params.append((p["name"], d(_value(p["schema"]))))
+        for _ in range(d(st.integers(0, 2))):
+            params.append((d(st.sampled_from(["offset", "limit", "model", "x", ""])),
+                           d(st.text(max_size=20))))
+        headers = {}
+        if d(st.booleans()):
+            headers["Authorization"] = d(st.one_of(HEADER_TEXT,
+                                                   HEADER_TEXT.map(lambda t: ("Bearer " + t).strip())))
+        if d(st.booleans()):
+            headers["Accept"] = d(HEADER_TEXT)
+        return method, path, params, headers
+    return draw()
+
+
+def test_fuzz_against_openapi(server, spec):
+    client = httpx.Client(base_url=server.http_url, timeout=10)
+    seen: set[int] = set()
+
+    @settings(max_examples=400, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(_request(spec))
+    def one(req):
+        method, path, params, headers = req
+        r = client.request(method, path, params=params, headers=headers)
+        seen.add(r.status_code)
+        assert 200 <= r.status_code < 500, (req, r.status_code, r.text[:300])
+        if method == "HEAD" or r.status_code == 200 and r.url.path == "/metrics":
+            return
+        assert r.headers["content-type"].startswith("application/json"), (req, r.headers)
+        body = json.loads(r.content)
+        if r.status_code >= 400:
+            assert isinstance(body["error"], str) and body["error"], (req, body)
+
+    try:
+        one()
+    finally:
+        client.close()
+    assert {200, 400, 404, 405} <= seen, seen   # the fuzz reached past the happy path
+    assert httpx.get(server.http_url + "/health", timeout=10).json()["status"] == "ok"
+    assert "Traceback" not in server.log(), server.log()
