@@ -1,8 +1,10 @@
 """Client side of the server's data link (socket-mode chunk bytes over raw TCP).
 
 One connection per thread, like the ZMQ sockets, so transfers of different threads run side
-by side. After any error the connection is dropped (the byte stream is out of step) and the
-next transfer opens a fresh one. Framing: kvedit.server.datalink.
+by side. Each connection starts with the handshake of kvedit.auth (the server's nonce
+answered with this client's session id and an HMAC of the secret), so the server knows which
+session's stores and leases it may touch. After any error the connection is dropped (the
+byte stream is out of step) and the next transfer opens a fresh one. Framing: kvedit.wire.
 """
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import threading
 
 import torch
 
+from kvedit import auth
+from kvedit import wire as DL
 from kvedit.handles import KVError, RecvPool, ServerUnavailable
 from kvedit.layout import ModelLayout
-from kvedit.server import datalink as DL
 
 RECV_POOL_BYTES = 512 << 20  # idle receive buffers kept for reuse
 
@@ -23,9 +26,22 @@ def raw_bytes(t: torch.Tensor):
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
+def _split_code(message: str) -> tuple[str, str]:
+    """A data-link error message "code: detail" -> (code, detail) when code is a protocol
+    error code (unauthorized, not_holder, store_expired, ...); else ("data_link", message)."""
+    from kvedit.protocol import ERROR_CODES
+
+    code, sep, rest = message.partition(":")
+    if sep and code.strip() in ERROR_CODES:
+        return code.strip(), rest.strip()
+    return "data_link", message
+
+
 class LinkClient:
-    def __init__(self, host: str, port: int, timeout: float):
+    def __init__(self, host: str, port: int, timeout: float, session: bytes,
+                 secret: bytes | None = None):
         self.host, self.port, self.timeout = host, port, timeout
+        self.session, self._secret = session, secret
         self.recv_pool = RecvPool(RECV_POOL_BYTES)
         self._local = threading.local()
         self._conns: list[socket.socket] = []
@@ -39,7 +55,13 @@ class LinkClient:
             except OSError as e:
                 raise ServerUnavailable("data_link", f"cannot connect to the data link at "
                                                      f"{self.host}:{self.port}: {e}") from None
-            DL.tune(conn)
+            try:
+                DL.tune(conn)
+                auth.client_handshake(conn, self._secret, self.session)
+            except (OSError, auth.AuthError) as e:
+                conn.close()
+                raise ServerUnavailable("data_link", f"data link handshake with {self.host}:"
+                                                     f"{self.port} failed: {e}") from None
             self._local.conn = conn
             with self._lock:
                 self._conns.append(conn)
@@ -74,7 +96,7 @@ class LinkClient:
         if status:
             msg = bytearray(msglen)
             DL.recv_exact(conn, msg)
-            raise KVError("data_link", msg.decode(errors="replace"))
+            raise KVError(*_split_code(msg.decode(errors="replace")))
         return nbytes
 
     def put(self, store_id: int, chunks: list[torch.Tensor]) -> None:

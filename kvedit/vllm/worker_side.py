@@ -44,7 +44,8 @@ class WorkerSide:
         self.paged = PagedKV([kv_caches[n] for n in names], self._paged_kind(names[0], kv_caches),
                              self.vllm_config.model_config.get_head_size(), self.block_size)
         self.link = ServerLink(self.settings.kvedit_url, self.settings.timeout,
-                               self.settings.retry_interval, self._on_connect, "worker")
+                               self.settings.retry_interval, self._on_connect, "worker",
+                               secret=self.settings.secret())
 
     def _paged_kind(self, name: str, kv_caches) -> str:
         """Which paged layout the attention backend writes (paged.py lists them)."""
@@ -142,7 +143,7 @@ class WorkerSide:
         with client.prepare_store(self.model, keys, tp_rank=self.tp_rank) as handle:
             if handle.buffers:
                 self._pin(client, handle.buffers[0])
-            for j, buf in zip(handle.missing, handle.buffers):
+            for j, buf in handle.writable():  # refused past the server's write TTL
                 block_ids, chunk = todo[keys[j]]
                 slots = self.paged.slots(block_ids, chunk * c, (chunk + 1) * c)
                 if on_host:  # gather straight into the server's shared memory
@@ -156,8 +157,8 @@ class WorkerSide:
         """On a GPU, page-lock the server's shared-memory segment once (DMA copies run about
         4x faster than from pageable memory; bench connector --paged measures it). This
         populates the whole segment, so it costs RAM and one pause proportional to its size."""
-        if self.paged.device.type != "cuda" or client.transfer_mode != "shm" \
-                or not self.settings.pin_shm:
+        if self.paged.device.type != "cuda" or client.segment() is None \
+                or not self.settings.pin_shm:  # nothing shared to pin over the socket
             return
         ptr = buf.untyped_storage().data_ptr()
         if ptr not in self.pinned:
