@@ -177,7 +177,7 @@ def test_put_transfer_is_not_expired_under_it_and_commit_is_busy():
             op(p.store_id, A)
     clock.t += 10                            # past the write TTL, inside the transfer
     assert ix.expire(clock()) == I.Expiry() and ix.counters.transfers == 1
-    ix.finish_put(p.store_id, ok=True)
+    assert ix.finish_put(p.store_id, ok=True) is True
     assert ix.commit(p.store_id, A).nbytes == 2 * CH   # a short grace for the Commit
 
 
@@ -193,7 +193,7 @@ def test_stalled_put_is_cut_and_its_slots_come_back_at_finish():
     with pytest.raises(StoreExpired):
         ix.commit(p.store_id, A)
     assert ix.prepare("m", 0, [k(1)], CH, B).missing == [0]   # the key is free to store again
-    ix.finish_put(p.store_id, ok=False)
+    assert ix.finish_put(p.store_id, ok=True) is False    # bytes arrived, but too late
     assert ix.alloc.used == CH and ix.counters.transfers == 0
 
 

@@ -36,6 +36,19 @@ def test_bounds_per_client_and_in_total():
     ws.add(waiter(A, [k(8)], 10.0), 0)
 
 
+def test_bound_on_parked_keys():
+    ws = Waiters(max_keys=10)
+    ws.add(waiter(A, [k(i) for i in range(6)], 10.0), 0)
+    with pytest.raises(TooManyWaits) as e:
+        ws.add(waiter(B, [k(i) for i in range(5)], 10.0), 0)
+    assert "keys" in e.value.message and ws.keys == 6
+    ws.add(waiter(B, [k(i) for i in range(4)], 10.0), 0)
+    wa, wb = ws.take(("m", 0, k(0)))               # both were parked on k(0)
+    assert ws.keys == 0 and len(ws) == 0
+    ws.park(wa, 1)                                 # re-parked: counted again
+    assert ws.keys == 6
+
+
 def test_a_waiter_without_a_holder_counts_under_its_socket():
     w = Waiter(b"sock-1", b"r", P.Lookup(model="m", keys=[k(0)], wait_timeout=1.0), 1.0)
     assert w.holder == b"sock-1"
@@ -48,8 +61,9 @@ def test_drop_client_removes_only_that_clients_lookups():
     for w in wa:
         ws.add(w, 0)
     ws.add(wb, 0)
-    assert ws.drop_client(A) == 4 and ws.drop_client(A) == 0
-    assert len(ws) == 1 and ws.count(A) == 0
+    assert ws.keys == 9
+    assert ws.drop_client(A) == wa and ws.drop_client(A) == []
+    assert len(ws) == 1 and ws.count(A) == 0 and ws.keys == 1
     assert ws.take(("m", 0, k(0))) == [wb]
     assert ws.take(("m", 0, k(1))) == []             # A's were unparked everywhere
     assert ws.next_deadline() is None and ws.expired(100.0) == []

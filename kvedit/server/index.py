@@ -422,21 +422,23 @@ class Index:
         """The data link starts receiving a store's bytes: the slots to fill, in key order."""
         return self._begin("store", store_id, holder)
 
-    def finish_put(self, store_id: int, ok: bool) -> None:
-        """The PUT ended. ok=False (peer gone, timeout, cut): the store is dropped and its
-        slots freed (a later Commit gets store_expired)."""
+    def finish_put(self, store_id: int, ok: bool) -> bool:
+        """The PUT ended -> True if the store now awaits its Commit (answer the PUT ok).
+        ok=False (peer gone, timeout) or a cut store: the store is dropped and its slots
+        freed; a later Commit gets store_expired."""
         p = self._finish("store", store_id)
         if p is None:
-            return
+            return False
         if ok and p.id in self.stores:   # not cut: wait for the Commit
             p.deadline = max(p.deadline, self.clock() + FINISH_GRACE)
             self._push(p.deadline, "store", p.id)
-            return
+            return True
         if p.id in self.stores:
             self._drop_store(p)
             self._remember(p.id, p.holder, "failed")
         for o in p.objs:   # only the server wrote them (the data link): nothing to fence
             self._forget(o)
+        return False
 
     def begin_get(self, lease_id: int, holder: bytes) -> Transfer:
         """The data link starts sending a lease's bytes: the slots to send, in key order."""

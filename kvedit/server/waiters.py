@@ -4,8 +4,9 @@ A waiter sits under its first missing key only, so a commit wakes just the waite
 help (each then counts again and re-parks under its next missing key). Deadlines live in a
 heap; the service answers a waiter when it is complete or when its deadline passes.
 
-Bounded: at most `max_per_client` parked lookups per client (holder) and `max_total` in all
-(`add` raises TooManyWaits, the service's `too_many_waits`); a client whose last socket is
+Bounded: at most `max_per_client` parked lookups per client (holder), `max_total` in all, and
+`max_keys` keys over all parked lookups (their memory; `add` raises TooManyWaits, the service's
+`too_many_waits`); a client whose last socket is
 gone has its lookups dropped (`drop_client`), so a vanished peer holds nothing until its
 deadlines. Every count is kept as waiters come and go (len() is O(1)).
 """
@@ -46,9 +47,12 @@ class Waiter:
 
 
 class Waiters:
-    def __init__(self, max_per_client: int = 1024, max_total: int = 16384):
+    def __init__(self, max_per_client: int = 1024, max_total: int = 16384,
+                 max_keys: int = 1 << 22):
         self.max_per_client = max_per_client
         self.max_total = max_total
+        self.max_keys = max_keys
+        self.keys = 0   # keys of all parked lookups
         self._by_key: dict[Ident, list[Waiter]] = {}
         self._by_holder: dict[bytes, dict[Waiter, None]] = {}   # parked ones, per client
         self._n = 0
@@ -73,6 +77,10 @@ class Waiters:
             raise TooManyWaits(f"the server already holds {self._n} parked lookups "
                                f"(--max-waits-total {self.max_total}); retry later or use "
                                f"wait_timeout=0")
+        if self.keys + len(w.req.keys) > self.max_keys:
+            raise TooManyWaits(f"the server's parked lookups already hold {self.keys} keys and "
+                               f"this one has {len(w.req.keys)} (--max-parked-keys "
+                               f"{self.max_keys}); retry later or use wait_timeout=0")
         self.park(w, first_missing)
 
     def park(self, w: Waiter, first_missing: int) -> None:
@@ -82,6 +90,7 @@ class Waiters:
         self._by_key.setdefault(w.parked_on, []).append(w)
         self._by_holder.setdefault(w.holder, {})[w] = None
         self._n += 1
+        self.keys += len(w.req.keys)
         if not w.queued:   # a new waiter, or its entry was dropped while it was taken
             self._push(w)
 
@@ -92,8 +101,8 @@ class Waiters:
             self._unpark(w)
         return ws
 
-    def drop_client(self, holder: bytes) -> int:
-        """Forget every parked lookup of a client that went away -> how many."""
+    def drop_client(self, holder: bytes) -> list[Waiter]:
+        """Forget every parked lookup of a client that went away -> those lookups."""
         ws = list(self._by_holder.get(holder, ()))
         for w in ws:
             parked = self._by_key[w.parked_on]
@@ -101,7 +110,7 @@ class Waiters:
             if not parked:
                 del self._by_key[w.parked_on]
             self._unpark(w)
-        return len(ws)
+        return ws
 
     def next_deadline(self) -> float | None:
         while self._deadlines and self._deadlines[0][2].parked_on is None:
@@ -129,6 +138,7 @@ class Waiters:
         if not mine:
             del self._by_holder[w.holder]
         self._n -= 1
+        self.keys -= len(w.req.keys)
 
     def _push(self, w: Waiter) -> None:
         h = self._deadlines
