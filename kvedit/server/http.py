@@ -106,7 +106,16 @@ def build_app(service: Service, secret: bytes | None) -> Starlette:
         if "offset" in req.query_params:
             raise _BadParam("offset is gone: pass the previous page's next_after as ?after=")
         model = _param(req, "model", MAX_MODEL_PARAM)
-        after = _param(req, "after", MAX_CURSOR)
+        raw_after = _param(req, "after", MAX_CURSOR)
+        after = None
+        if raw_after is not None:
+            try:
+                after = int(raw_after)
+            except ValueError:
+                after = -1
+            if not 0 <= after < 2**63:
+                raise _BadParam(f"after must be the next_after of a previous page (an integer "
+                                f">= 0), got {raw_after!r}")
         p = state.page(service, model, after, limit)
         return _json({"total": p.total, "limit": limit, "after": after,
                       "next_after": p.next_after,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from kvedit import __version__
 
 MAX_PAGE = 1000          # items per GET /cache page
-MAX_CURSOR = 1024        # characters of an `after` cursor
+MAX_CURSOR = 20          # characters of an `after` cursor (an integer < 2**63)
 MAX_MODEL_PARAM = 1024   # characters of a `model` query parameter
 
 _ERROR = {"type": "object", "required": ["error"],
@@ -50,8 +50,8 @@ SPEC: dict = {
             "CachePage": {"type": "object", "required": ["total", "limit", "items", "next_after"],
                           "properties": {
                               "total": {"type": "integer"}, "limit": {"type": "integer"},
-                              "after": {"type": ["string", "null"]},
-                              "next_after": {"type": ["string", "null"]},
+                              "after": {"type": ["integer", "null"]},
+                              "next_after": {"type": ["integer", "null"]},
                               "items": {"type": "array",
                                         "items": {"$ref": "#/components/schemas/CacheItem"}}}},
         },
@@ -82,7 +82,7 @@ SPEC: dict = {
                     _MODEL,
                     {"name": "after", "in": "query", "required": False,
                      "description": "the next_after of the previous page",
-                     "schema": {"type": "string", "minLength": 1, "maxLength": MAX_CURSOR}},
+                     "schema": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}},
                     {"name": "limit", "in": "query", "required": False,
                      "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE,
                                 "default": 100}}],

@@ -1,10 +1,9 @@
 """What the HTTP API reads from and does to the service, in one place.
 
-Every function here is a narrow read or action on the service; the HTTP routes never touch
-the index, the arena or the lock. /status and /metrics must stay O(1) in the number of
-objects and /cache O(page): the service's snapshot() / page() / clear() give that.
-TEMPORARY: until those land (A1/A2, issue 9 item 10), `_Scan` below reads the index under
-the lock with full scans, as the stdlib server did; it goes away when they exist.
+Each function is one narrow call on the service, which takes its lock itself for an O(1)
+snapshot, an O(page) page or a clear; the routes never touch the index, the arena or the
+lock. The only thing read here under the lock is the registered layouts (at most
+--max-models of them) for /status.
 """
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from kvedit.server.service import Service
 
 
 class UnknownModel(LookupError):
-    """DELETE /cache?model=M or GET /cache?model=M for a model that is not registered."""
+    """GET or DELETE /cache?model=M for a model that is not registered."""
 
 
 @dataclass(slots=True)
@@ -31,16 +30,12 @@ class CacheItem:
 @dataclass(slots=True)
 class CachePage:
     items: list[CacheItem]
-    next_after: str | None   # opaque cursor for the next page; None on the last page
+    next_after: int | None   # cursor for the next page; None on the last page
     total: int               # ready objects (of the model, when one was asked for)
 
 
-def _cursor(model: str, tp_rank: int, key: bytes) -> str:
-    return f"{key.hex()}.{tp_rank}.{model}"
-
-
 def status(s: Service) -> dict:
-    snap = _snapshot(s)
+    snap = s.snapshot()
     return {
         "version": s.info.version, "instance": s.instance,
         "transfer_mode": snap["transfer_mode"],
@@ -52,8 +47,9 @@ def status(s: Service) -> dict:
         "objects": {k: snap[k] for k in ("ready", "writing", "leased")},
         "leases": snap["leases"], "pending_stores": snap["pending_stores"],
         "evictions": snap["evictions"], "uptime_s": snap["uptime_s"],
-        # everything else the service counts (expirations, quarantine, waits...) as is
-        "counters": {k: v for k, v in snap.items() if isinstance(v, int | float)},
+        # everything else the service counts (expirations, quarantine, waits, ...) as is
+        "counters": {k: v for k, v in snap.items()
+                     if isinstance(v, int | float) and not isinstance(v, bool)},
         "models": _models(s), "notes": list(s.arena.notes),
     }
 
@@ -63,44 +59,29 @@ def config(s: Service) -> dict:
 
 
 def metrics(s: Service) -> bytes:
+    return s.metrics.render()   # its collector reads s.snapshot(), which takes the lock
+
+
+def model_names(s: Service) -> list[str]:
     with s.lock:
-        return s.metrics.render()
+        return sorted({m for m, _ in s.layouts})
 
 
-def model_names(s: Service) -> set[str]:
-    with s.lock:
-        return {m for m, _ in s.layouts}
-
-
-def page(s: Service, model: str | None, after: str | None, limit: int) -> CachePage:
+def page(s: Service, model: str | None, after: int | None, limit: int) -> CachePage:
     if model is not None and model not in model_names(s):
         raise UnknownModel(model)
+    p = s.page(model, after, limit)
     now = time.time()
-    with s.lock:  # TEMPORARY full scan (see the module docstring)
-        objs = sorted((_cursor(o.model, o.tp_rank, o.key), o) for o in s.index.ready.values()
-                      if model is None or o.model == model)
-        total = len(objs)
-        start = 0
-        if after is not None:
-            import bisect
-            start = bisect.bisect_right([c for c, _ in objs], after)
-        chunk = objs[start:start + limit]
-        items = [CacheItem(o.key.hex(), o.model, o.tp_rank, o.nbytes,
-                           round(now - o.created, 3), o.leases) for _, o in chunk]
-    nxt = chunk[-1][0] if chunk and start + limit < total else None
-    return CachePage(items, nxt, total)
+    items = [CacheItem(e.key.hex(), e.model, e.tp_rank, e.nbytes, round(now - e.created, 3),
+                       e.leases) for e in p.items]
+    return CachePage(items, p.next_after, p.total)
 
 
 def clear(s: Service, model: str | None) -> int:
-    with s.lock:
-        if model is not None and model not in {m for m, _ in s.layouts}:
-            raise UnknownModel(model)
-        return s.index.clear(model)
-
-
-def _snapshot(s: Service) -> dict:
-    with s.lock:
-        return s.state()
+    try:
+        return s.clear(model)
+    except LookupError:
+        raise UnknownModel(model) from None
 
 
 def _models(s: Service) -> dict[str, list[dict]]:
