@@ -57,7 +57,11 @@ class LinkClient:
                                                      f"{self.host}:{self.port}: {e}") from None
             try:
                 DL.tune(conn)
+                self._refused(conn)
                 auth.client_handshake(conn, self._secret, self.session)
+            except KVError:
+                conn.close()
+                raise
             except (OSError, auth.AuthError) as e:
                 conn.close()
                 raise ServerUnavailable("data_link", f"data link handshake with {self.host}:"
@@ -85,6 +89,16 @@ class LinkClient:
             self._drop()
             raise ServerUnavailable("data_link", f"data link {what} to {self.host}:{self.port} "
                                                  f"failed: {e}") from None
+
+    @classmethod
+    def _refused(cls, conn: socket.socket) -> None:
+        """A server over its connection cap sends an error reply instead of the nonce: raise
+        it as KVError (a random nonce starting like a failed reply: about 2^-40)."""
+        head = conn.recv(DL.REPLY.size, socket.MSG_PEEK | socket.MSG_WAITALL)
+        if len(head) == DL.REPLY.size:
+            magic, status, _, _ = DL.REPLY.unpack(head)
+            if magic == DL.MAGIC and status == DL.FAILED:
+                cls._reply(conn)
 
     @staticmethod
     def _reply(conn: socket.socket) -> int:

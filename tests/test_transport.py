@@ -1,0 +1,301 @@
+"""The client's transport, sessions, authentication and fence, against real server processes.
+
+- one transport chosen at connect (shared memory or socket), no mode switches left in callers;
+- a shared secret is required on ZMQ (CURVE), the data link (HMAC handshake) and HTTP;
+- stores and leases belong to the session that made them: another session's Commit/Abort/
+  Release (ZMQ) and PUT/GET (data link) get not_holder;
+- the fence: no write into shm slots past the store's deadline (store_expired, client side),
+  and a release after the lease TTL says lease_expired.
+"""
+from __future__ import annotations
+
+import ast
+import secrets
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from kvedit import auth, wire
+from kvedit import protocol as P
+from kvedit.client import KVClient, KVError, ServerUnavailable
+from kvedit.layout import ModelLayout
+from kvedit.server.launch import start_server
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYOUT = ModelLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", chunk_size=256)
+MODEL = "transport-model"
+SECRET = "test-secret-" + secrets.token_hex(16)
+
+
+def _chunks(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, *LAYOUT.chunk_shape, generator=g).to(torch.bfloat16)
+
+
+def _keys(n: int) -> list[bytes]:
+    return [secrets.token_bytes(16) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    path = tmp_path_factory.mktemp("secret") / "kvedit.secret"
+    path.write_text(SECRET + "\n")
+    path.chmod(0o600)
+    with start_server(0.25, chunk_size=256, secret_file=path) as server:
+        with KVClient(server.url, secret=SECRET) as c:
+            c.register(MODEL, LAYOUT)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def short_ttl():
+    """No secret; write and lease TTLs of 1 s, so a slow client outlives them."""
+    with start_server(0.25, chunk_size=256,
+                      extra_args=["--write-ttl", "1", "--lease-ttl", "1"]) as server:
+        with KVClient(server.url) as c:
+            c.register(MODEL, LAYOUT)
+        yield server
+
+
+# ---- one transport, chosen once -------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["shm", "socket"])
+def test_both_transports_round_trip_through_one_interface(secured, mode):
+    with KVClient(secured.url, use_shm=mode == "shm", secret=SECRET) as c:
+        assert c.transfer_mode == mode
+        keys, data = _keys(3), _chunks(3, 1)
+        assert c.store(MODEL, keys[:1], data[:1]).stored == 1
+        with c.prepare_store(MODEL, keys) as h:     # filled through writable(): same call both ways
+            assert h.missing == [1, 2]
+            for i, buf in h.writable():
+                buf.copy_(data[i])
+        with c.retrieve(MODEL, keys) as got:
+            assert all(torch.equal(a, b) for a, b in zip(got.tensors, data))
+            seg = c.segment()
+            if mode == "shm":  # zero-copy views into the mapped segment
+                base, end = seg[1].data_ptr(), seg[1].data_ptr() + seg[1].numel()
+                assert all(base <= t.data_ptr() < end for t in got.tensors)
+            else:
+                assert seg is None
+        assert c.delete(MODEL, keys) == 3
+
+
+SWITCH_FILES = ["kvedit/client.py", "kvedit/handles.py", "kvedit/transport.py",
+                "kvedit/datalink.py", "kvedit/sdk/chunkmap.py", "kvedit/sdk/modify.py",
+                "kvedit/sdk/context.py", "kvedit/vllm/worker_side.py", "kvedit/vllm/link.py",
+                "kvedit/bench/connector.py"]
+
+
+def test_no_transfer_mode_switches_or_private_reaches_left():
+    """Callers never compare transfer_mode, and nothing outside KVClient touches its privates."""
+    for rel in SWITCH_FILES:
+        tree = ast.parse((ROOT / rel).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                names = [n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)]
+                assert "transfer_mode" not in names, f"{rel}:{node.lineno} switches on transfer_mode"
+            if isinstance(node, ast.Attribute) and node.attr in ("_link", "_call", "_done", "_seg"):
+                owner = node.value
+                assert isinstance(owner, ast.Name) and owner.id == "self", \
+                    f"{rel}:{node.lineno} reaches into another object's .{node.attr}"
+
+
+CLIENT_FILES = SWITCH_FILES[:-1] + ["kvedit/sdk/buffers.py", "kvedit/sdk/rowcopy.py",
+                                    "kvedit/keys.py", "kvedit/protocol.py", "kvedit/wire.py"]
+
+
+def test_client_code_never_imports_the_server():
+    for rel in CLIENT_FILES:
+        for node in ast.walk(ast.parse((ROOT / rel).read_text())):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(m.startswith("kvedit.server") for m in mods), f"{rel} imports {mods}"
+
+
+# ---- authentication ---------------------------------------------------------------------------
+@pytest.mark.parametrize("secret", [None, "a-wrong-secret-0123456789abcdef"])
+def test_zmq_refuses_a_missing_or_wrong_secret(secured, secret, monkeypatch):
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    monkeypatch.delenv(auth.SECRET_FILE_ENV, raising=False)
+    with pytest.raises(ServerUnavailable) as e:
+        KVClient(secured.url, secret=secret, timeout=1.5)
+    assert e.value.code == "timeout"
+
+
+def test_secret_from_the_environment(secured, monkeypatch):
+    monkeypatch.setenv(auth.SECRET_ENV, SECRET)
+    with KVClient(secured.url, use_shm=False) as c:  # socket: ZMQ and the data link both
+        keys = _keys(1)
+        c.store(MODEL, keys, _chunks(1, 2))
+        with c.retrieve(MODEL, keys) as got:
+            assert torch.equal(got.tensors[0], _chunks(1, 2)[0])
+
+
+def _data_conn(server, port: int, secret: bytes | None, session: bytes) -> socket.socket:
+    conn = socket.create_connection((server.host, port), timeout=10)
+    auth.client_handshake(conn, secret, session)
+    return conn
+
+
+def _data_reply(conn: socket.socket) -> tuple[int, bytes, str]:
+    """(status, payload, message) of one data-link reply; ConnectionError if closed."""
+    head = bytearray(wire.REPLY.size)
+    wire.recv_exact(conn, head)
+    magic, status, nbytes, msglen = wire.REPLY.unpack(head)
+    assert magic == wire.MAGIC
+    msg = bytearray(msglen)
+    wire.recv_exact(conn, msg)
+    payload = bytearray(nbytes)
+    wire.recv_exact(conn, payload)
+    return status, bytes(payload), msg.decode()
+
+
+@pytest.mark.parametrize("secret", [None, b"a-wrong-secret-0123456789abcdef"])
+def test_data_link_refuses_a_missing_or_wrong_secret(secured, secret):
+    with KVClient(secured.url, secret=SECRET) as c:
+        port = c.server_info().data_port
+    with _data_conn(secured, port, secret, secrets.token_bytes(16)) as conn:
+        status, _, msg = _data_reply(conn)  # the answer to the handshake, before any request
+        assert status == wire.FAILED and "unauthorized" in msg
+        assert conn.recv(1) == b""  # and closed
+
+
+def test_http_needs_the_bearer_token(secured):
+    def get(path: str, token: str | None) -> int:
+        req = urllib.request.Request(secured.http_url + path,
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert get("/health", None) == 200
+    for path in ("/status", "/config", "/cache"):
+        assert get(path, None) == 401, path
+        assert get(path, "wrong-token-0123456789") == 401, path
+        assert get(path, SECRET) == 200, path
+
+
+# ---- sessions: stores and leases belong to their holder --------------------------------------
+class RawPeer:
+    """A DEALER with its own session (routing id session + socket 0), CURVE with the secret."""
+
+    def __init__(self, ctx: zmq.Context, url: str, secret: str):
+        self.session = secrets.token_bytes(16)
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, self.session + (0).to_bytes(4, "big"))
+        auth.curve_client(self.sock, secret.encode())
+        self.sock.connect(url)
+
+    def call(self, msg):
+        self.sock.send_multipart([b"r", P.encoder.encode(msg)])
+        assert self.sock.poll(10_000), f"no reply to {msg}"
+        return P.reply_decoder.decode(self.sock.recv_multipart()[1])
+
+
+@pytest.fixture
+def peers(secured):
+    ctx = zmq.Context()
+    a, b = RawPeer(ctx, secured.url, SECRET), RawPeer(ctx, secured.url, SECRET)
+    yield a, b
+    a.sock.close(0)
+    b.sock.close(0)
+    ctx.term()
+
+
+def _stored_keys(secured, n: int) -> list[bytes]:
+    keys = _keys(n)
+    with KVClient(secured.url, secret=SECRET) as c:
+        c.store(MODEL, keys, _chunks(n, 3))
+    return keys
+
+
+def test_another_session_cannot_release_commit_or_abort_over_zmq(secured, peers):
+    a, b = peers
+    leased = a.call(P.Retrieve(model=MODEL, keys=_stored_keys(secured, 1)))
+    assert isinstance(leased, P.Leased) and leased.count == 1
+    for msg in (P.Release(lease_id=leased.lease_id),):
+        err = b.call(msg)
+        assert isinstance(err, P.Error) and err.code == "not_holder", err
+    assert isinstance(a.call(P.Release(lease_id=leased.lease_id)), P.Ok)
+    slots = a.call(P.PrepareStore(model=MODEL, keys=_keys(1)))
+    for msg in (P.Commit(store_id=slots.store_id), P.Abort(store_id=slots.store_id)):
+        err = b.call(msg)
+        assert isinstance(err, P.Error) and err.code == "not_holder", err
+    assert isinstance(a.call(P.Abort(store_id=slots.store_id)), P.Ok)
+
+
+def test_another_session_cannot_get_or_put_over_the_data_link(secured, peers):
+    a, b = peers
+    port = a.call(P.Hello()).data_port
+    leased = a.call(P.Retrieve(model=MODEL, keys=_stored_keys(secured, 1), with_data=True))
+    with _data_conn(secured, port, SECRET.encode(), b.session) as conn:
+        conn.sendall(wire.REQUEST.pack(wire.MAGIC, wire.GET, leased.lease_id, 0))
+        status, _, msg = _data_reply(conn)
+        assert status == wire.FAILED and "not_holder" in msg, msg
+    with _data_conn(secured, port, SECRET.encode(), a.session) as conn:  # the holder can
+        conn.sendall(wire.REQUEST.pack(wire.MAGIC, wire.GET, leased.lease_id, 0))
+        status, payload, _ = _data_reply(conn)
+        assert status == wire.OK and len(payload) == LAYOUT.chunk_bytes
+    slots = a.call(P.PrepareStore(model=MODEL, keys=_keys(1)))
+    with _data_conn(secured, port, SECRET.encode(), b.session) as conn:
+        conn.sendall(wire.REQUEST.pack(wire.MAGIC, wire.PUT, slots.store_id, LAYOUT.chunk_bytes))
+        conn.sendall(bytes(LAYOUT.chunk_bytes))
+        status, _, msg = _data_reply(conn)
+        assert status == wire.FAILED and "not_holder" in msg, msg
+    assert isinstance(a.call(P.Abort(store_id=slots.store_id)), P.Ok)
+
+
+# ---- the fence -------------------------------------------------------------------------------
+def _wait_past(deadline: float) -> None:
+    time.sleep(max(0.0, deadline - time.monotonic()) + 0.05)  # waiting out a TTL, by design
+
+
+def test_late_shm_write_is_refused_client_side(short_ttl):
+    with KVClient(short_ttl.url, use_shm=True) as late, KVClient(short_ttl.url) as other:
+        keys, data = _keys(2), _chunks(2, 4)
+        h = late.prepare_store(MODEL, keys)
+        slot_views = list(h.buffers)
+        _wait_past(h.deadline)
+        with pytest.raises(KVError) as e:
+            h.write(list(data))
+        assert e.value.code == "store_expired"
+        with pytest.raises(KVError) as e:
+            next(h.writable())
+        assert e.value.code == "store_expired"
+        assert all(not v.any() for v in slot_views)  # not a byte landed
+        # the store() path refuses too, and aborts its store
+        h2 = late.prepare_store(MODEL, _keys(1))
+        _wait_past(h2.deadline)
+        with pytest.raises(KVError) as e:
+            h2.commit([data[0]])
+        assert e.value.code == "store_expired" and h2.done
+        # another client's store is whole
+        fresh = _keys(2)
+        other.store(MODEL, fresh, data)
+        with other.retrieve(MODEL, fresh) as got:
+            assert all(torch.equal(a, b) for a, b in zip(got.tensors, data))
+
+
+def test_release_after_the_lease_ttl_says_lease_expired(short_ttl):
+    with KVClient(short_ttl.url, use_shm=True) as c:
+        keys = _keys(1)
+        c.store(MODEL, keys, _chunks(1, 5))
+        got = c.retrieve(MODEL, keys)
+        assert not got.expired()
+        got.check_lease()
+        time.sleep(1.0 + 1.5)  # past the server's 1 s lease TTL and its expiry sweep
+        assert got.expired()
+        with pytest.raises(KVError) as e:
+            got.check_lease()
+        assert e.value.code == "lease_expired"
+        with pytest.raises(KVError) as e:
+            got.release()
+        assert e.value.code == "lease_expired"
