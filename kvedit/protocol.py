@@ -60,8 +60,8 @@ class Register(_Msg, tag="register"):
 
 
 class Unregister(_Msg, tag="unregister"):
-    """Forget a model's layout (tp_rank) and delete its objects; fails `busy` while any of
-    them is leased or being stored."""
+    """Forget a model's layout (tp_rank) and delete its objects -> Count(objects deleted);
+    fails `busy` while any of them is leased or being stored."""
     model: str
     tp_rank: int = 0
 
@@ -121,8 +121,8 @@ class Stats(_Msg, tag="stats"):
     pass
 
 
-Request = Union[Hello, Register, Unregister, GetLayout, ListModels, Lookup, PrepareStore, Commit, Abort,
-                Retrieve, Release, Delete, Stats]
+Request = Union[Hello, Register, Unregister, GetLayout, ListModels, Lookup, PrepareStore,
+                Commit, Abort, Retrieve, Release, Delete, Stats]
 
 
 # ---- replies --------------------------------------------------------------------------
@@ -139,6 +139,10 @@ class ServerInfo(_Msg, tag="server_info"):
     eviction: str
     lease_ttl: float
     write_ttl: float
+    # limits a client checks before sending (0 = unknown, e.g. an older server); a message
+    # over max_message_bytes is dropped by libzmq with the connection, so no reply would come
+    max_keys_per_request: int = 0
+    max_message_bytes: int = 0
 
 
 class Ok(_Msg, tag="ok"):

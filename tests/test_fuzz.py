@@ -11,12 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvedit import protocol as P
-from kvedit.client import KVClient
 from kvedit.layout import DTYPE_SIZES, ModelLayout
-from kvedit.server.launch import start_server
-from tests.kv_helpers import SMALL, chunk_for, key, matches
-
-KEYS = [key(i, "fuzz") for i in range(4)]
+from tests.fixtures_server import assert_seed_intact
 
 keys = st.lists(st.binary(min_size=0, max_size=70), max_size=6)
 models = st.sampled_from(["m", "other", ""]) | st.text(max_size=8)
@@ -38,6 +34,7 @@ requests = st.one_of(
     st.builds(P.Retrieve, model=models, keys=keys, tp_rank=small_int, with_data=st.booleans()),
     st.builds(P.Release, lease_id=st.integers(-1, 50)),
     st.builds(P.Delete, model=models, keys=keys, tp_rank=small_int),
+    st.builds(P.Unregister, model=models.filter(lambda m: m != "m"), tp_rank=small_int),
 )
 
 
@@ -66,11 +63,8 @@ message_frames = st.one_of(
 
 
 @pytest.fixture(scope="module")
-def server():
-    with start_server(0.01) as s, KVClient(s.url) as c:
-        c.register("m", SMALL)
-        c.store("m", KEYS, [chunk_for(k) for k in KEYS])
-        yield s
+def server(seeded_server):
+    return seeded_server
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +107,5 @@ def test_fuzz_server(server, sock, frames, n):
 
 def test_server_survived_fuzzing(server):
     assert httpx.get(server.http_url + "/health", timeout=5).json()["status"] == "ok"
-    with KVClient(server.url) as c:
-        with c.retrieve("m", KEYS) as r:
-            assert [matches(k, t) for k, t in zip(KEYS, r.tensors)] == [True] * 4
+    assert_seed_intact(server)
     assert "internal error" not in server.log(), server.log()[-3000:]
