@@ -299,3 +299,41 @@ def test_release_after_the_lease_ttl_says_lease_expired(short_ttl):
         with pytest.raises(KVError) as e:
             got.release()
         assert e.value.code == "lease_expired"
+
+
+@pytest.mark.skipif(not __import__("kvedit.sdk.buffers", fromlist=["x"])._cow_supported(),
+                    reason="needs /proc/self/pagemap (Linux): kv is then mapped from shm")
+def test_modify_outliving_the_lease_fails_and_keeps_the_original(short_ttl):
+    """fn runs past the lease TTL on a kv mapped from the stored chunks: the bytes it read may
+    be other keys' by then, so nothing is stored and the stream is unchanged."""
+    from kvedit.sdk.batch import BatchedStream
+    from kvedit.sdk.context import connect
+    from kvedit.sdk.errors import BatchError, ModifyError
+    from kvedit.sdk.stream import create_request
+    from tests.test_sdk_modify import LAYOUT as SDK_LAYOUT, MODEL as SDK_MODEL, FakeEngine
+
+    with KVClient(short_ttl.url) as c:
+        c.register(SDK_MODEL, SDK_LAYOUT)
+    engine = FakeEngine(short_ttl.url)
+    try:
+        with connect(short_ttl.url, None, SDK_MODEL, timeout=10) as ctx:
+            batch = BatchedStream(progress=False)
+            stream = create_request(ctx, engine, list(range(100, 100 + 2 * 256)), "")
+            batch.add(stream)
+            batch.prefill({"max_tokens": 1})
+            tokens, salt, keys = list(stream.tokens), stream.cache_salt, list(stream.keys)
+
+            def slow_drop(kv, t):
+                time.sleep(2.0)  # past the 1 s lease TTL, by design
+                return kv[:, :, :256] * 2, t[:256]
+
+            with pytest.raises((ModifyError, BatchError)) as e:
+                batch.modify(slow_drop)
+            assert "TTL" in str(e.value) and "original KV is kept" in str(e.value)
+            assert (stream.tokens, stream.cache_salt, stream.keys) == (tokens, salt, keys)
+            assert ctx.client.lookup(SDK_MODEL, keys) == 2  # the original chunks are still there
+            with ctx.client.retrieve(SDK_MODEL, keys) as got:
+                assert all(torch.equal(t, engine.data(k)) for t, k in zip(got.tensors, keys))
+            assert ctx.client.stats()["pending_stores"] == 0  # the edit's store was aborted
+    finally:
+        engine.client.close()

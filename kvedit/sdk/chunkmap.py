@@ -58,9 +58,9 @@ def _unmap(base: int, nbytes: int, release) -> None:
         release()
     except Exception as e:  # client closed, lease expired: the server drops it by TTL anyway
         if getattr(e, "code", None) == "lease_expired":
-            log.warning("a kv mapped for modify was used past the server's lease TTL (fn kept "
-                        "it after modify?): bytes read from it after the TTL may belong to "
-                        "other keys; copy kv (kv.clone()) if fn must keep it")
+            log.warning("a kv mapped for modify was released after the server's lease TTL (a "
+                        "slow fn, or fn kept kv after modify): bytes read from it after the "
+                        "TTL may belong to other keys; clone kv if fn must keep it")
 
 
 class MappedKV:
