@@ -129,9 +129,8 @@ class KVClient:
     def _limits(self, msg) -> None:
         """Refuse what the server would refuse anyway, with a clear error instead of a
         dropped message (libzmq drops a message over MAXMSGSIZE without a reply)."""
-        info = self._info
         keys = getattr(msg, "keys", None)
-        cap = getattr(info, "max_keys_per_request", 0) if info is not None else 0
+        cap = self._info.max_keys_per_request if self._info is not None else 0
         if keys is not None and cap and len(keys) > cap:
             raise KVError("too_many_keys", f"{type(msg).__name__} with {len(keys)} keys; the "
                                            f"server takes at most {cap} per request: split it")
@@ -142,7 +141,7 @@ class KVClient:
             raise KVError("closed", "KVClient is closed")
         self._limits(msg)
         body = P.encoder.encode(msg)
-        cap = getattr(self._info, "max_message_bytes", 0) if self._info is not None else 0
+        cap = self._info.max_message_bytes if self._info is not None else 0
         if cap and len(body) > cap:
             raise KVError("too_large", f"{type(msg).__name__} is {len(body)} bytes; the server "
                                        f"takes messages of at most {cap} bytes: split it")

@@ -55,9 +55,11 @@ def secured(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def short_ttl():
-    """No secret; write and lease TTLs of 1 s, so a slow client outlives them."""
+    """No secret; write and lease TTLs of 1 s, so a slow client outlives them; small limits."""
     with start_server(0.25, chunk_size=256,
-                      extra_args=["--write-ttl", "1", "--lease-ttl", "1"]) as server:
+                      extra_args=["--write-ttl", "1", "--lease-ttl", "1",
+                                  "--max-keys-per-request", "2048",
+                                  "--max-message-bytes", "65536"]) as server:
         with KVClient(server.url) as c:
             c.register(MODEL, LAYOUT)
         yield server
@@ -337,3 +339,18 @@ def test_modify_outliving_the_lease_fails_and_keeps_the_original(short_ttl):
             assert ctx.client.stats()["pending_stores"] == 0  # the edit's store was aborted
     finally:
         engine.client.close()
+
+
+def test_oversized_requests_are_refused_client_side_with_the_limit(short_ttl):
+    """Over the server's limits from ServerInfo: a clear error before sending (libzmq would drop
+    a message over max_message_bytes with the connection, and the caller would see a timeout)."""
+    with KVClient(short_ttl.url, timeout=5) as c:
+        info = c.server_info()
+        assert (info.max_keys_per_request, info.max_message_bytes) == (2048, 65536)
+        with pytest.raises(KVError) as e:
+            c.lookup(MODEL, [bytes(16)] * 2049)
+        assert e.value.code == "too_many_keys" and "at most 2048" in e.value.message
+        with pytest.raises(KVError) as e:
+            c.lookup(MODEL, [secrets.token_bytes(64) for _ in range(1100)])  # ~72 KB
+        assert e.value.code == "too_large" and "65536" in e.value.message
+        assert c.lookup(MODEL, _keys(2048)) == 0  # at the limits: served, connection intact
