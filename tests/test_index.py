@@ -218,7 +218,8 @@ def test_get_transfer_release_is_busy_and_finish_releases():
         ix.release(lid, A)
     clock.t += 6
     assert ix.expire(clock()).leases == 0    # not expired under the transfer
-    ix.finish_get(lid)
+    r = ix.finish_get(lid)
+    assert r.nbytes == 2 * CH and r.started == t.started == 1000.0
     assert ix.counters.leases == 0 and ix.counters.leased == 0
     with pytest.raises(UnknownLease):
         ix.release(lid, A)
@@ -235,7 +236,7 @@ def test_stalled_get_is_cut_then_deleted_objects_free_at_finish():
     with pytest.raises(LeaseExpired):
         ix.release(lid, A)
     assert ix.alloc.used == CH               # still being read by the data-link thread
-    ix.finish_get(lid, ok=False)
+    assert ix.finish_get(lid, ok=False) is None
     assert ix.alloc.used == 0 and ix.counters.leased == 0
 
 

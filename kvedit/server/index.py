@@ -203,6 +203,7 @@ class Transfer:
     slots: list[Slot]
     nbytes: int
     deadline: float          # monotonic; past it the index cuts the transfer
+    started: float           # monotonic time of the prepare-store / retrieve
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,15 +445,17 @@ class Index:
         """The data link starts sending a lease's bytes: the slots to send, in key order."""
         return self._begin("lease", lease_id, holder)
 
-    def finish_get(self, lease_id: int, ok: bool = True) -> None:
-        """The GET ended (sent, failed or cut): the lease is released."""
+    def finish_get(self, lease_id: int, ok: bool = True) -> Released | None:
+        """The GET ended (sent, failed or cut): the lease is released -> Released, or None
+        when it had been cut (or was not in transfer)."""
         p = self._finish("lease", lease_id)
         if p is None:
-            return
-        if p.id in self.leases:
-            self._end_lease(p)
-        else:   # cut: already counted as ended; only the objects' leases remain
+            return None
+        if p.id not in self.leases:   # cut: already counted as ended; only the objects' leases
             self._unlease_objs(p, quarantine=False)
+            return None
+        self._end_lease(p)
+        return Released(lease_id, sum(o.nbytes for o in p.objs), p.started)
 
     # ---- clients ----------------------------------------------------------------------
     def session_gone(self, holder: bytes) -> int:
@@ -581,7 +584,8 @@ class Index:
         self.counters.transfers += 1
         self._push(p.transfer_deadline, kind, pid)
         slots = [Slot(o.offset, o.nbytes) for o in p.objs]
-        return Transfer(pid, slots, sum(s.nbytes for s in slots), p.transfer_deadline)
+        return Transfer(pid, slots, sum(s.nbytes for s in slots), p.transfer_deadline,
+                        p.started)
 
     def _finish(self, kind: Kind, pid: int) -> Pending | None:
         p = self._cut.pop(pid, None) or (self.stores if kind == "store" else self.leases).get(pid)
