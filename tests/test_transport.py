@@ -354,3 +354,49 @@ def test_oversized_requests_are_refused_client_side_with_the_limit(short_ttl):
             c.lookup(MODEL, [secrets.token_bytes(64) for _ in range(1100)])  # ~72 KB
         assert e.value.code == "too_large" and "65536" in e.value.message
         assert c.lookup(MODEL, _keys(2048)) == 0  # at the limits: served, connection intact
+
+
+def test_connector_load_past_the_lease_ttl_is_a_load_error(short_ttl, monkeypatch):
+    """The worker's real load path (WorkerSide.load -> PagedCopier.load_run) on a CPU paged
+    cache; the scatter is slowed past the lease TTL (fault injection): the release answers
+    lease_expired, so every block of the run is reported for recompute."""
+    from types import SimpleNamespace
+
+    from kvedit.vllm.link import ServerLink
+    from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
+    from kvedit.vllm.paged import PagedKV
+    from kvedit.vllm.settings import ConnectorSettings
+    from kvedit.vllm.worker_side import PagedCopier, WorkerSide
+
+    block, nblocks = 128, 8
+    layers = [torch.zeros(nblocks, LAYOUT.num_kv_heads, block, 2 * LAYOUT.head_dim,
+                          dtype=torch.bfloat16) for _ in range(LAYOUT.num_layers)]
+    paged = PagedKV(layers, "cpu", LAYOUT.head_dim, block)
+    cfg = SimpleNamespace(model_config=SimpleNamespace(served_model_name=MODEL),
+                          parallel_config=SimpleNamespace(rank=0, tensor_parallel_size=1))
+    ws = WorkerSide(cfg, ConnectorSettings(kvedit_url=short_ttl.url), block)
+    ws.paged, ws.layout = paged, LAYOUT
+    ws.copier = PagedCopier(paged, LAYOUT, MODEL)
+    ws.link = ServerLink(short_ttl.url, 5.0, 1.0, lambda c: None, "worker")
+    try:
+        keys, data = _keys(2), _chunks(2, 6)
+        ws.link.client.store(MODEL, keys, data)
+        run = ChunkRun(req_id="r", first=0, keys=[keys], start=0, end=512,
+                       block_ids=[5, 2, 7, 0])
+        ws.load(KVEditMetadata(loads=[run]))  # in time: loaded, no errors
+        assert ws.take_load_errors() == set() and "r" not in ws.failed_from
+        for i in range(2):
+            out = torch.empty(LAYOUT.chunk_shape, dtype=torch.bfloat16)
+            paged.gather(paged.slots(run.block_ids, i * 256, (i + 1) * 256), out)
+            assert torch.equal(out, data[i])
+        scatter = paged.scatter
+
+        def slow_scatter(slots, src):
+            time.sleep(2.5)  # past the 1 s lease TTL and the server's sweep, by design
+            scatter(slots, src)
+        monkeypatch.setattr(paged, "scatter", slow_scatter)
+        ws.load(KVEditMetadata(loads=[run]))
+        assert ws.take_load_errors() == {5, 2, 7, 0}  # all recomputed
+        assert ws.failed_from["r"] == 0
+    finally:
+        ws.close()
