@@ -7,7 +7,7 @@ quarantine). docs/protocol.md lists them with the error code a client gets at th
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 EVICTION_POLICIES = ("LRU", "FIFO", "none")
 GIB = 1 << 30
@@ -108,4 +108,3 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-LIMIT_FIELDS = tuple(f.name for f in fields(ServerConfig) if f.name.startswith("max_"))
