@@ -256,7 +256,7 @@ def test_eviction_skips_many_leased_objects_at_the_head(policy):
     store(ix, [k(i) for i in range(n)])
     lid = ix.lease("m", 0, [k(i) for i in range(leased)], A).lease_id
     # the leased objects are not in the eviction order at all: nothing to walk past
-    assert len(ix._evict) == n - leased
+    assert ix.evictable() == n - leased
     ix._by_rank = _Counting(ix._by_rank)     # every object the eviction looks at
     p = ix.prepare("m", 0, [k(n + i) for i in range(256)], CH, B)
     assert len(p.missing) == 256 and ix.counters.evictions == 256
@@ -265,7 +265,7 @@ def test_eviction_skips_many_leased_objects_at_the_head(policy):
     assert ix.leading_ready("m", 0, [k(leased + i) for i in range(256)]) == 0
     assert ix.leading_ready("m", 0, [k(leased + 256)]) == 1
     ix.release(lid, A)
-    assert len(ix._evict) == n - 256
+    assert ix.evictable() == n - 256
 
 
 def test_lru_and_fifo_order_with_leases():
@@ -416,7 +416,7 @@ def test_counters_equal_a_recount_after_random_operations(seed):
         c = ix.counters
         got = {key: getattr(c, key) for key in _recount(ix) if key != "evictable"}
         assert got == {key: v for key, v in _recount(ix).items() if key != "evictable"}, step
-        assert len(ix._evict) == _recount(ix)["evictable"]
+        assert ix.evictable() == _recount(ix)["evictable"]
         assert c.ready == len(ix._pages) == len(ix._by_seq)
     # drain: everything ends; every slot comes back
     for pid in [*ix._cut, *ix.stores, *ix.leases]:
@@ -430,3 +430,43 @@ def test_counters_equal_a_recount_after_random_operations(seed):
                                      expired_stores=c.expired_stores,
                                      cut_transfers=c.cut_transfers,
                                      pool_bytes=ix.alloc.capacity, pool_free=ix.alloc.capacity)
+
+
+# ---- two layouts in one pool -----------------------------------------------------------------
+def test_a_large_store_evicts_one_large_object_not_many_small_ones():
+    small, large = CH, 4 * CH
+    ix, _ = make(slots=50)                      # 10 x (one small, one large) = 50 pages
+    for i in range(10):
+        store(ix, [k(i)], model="s", nbytes=small)
+        store(ix, [k(i)], model="l", nbytes=large)
+    assert ix.alloc.used == ix.alloc.capacity
+    store(ix, [k(99)], model="l", nbytes=large, holder=B)
+    # strict LRU over all sizes would evict the oldest small one first, which frees no 4 pages
+    assert ix.counters.evictions == 1
+    assert ix.leading_ready("s", 0, [k(0)]) == 1 and ix.leading_ready("l", 0, [k(0)]) == 0
+    store(ix, [k(98)], model="s", nbytes=small, holder=B)   # a small store takes the oldest
+    assert ix.counters.evictions == 2 and ix.leading_ready("s", 0, [k(0)]) == 0
+
+
+def test_mixed_sizes_with_deletes_rarely_evict_while_enough_is_free():
+    """Issue 9 item 10: with two layouts and deletes, first fit + one LRU order evicted on
+    nearly every store while plenty of (fragmented) memory was free."""
+    rng = random.Random(3)
+    ix, _ = make(slots=2000)
+    live, wasted = [], 0
+    for i in range(6000):
+        r = rng.random()
+        if r < 0.3 and live:
+            j = rng.randrange(len(live))
+            live[j], live[-1] = live[-1], live[j]
+            model, key = live.pop()
+            ix.delete(model, 0, [key])
+            continue
+        model, nbytes = ("s", CH) if r < 0.79 else ("l", 9 * CH)
+        free, before = ix.alloc.capacity - ix.alloc.used, ix.counters.evictions
+        store(ix, [k(i)], model=model, nbytes=nbytes)
+        live.append((model, k(i)))
+        if ix.counters.evictions > before and free >= nbytes:
+            wasted += ix.counters.evictions - before
+    assert ix.counters.evictions > 500                       # the pool was under pressure
+    assert wasted < 0.05 * ix.counters.evictions, (wasted, ix.counters.evictions)

@@ -23,6 +23,9 @@ methods below (results are dataclasses, refusals are `Refused` with a protocol e
 - Eviction order (LRU or FIFO) holds only evictable objects (READY, live, not leased): a leased
   object leaves it at its first lease and re-enters at its place at its last release, and
   in-flight (WRITING) objects are never in it. So evicting is O(log n) whatever is leased.
+  It is kept per slot size (one per layout): a store evicts the oldest object whose slot
+  fits it, so a large chunk does not evict many small ones that free no large range. The
+  index evicts only when the allocator has no free range that fits (best fit, pool.py).
 - Counters are kept as things change (`counters`, O(1) to read); ready objects are also kept
   in commit order, so a page of /cache costs O(page), not a scan.
 Not thread-safe on its own: the service and the HTTP threads share it under one lock.
@@ -32,6 +35,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import secrets
+from bisect import bisect_left, insort
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -257,7 +261,8 @@ class Index:
         self._deadlines: list[tuple[float, int, str, int]] = []  # (when, tiebreak, what, id)
         self._tiebreak = itertools.count()
         self._clock = itertools.count(1)                  # seq and LRU ranks
-        self._evict = SortedInts()                        # ranks of evictable objects
+        self._evict: dict[int, SortedInts] = {}           # slot size -> evictable ranks
+        self._evict_sizes: list[int] = []                 # its keys, ascending
         self._by_rank: dict[int, Obj] = {}
         self._pages = SortedInts()                        # seqs of ready objects
         self._model_pages: dict[str, SortedInts] = {}
@@ -667,22 +672,36 @@ class Index:
             for o in dead:
                 self._free(o.offset, o.nbytes)
 
+    def evictable(self) -> int:
+        """Objects in the eviction order (READY, live, not leased)."""
+        return len(self._by_rank)
+
     def _enter_evict(self, o: Obj) -> None:
         if o.live and o.state == READY and o.leases == 0 and not o.evictable:
             o.evictable = True
-            self._evict.add(o.rank)
+            size = self.alloc.rounded(o.nbytes)
+            ranks = self._evict.get(size)
+            if ranks is None:
+                ranks = self._evict[size] = SortedInts()
+                insort(self._evict_sizes, size)
+            ranks.add(o.rank)
             self._by_rank[o.rank] = o
 
     def _leave_evict(self, o: Obj) -> None:
         if o.evictable:
             o.evictable = False
-            self._evict.discard(o.rank)
+            size = self.alloc.rounded(o.nbytes)
+            ranks = self._evict[size]
+            ranks.discard(o.rank)
+            if not ranks:
+                del self._evict[size]
+                del self._evict_sizes[bisect_left(self._evict_sizes, size)]
             del self._by_rank[o.rank]
 
     def _alloc(self, nbytes: int) -> int | None:
         # Evict only when no free range fits (the allocator finds any range that does).
         while (off := self.alloc.alloc(nbytes)) is None:
-            if self.policy == "none" or not self._evict_one():
+            if self.policy == "none" or not self._evict_one(self.alloc.rounded(nbytes)):
                 return None
         n = self.alloc.rounded(nbytes)
         self.counters.pool_used += n
@@ -696,10 +715,20 @@ class Index:
         self.counters.pool_free += n
         return n
 
-    def _evict_one(self) -> bool:
-        rank = self._evict.first()   # oldest (LRU: least recently used); never a leased one
+    def _evict_one(self, need: int) -> bool:
+        """Evict the oldest (LRU: least recently used) evictable object whose own slot takes
+        `need` bytes; if there is none, the oldest of all (the caller retries until a range
+        fits). Several layouts share the pool: evicting the oldest object of any size could
+        free many small slots, none adjacent, before one large range appears, so eviction
+        order is kept per slot size (one per layout; few) and LRU/FIFO holds within a size.
+        Leased and in-flight objects are in no order: nothing is walked past."""
+        sizes = self._evict_sizes
+        fitting = [self._evict[s].first() for s in sizes[bisect_left(sizes, need):]]
+        rank = min(fitting, default=None)
         if rank is None:
-            return False
+            rank = min((self._evict[s].first() for s in sizes), default=None)
+            if rank is None:
+                return False
         self._forget(self._by_rank[rank])
         self.counters.evictions += 1
         return True
