@@ -31,7 +31,7 @@ class ServerConfig:
     # ---- limits (items 3-5, 7 of issue 9) ----
     max_models: int = 64              # registered (model, tp_rank) layouts
     max_model_name: int = 256         # bytes of a model name (UTF-8)
-    max_keys_per_request: int = 65536
+    max_keys_per_request: int = 8192  # bounds one request's loop time (docs/protocol.md)
     max_message_bytes: int = 16 * MIB  # ZMQ MAXMSGSIZE: libzmq drops the peer's connection above
     max_waits_per_client: int = 1024  # parked lookups of one client session
     max_waits_total: int = 16384
