@@ -153,7 +153,7 @@ def test_quarantine_ends_at_session_gone_or_its_deadline():
 
 
 def test_recently_expired_ids_are_bounded(monkeypatch):
-    monkeypatch.setattr(I, "GONE_CAP", 3)
+    monkeypatch.setattr(I.T, "GONE_CAP", 3)
     ix, clock = make(write_ttl=1.0)
     sids = [ix.prepare("m", 0, [], CH, A).store_id for _ in range(5)]
     clock.t += 2
