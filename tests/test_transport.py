@@ -400,3 +400,32 @@ def test_connector_load_past_the_lease_ttl_is_a_load_error(short_ttl, monkeypatc
         assert ws.failed_from["r"] == 0
     finally:
         ws.close()
+
+
+def test_connector_link_takes_the_secret_file_from_its_config(secured, tmp_path, monkeypatch):
+    """kv_connector_extra_config {"kvedit_secret_file": PATH} -> ServerLink (what both connector
+    sides use) connects; with no secret anywhere it stays in outage (vLLM recomputes)."""
+    from kvedit.vllm.link import ServerLink
+    from kvedit.vllm.settings import ConnectorSettings
+
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    monkeypatch.delenv(auth.SECRET_FILE_ENV, raising=False)
+    path = tmp_path / "secret"
+    path.write_text(SECRET)
+    path.chmod(0o600)
+    settings = ConnectorSettings.from_extra({"kvedit_url": secured.url,
+                                             "kvedit_secret_file": str(path)})
+    assert settings.secret() == SECRET.encode()
+    link = ServerLink(settings.kvedit_url, 1.5, 60.0, lambda c: None, "worker",
+                      secret=settings.secret())
+    try:
+        assert link.client is not None and link.client.get_layout(MODEL) == LAYOUT
+    finally:
+        link.close()
+    bare = ConnectorSettings.from_extra({"kvedit_url": secured.url})
+    assert bare.secret() is None
+    link = ServerLink(bare.kvedit_url, 1.5, 60.0, lambda c: None, "worker", secret=bare.secret())
+    try:
+        assert link.client is None  # refused (no CURVE reply): an outage, not a crash
+    finally:
+        link.close()
