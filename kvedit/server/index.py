@@ -406,9 +406,10 @@ class Index:
                         p.started)
 
     def _finish(self, kind: Kind, pid: int) -> Pending | None:
-        p = self._cut.pop(pid, None) or (self.stores if kind == "store" else self.leases).get(pid)
+        p = self._cut.get(pid) or (self.stores if kind == "store" else self.leases).get(pid)
         if p is None or p.kind != kind or not p.busy:
             return None   # a finish without a begin: nothing to do
+        self._cut.pop(pid, None)
         p.transfer_deadline = None
         self.counters.transfers -= 1
         return p
