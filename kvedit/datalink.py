@@ -113,14 +113,29 @@ class LinkClient:
             raise KVError(*_split_code(msg.decode(errors="replace")))
         return nbytes
 
+    @classmethod
+    def _refusal(cls, conn: socket.socket) -> None:
+        """After a failed send: raise the server's error reply if one arrived, else return."""
+        try:
+            conn.settimeout(1.0)
+            cls._reply(conn)
+        except OSError:
+            pass
+
     def put(self, store_id: int, chunks: list[torch.Tensor]) -> None:
         """Send the missing chunks of a prepared store into its slots."""
         raws = [raw_bytes(t) for t in chunks]
 
         def put(conn):
             conn.sendall(DL.REQUEST.pack(DL.MAGIC, DL.PUT, store_id, sum(r.nbytes for r in raws)))
-            for r in raws:
-                conn.sendall(r)
+            try:
+                for r in raws:
+                    conn.sendall(r)
+            except OSError:
+                # The server may have refused the PUT (store_expired, not_holder, ...) and
+                # closed while the bytes were still going out: its reply says why.
+                self._refusal(conn)
+                raise
             self._reply(conn)
 
         self._io("PUT", put)
