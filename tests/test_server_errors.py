@@ -10,7 +10,7 @@ from kvedit import wire
 from kvedit.client import KVClient, KVError
 from kvedit.layout import ModelLayout
 from tests.fixtures_server import SEED_KEYS as KEYS
-from tests.fixtures_server import ask, link, link_error
+from tests.fixtures_server import ask, link, link_error, status, wait_until
 from tests.fixtures_server import assert_seed_intact as assert_data_intact
 from tests.kv_helpers import SMALL, chunk_for, key
 
@@ -86,6 +86,7 @@ def test_data_link_bad_requests(server):
         with link(server, session=c.session) as conn:  # the peer vanishes mid-transfer
             conn.sendall(wire.REQUEST.pack(wire.MAGIC, wire.PUT, sid, SMALL.chunk_bytes))
             conn.sendall(b"\0" * 1000)
+        assert wait_until(lambda: status(server)["transfers"] == 0)  # the server saw it go
         with pytest.raises(KVError) as e:  # the failed transfer voided the store
             h.commit()
         assert e.value.code == "store_expired", e.value
