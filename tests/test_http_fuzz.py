@@ -73,8 +73,8 @@ def _request(spec: dict) -> st.SearchStrategy:
                            d(st.text(max_size=20))))
         headers = {}
         if d(st.booleans()):
-            headers["Authorization"] = d(st.one_of(HEADER_TEXT,
-                                                   HEADER_TEXT.map(lambda t: ("Bearer " + t).strip())))
+            bearer = HEADER_TEXT.map(lambda t: ("Bearer " + t).strip())
+            headers["Authorization"] = d(st.one_of(HEADER_TEXT, bearer))
         if d(st.booleans()):
             headers["Accept"] = d(HEADER_TEXT)
         return method, path, params, headers

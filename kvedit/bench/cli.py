@@ -8,6 +8,7 @@ BENCH_MODULES = [
     "kvedit.bench.connector",   # connector: hit TTFT vs recompute, prefill with/without store
     "kvedit.bench.modify",      # SDK: modify vs memcpy
     "kvedit.bench.dropping",    # headline: decode gain of DropMiddle vs its bound
+    "kvedit.bench.soak",        # hardening: minutes of mixed, hostile load; leaks, latency
 ]
 
 
