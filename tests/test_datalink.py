@@ -12,10 +12,10 @@ import pytest
 
 from kvedit import auth, wire
 from kvedit import protocol as P
-from kvedit.client import KVClient, KVError
+from kvedit.client import KVClient
 from kvedit.server.launch import start_server
-from tests.fixtures_server import (call, close_dealer, data_port, link, link_error, session_dealer, status,
-                                   wait_until)
+from tests.fixtures_server import (call, close_dealer, data_port, link, link_error,
+                                   session_dealer, status, wait_until)
 from tests.kv_helpers import SMALL, chunk_for, key, matches
 
 CHUNK = SMALL.chunk_bytes           # 256 KiB

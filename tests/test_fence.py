@@ -96,7 +96,6 @@ def test_reader_past_lease_ttl_is_told_at_release(server):
 
 def test_stores_and_leases_belong_to_their_session(server):
     owner, stranger = session_dealer(server.url), session_dealer(server.url)
-    sibling = session_dealer(server.url, None)
     try:
         slots = call(owner, P.PrepareStore(model="m", keys=[key(0, "own")]))
         for msg in (P.Commit(store_id=slots.store_id), P.Abort(store_id=slots.store_id)):
@@ -112,7 +111,7 @@ def test_stores_and_leases_belong_to_their_session(server):
         b = call(owner, P.PrepareStore(model="m", keys=[key(2, "own")])).store_id
         assert abs(a - b) > 2**20
     finally:
-        for d in (owner, stranger, sibling):
+        for d in (owner, stranger):
             close_dealer(d)
 
 

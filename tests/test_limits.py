@@ -14,8 +14,8 @@ import pytest
 from kvedit import protocol as P
 from kvedit.client import KVClient
 from kvedit.server.launch import start_server
-from tests.fixtures_server import ask, call, close_dealer, dealer, session_dealer, status, \
-    wait_until
+from tests.fixtures_server import (ask, call, close_dealer, dealer, session_dealer, status,
+                                   wait_until)
 from tests.kv_helpers import SMALL, chunk_for, key
 
 MAX_MODELS = 30

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-import zmq
 
 from kvedit import protocol as P
 from kvedit import wire

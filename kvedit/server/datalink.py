@@ -31,7 +31,7 @@ import threading
 import time
 
 from kvedit import auth
-from kvedit.wire import FAILED, GET, MAGIC, OK, PUT, REPLY, REQUEST, recv_exact, tune  # noqa: F401
+from kvedit.wire import FAILED, GET, MAGIC, OK, PUT, REPLY, REQUEST, recv_exact, tune
 
 log = logging.getLogger("kvedit.server")
 
