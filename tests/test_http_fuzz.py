@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvedit import auth
 from kvedit.client import KVClient
 from kvedit.server.launch import start_server
 from tests.kv_helpers import SMALL, chunk_for, key
@@ -25,17 +26,23 @@ HEADER_TEXT = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E),
                       max_size=80).map(str.strip)
 
 
-@pytest.fixture(scope="module")
-def server():
-    with start_server(0.05) as s, KVClient(s.url) as c:
+@pytest.fixture(scope="module", params=["no secret", "secret"])
+def server(request, tmp_path_factory):
+    """(server, secret or None): without a secret and with one (then 401s are in play)."""
+    path = None
+    if request.param == "secret":
+        path = tmp_path_factory.mktemp("secret") / "secret"
+        auth.generate_secret(path)
+    with start_server(0.05, secret_file=path) as s, \
+            KVClient(s.url, secret_file=path and str(path)) as c:
         c.register("a", SMALL)
         c.store("a", [key(i, "fz") for i in range(8)], [chunk_for(key(i, "fz")) for i in range(8)])
-        yield s
+        yield s, path and auth.load_secret(None, path).decode()
 
 
 @pytest.fixture(scope="module")
 def spec(server) -> dict:
-    return httpx.get(server.http_url + "/openapi.json", timeout=10).json()
+    return httpx.get(server[0].http_url + "/openapi.json", timeout=10).json()
 
 
 def _value(schema: dict) -> st.SearchStrategy:
@@ -50,7 +57,7 @@ def _value(schema: dict) -> st.SearchStrategy:
                      st.just("x" * (hi + 1)), st.just(""))
 
 
-def _request(spec: dict) -> st.SearchStrategy:
+def _request(spec: dict, secret: str | None) -> st.SearchStrategy:
     ops = [(path, method.upper(), op.get("parameters", []))
            for path, item in spec["paths"].items() for method, op in item.items()]
 
@@ -74,7 +81,8 @@ def _request(spec: dict) -> st.SearchStrategy:
         headers = {}
         if d(st.booleans()):
             bearer = HEADER_TEXT.map(lambda t: ("Bearer " + t).strip())
-            headers["Authorization"] = d(st.one_of(HEADER_TEXT, bearer))
+            right = st.just(f"Bearer {secret}") if secret else bearer
+            headers["Authorization"] = d(st.one_of(HEADER_TEXT, bearer, right, right))
         if d(st.booleans()):
             headers["Accept"] = d(HEADER_TEXT)
         return method, path, params, headers
@@ -82,12 +90,13 @@ def _request(spec: dict) -> st.SearchStrategy:
 
 
 def test_fuzz_against_openapi(server, spec):
+    server, secret = server
     client = httpx.Client(base_url=server.http_url, timeout=10)
     seen: set[int] = set()
 
     @settings(max_examples=400, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
-    @given(_request(spec))
+    @given(_request(spec, secret))
     def one(req):
         method, path, params, headers = req
         r = client.request(method, path, params=params, headers=headers)
@@ -104,6 +113,7 @@ def test_fuzz_against_openapi(server, spec):
         one()
     finally:
         client.close()
-    assert {200, 400, 404, 405} <= seen, seen   # the fuzz reached past the happy path
+    # the fuzz reached past the happy path (and past the secret check, when there is one)
+    assert {200, 400, 404, 405} | ({401} if secret else set()) <= seen, seen
     assert httpx.get(server.http_url + "/health", timeout=10).json()["status"] == "ok"
     assert "Traceback" not in server.log(), server.log()

@@ -132,3 +132,41 @@ def test_delete_cache_one_model_then_all(server):
     assert get(server, "/cache").json()["total"] == 5
     assert httpx.delete(server.http_url + "/cache").json()["deleted"] == 5
     assert get(server, "/status").json()["pool"]["used"] == 0
+
+
+@pytest.fixture(scope="module")
+def secret_server(tmp_path_factory):
+    from kvedit import auth
+    path = tmp_path_factory.mktemp("secret") / "secret"
+    auth.generate_secret(path)
+    with start_server(0.05, secret_file=path) as s, \
+            KVClient(s.url, secret_file=str(path)) as c:
+        c.register("a", SMALL)
+        c.store("a", [key(0, "s")], [chunk_for(key(0, "s"))])
+        yield s, auth.load_secret(None, path)
+
+
+def test_secret_guards_status_config_and_cache(secret_server):
+    server, secret = secret_server
+    good = {"Authorization": "Bearer " + secret.decode()}
+    for method, path in (("GET", "/status"), ("GET", "/config"), ("GET", "/cache"),
+                         ("DELETE", "/cache")):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": secret.decode()},
+                        {"Authorization": "Basic " + secret.decode()}):
+            r = httpx.request(method, server.http_url + path, headers=headers, timeout=10)
+            assert r.status_code == 401, (method, path, headers)
+            assert "Authorization: Bearer" in r.json()["error"]
+            assert r.headers["www-authenticate"].startswith("Bearer")
+    # nothing was deleted by the refused DELETEs; with the secret everything answers
+    page = httpx.get(server.http_url + "/cache", headers=good, timeout=10).json()
+    assert page["total"] == 1 and page["items"][0]["key"] == key(0, "s").hex()
+    assert httpx.get(server.http_url + "/status", headers=good,
+                     timeout=10).json()["objects"]["ready"] == 1
+    assert httpx.get(server.http_url + "/config", headers=good, timeout=10).status_code == 200
+    # /health and /metrics stay open, and /metrics names no model or key
+    assert httpx.get(server.http_url + "/health", timeout=10).json()["status"] == "ok"
+    metrics = httpx.get(server.http_url + "/metrics", timeout=10)
+    assert metrics.status_code == 200 and 'kvedit_objects{state="ready"} 1.0' in metrics.text
+    assert key(0, "s").hex() not in metrics.text and 'model="a"' not in metrics.text
+    r = httpx.delete(server.http_url + "/cache", headers=good, timeout=10)
+    assert r.json()["deleted"] == 1
