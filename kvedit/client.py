@@ -266,12 +266,16 @@ class KVClient:
         t0 = time.monotonic()  # the server's lease TTL starts later: a conservative deadline
         reply = self._model_call(model, tp_rank, msg)
         self._check_instance(reply.instance)  # a restarted server: new segment and data port
-        if self._transport is not transport:  # re-attached meanwhile: ask the new way
-            if not transport.with_data:
+        current = self._transport
+        if current.with_data != transport.with_data:  # re-attached the other way: ask again
+            try:
                 self.release_lease(reply.lease_id)
+            except KVError as e:  # an empty with_data lease may not exist: nothing to release
+                if e.code not in ("unknown_lease", "lease_expired"):
+                    raise
             return self.retrieve(model, keys, tp_rank)
         ttl = self._info.lease_ttl
-        return transport.open_lease(self, reply, t0 + ttl - ttl_margin(ttl))
+        return current.open_lease(self, reply, t0 + ttl - ttl_margin(ttl))
 
     def delete(self, model: str, keys: list[bytes], tp_rank: int = 0) -> int:
         return self._model_call(model, tp_rank,
