@@ -8,7 +8,8 @@ GET and PUT transfers that stall half-way, one oversized request, one server res
 client sending a small Hello every ~10 ms for the control loop's latency. After every client
 has stopped and the TTLs have passed, the server's /status must show no lease and, once the
 cache is deleted, no slot in use. Then a scaling phase: the latency of a small request while
-/metrics is scraped with 1M objects in the index (4 KiB chunks, lazy pool, never written).
+/metrics (and /status, /cache pages) are scraped with 1M objects in the index (4 KiB
+chunks, lazy pool, never written), beside the same request with nobody scraping.
 Everything is bounded in time and count and stops every process it started.
 """
 from __future__ import annotations
@@ -238,6 +239,13 @@ def mixed_phase(args, secret_file: str, logdir: Path) -> dict:
         after = http.get("/status").json()
         leaked_slots = after["pool"]["used"] // LAYOUT.chunk_bytes + writing
         rss_end = _rss_mb(srv.pid), _rss_mb(srv.pid, "RssAnon")
+        keepalive = []
+        for _ in range(200):   # sequential GET /health over one keep-alive connection
+            s0 = time.perf_counter()
+            http.get("/health").raise_for_status()
+            keepalive.append((time.perf_counter() - s0) * 1e3)
+        out["http_keepalive_p50_ms"] = _pct(keepalive, 0.5)
+        out["http_keepalive_p99_ms"] = _pct(keepalive, 0.99)
         out.update(_summarize(procs.results, restart))
         out.update({
             "victims": victims, "restart": None if restart is None else
@@ -331,8 +339,8 @@ def _summarize(results: dict, restart) -> dict:
 
 def scaling_phase(args, secret_file: str) -> dict:
     """Fill the index with up to --scale-objects 4 KiB objects (prepared and committed, never
-    written: a lazy pool then costs no memory), then time a small request while /metrics is
-    scraped back to back."""
+    written: a lazy pool then costs no memory), then time a small lookup with nobody scraping
+    (5 s), and while /metrics, /status and /cache pages are scraped back to back (10 s)."""
     import httpx
 
     from kvedit import auth
@@ -361,33 +369,45 @@ def scaling_phase(args, secret_file: str) -> dict:
         out["fill_s"] = round(time.monotonic() - t0, 1)
         http = httpx.Client(base_url=srv.http_url, headers=headers, timeout=60)
         out["ready_in_status"] = http.get("/status").json()["objects"]["ready"]
-        stop, scrapes = threading.Event(), []
+        peer = RawPeer({"url": srv.url, "secret_file": secret_file})
+        probe = P.Lookup(model="scale", keys=[(7).to_bytes(16, "little")])
+
+        def lookups(seconds: float) -> list[float]:
+            lat, end = [], time.monotonic() + seconds
+            while time.monotonic() < end:
+                s0 = time.perf_counter()
+                r = peer.call(probe, 5.0)
+                lat.append((time.perf_counter() - s0) * 1e3 if r is not None else 5000.0)
+                time.sleep(0.01)
+            return lat
+
+        idle = lookups(5.0)   # the same-run baseline: nobody scraping
+        stop = threading.Event()
+        scrapes: dict[str, list[float]] = {"/metrics": [], "/status": [], "/cache": []}
 
         def scrape():
-            for _ in range(10_000):   # bounded; stopped by the event long before
+            for i in range(30_000):   # bounded; the event stops it long before
                 if stop.is_set():
                     return
+                path = "/metrics" if i % 3 != 2 else ("/status", "/cache")[i // 3 % 2]
                 s0 = time.perf_counter()
-                http.get("/metrics").raise_for_status()
-                scrapes.append((time.perf_counter() - s0) * 1e3)
+                http.get(path, params={"limit": 1000} if path == "/cache" else None
+                         ).raise_for_status()
+                scrapes[path].append((time.perf_counter() - s0) * 1e3)
 
         th = threading.Thread(target=scrape, daemon=True)
         th.start()
-        peer = RawPeer({"url": srv.url, "secret_file": secret_file})
-        lat, end = [], time.monotonic() + 10.0
-        while time.monotonic() < end:
-            s0 = time.perf_counter()
-            r = peer.call(P.Lookup(model="scale", keys=[(7).to_bytes(16, "little")]), 5.0)
-            lat.append((time.perf_counter() - s0) * 1e3 if r is not None else 5000.0)
-            time.sleep(0.01)
+        busy = lookups(10.0)
         stop.set()
         th.join(60)
         peer.close()
         http.close()
-        out.update({"lookups": len(lat), "scale_hello_p50_ms": _pct(lat, 0.5),
-                    "scale_hello_p99_ms": _pct(lat, 0.99), "scale_hello_max_ms": _pct(lat, 1.0),
-                    "scrapes": len(scrapes), "scrape_p50_ms": _pct(scrapes, 0.5),
-                    "scrape_max_ms": _pct(scrapes, 1.0),
+        out.update({"lookups": len(busy), "scale_hello_p50_ms": _pct(busy, 0.5),
+                    "scale_hello_p99_ms": _pct(busy, 0.99), "scale_hello_max_ms": _pct(busy, 1.0),
+                    "idle_hello_p50_ms": _pct(idle, 0.5), "idle_hello_p99_ms": _pct(idle, 0.99),
+                    "idle_hello_max_ms": _pct(idle, 1.0),
+                    "scrapes": {p: {"n": len(v), "p50_ms": _pct(v, 0.5), "max_ms": _pct(v, 1.0)}
+                                for p, v in scrapes.items()},
                     "server_rss_mb": round(_rss_mb(srv.pid), 1)})
     return out
 
