@@ -67,11 +67,9 @@ class Service:
         self.lock = threading.Lock()        # shared with the data-link and HTTP threads
         self.metrics = Metrics(self.snapshot)
         self.started = time.time()
-        self.waiters = Waiters(cfg.max_waits_per_client, cfg.max_waits_total)
-        self._parked_keys = 0               # keys of all parked lookups (their memory)
-        self._parked_keys_of: dict[bytes, int] = {}  # the same, per holder
+        self.waiters = Waiters(cfg.max_waits_per_client, cfg.max_waits_total,
+                               max_keys=cfg.max_parked_keys)
         self._cuts: dict[int, Callable[[], None]] = {}  # store/lease id -> cut its transfer
-        self._get_started: dict[int, float] = {}     # lease id -> retrieve time (latency)
         self.stop_requested = False
         self.ctx = zmq.Context()
         self.authenticator = None
@@ -156,7 +154,6 @@ class Service:
     def _session_gone(self, holder: bytes) -> None:
         """The holder's last socket disconnected: let go of what only it could use."""
         self.waiters.drop_client(holder)
-        self._parked_keys -= self._parked_keys_of.pop(holder, 0)
         self.index.session_gone(holder)
 
     # ---- messages ---------------------------------------------------------------------
@@ -314,27 +311,11 @@ class Service:
             self.metrics.hits.inc(n)
             self.metrics.misses.inc(len(req.keys) - n)
             return P.Count(n=n)
-        if self._parked_keys + len(req.keys) > cfg.max_parked_keys:
-            raise Fail("too_many_waits", f"parked lookups hold {self._parked_keys} keys; "
-                                         f"{len(req.keys)} more would pass --max-parked-keys "
-                                         f"{cfg.max_parked_keys}: retry later or use "
-                                         f"wait_timeout=0")
         w = Waiter(ident, rid, req, time.monotonic() + req.wait_timeout, holder=holder)
-        self.waiters.add(w, n)  # TooManyWaits past the per-client or total bound
-        self._parked_keys += len(req.keys)
-        self._parked_keys_of[holder] = self._parked_keys_of.get(holder, 0) + len(req.keys)
+        self.waiters.add(w, n)  # TooManyWaits past the per-client, total or keys bound
         return None  # answered later by a commit or the deadline
 
-    def _unpark(self, w: Waiter) -> None:
-        self._parked_keys -= len(w.req.keys)
-        left = self._parked_keys_of.get(w.holder, 0) - len(w.req.keys)
-        if left > 0:
-            self._parked_keys_of[w.holder] = left
-        else:
-            self._parked_keys_of.pop(w.holder, None)
-
     def _answer_waiter(self, w: Waiter) -> None:
-        self._unpark(w)
         n = self.index.leading_ready(w.req.model, w.req.tp_rank, w.req.keys)
         self.metrics.hits.inc(n)
         self.metrics.misses.inc(len(w.req.keys) - n)
@@ -403,8 +384,7 @@ class Service:
             self._cuts.pop(store_id, None)
             if not ok:
                 self.metrics.transfers_failed.labels("put").inc()
-            self.index.finish_put(store_id, ok)
-            if ok and store_id not in self.index.stores:  # cut as the last bytes came in
+            if not self.index.finish_put(store_id, ok) and ok:  # cut as the last bytes came in
                 return "store_expired", (f"PUT: store {store_id} passed its deadline during the "
                                          f"transfer and was dropped; store again")
         return None
@@ -417,7 +397,6 @@ class Service:
             except Refused as e:
                 return Transfer(error=(e.code, f"GET: {e.message}"))
             self._cuts[lease_id] = cut
-            self._get_started[lease_id] = self.index.leases[lease_id].started
             return Transfer(views=[self.arena.view(x.offset, x.nbytes) for x in t.slots])
 
     def finish_get(self, lease_id: int, ok: bool) -> None:
@@ -426,10 +405,9 @@ class Service:
             self._cuts.pop(lease_id, None)
             if not ok:
                 self.metrics.transfers_failed.labels("get").inc()
-            self.index.finish_get(lease_id, ok)
-            started = self._get_started.pop(lease_id, None)
-            if ok and started is not None:
-                self.metrics.retrieve_latency.observe(time.monotonic() - started)
+            released = self.index.finish_get(lease_id, ok)
+            if ok and released is not None:
+                self.metrics.retrieve_latency.observe(time.monotonic() - released.started)
 
     def count_error(self, code: P.ErrorCode) -> None:
         self.metrics.errors.labels(code).inc()
@@ -443,7 +421,7 @@ class Service:
     def _snapshot(self) -> dict:
         return self.index.snapshot() | {
             "models": len(self.layouts), "waiting_lookups": len(self.waiters),
-            "parked_keys": self._parked_keys, "data_conns": self.data.connections(),
+            "parked_keys": self.waiters.keys, "data_conns": self.data.connections(),
             "transfer_mode": "shm" if self.cfg.shm_name else "socket",
             "uptime_s": round(time.time() - self.started, 3),
         }
