@@ -171,3 +171,25 @@ def test_wrong_secret_is_unauthorized(tmp_path):
             auth.client_handshake(conn, secret, secrets.token_bytes(16))
             conn.sendall(wire.REQUEST.pack(wire.MAGIC, wire.GET, 12345, 0))
             assert link_error(conn).startswith("unknown_lease: ")
+
+
+def test_dripping_bytes_does_not_extend_the_handshake_deadline():
+    with start_server(0.01, extra_args=FLAGS) as s:   # --handshake-timeout 1
+        conn = link(s, handshake=False)
+        nonce = bytearray(wire.NONCE_BYTES)
+        wire.recv_exact(conn, nonce)
+        closed = False
+        for _ in range(40):                  # one byte every 0.2 s: 8 s if it were per byte
+            try:
+                conn.sendall(b"x")
+                conn.settimeout(0.2)
+                if conn.recv(1) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                closed = True
+                break
+        assert closed, "the server kept a dripping handshake open past its deadline"
+        conn.close()

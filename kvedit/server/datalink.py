@@ -12,8 +12,9 @@ session that holds it (checked against the handshake). Framing: kvedit.wire.
 
 Every wait has a bound, so a stalled or hostile peer cannot pin a thread or a slot:
 - at most `max_data_conns` connections (beyond: an error reply instead of the nonce, close);
-- the handshake must arrive within `handshake_timeout`;
-- between requests a connection may idle `data_idle_timeout`;
+- the handshake must arrive within `handshake_timeout`, and a request header within
+  `data_idle_timeout` of the previous request: total deadlines (a reaper thread shuts the
+  socket down), so dripping one byte at a time does not extend them;
 - mid-transfer each recv/send must make progress within `transfer_idle_timeout`, and the
   whole transfer must end within `transfer_timeout`;
 - when the store/lease itself passes its TTL, the service shuts this socket down (cut), so
@@ -48,10 +49,35 @@ class DataLink:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()   # guards _conns (accept thread vs connection threads)
         self._closing = False
+        self._deadlines: dict[socket.socket, float] = {}   # armed waits (under _lock)
         self.thread = threading.Thread(target=self._accept, name="kvedit-data", daemon=True)
+        self._reaper = threading.Thread(target=self._reap, name="kvedit-data-reaper",
+                                        daemon=True)
 
     def start(self) -> None:
         self.thread.start()
+        self._reaper.start()
+
+    def _arm(self, conn: socket.socket, seconds: float) -> None:
+        """`conn` must get what it waits for within `seconds` in total, or be shut down."""
+        conn.settimeout(seconds)
+        with self._lock:
+            self._deadlines[conn] = time.monotonic() + seconds
+
+    def _disarm(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._deadlines.pop(conn, None)
+
+    def _reap(self) -> None:
+        while not self._closing:
+            time.sleep(0.25)
+            now = time.monotonic()
+            with self._lock:
+                late = [c for c, d in self._deadlines.items() if d <= now]
+                for c in late:
+                    del self._deadlines[c]
+            for c in late:
+                _shutdown(c)
 
     def connections(self) -> int:
         return len(self._conns)
@@ -94,26 +120,28 @@ class DataLink:
     def _serve(self, conn: socket.socket) -> None:
         cfg = self.cfg
         try:
-            conn.settimeout(cfg.handshake_timeout)
+            self._arm(conn, cfg.handshake_timeout)
             try:
                 session = auth.server_handshake(conn, self.secret)
-            except auth.AuthError as e:
-                self.service.count_error("unauthorized")
-                return _send_error(conn, "unauthorized", str(e))
-            except TimeoutError:
+            except (auth.AuthError, OSError) as e:
+                with self._lock:
+                    late = conn not in self._deadlines  # the reaper shut it down
+                if isinstance(e, auth.AuthError) and not late:  # wrong MAC or short answer
+                    self.service.count_error("unauthorized")
+                    return _send_error(conn, "unauthorized", str(e))
                 self.service.count_error("malformed")
-                log.info("data connection closed: no handshake within %.1f s",
-                         cfg.handshake_timeout)
+                log.info("data connection closed: no complete handshake within %.1f s (%s)",
+                         cfg.handshake_timeout, e)
                 return
+            self._disarm(conn)
             head = bytearray(REQUEST.size)
             while True:
-                conn.settimeout(cfg.data_idle_timeout)
+                self._arm(conn, cfg.data_idle_timeout)
                 try:
                     recv_exact(conn, head)
-                except ConnectionError:
-                    return  # the client closed its connection between requests
-                except TimeoutError:
-                    return  # idle too long: the client reconnects when it needs to
+                except OSError:  # closed by the client, or idle too long (timeout, reaper)
+                    return       # between requests: the client reconnects when it needs to
+                self._disarm(conn)
                 magic, op, pid, nbytes = REQUEST.unpack(head)
                 if magic != MAGIC or op not in (PUT, GET):
                     self.service.count_error("malformed")
@@ -130,6 +158,7 @@ class DataLink:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._deadlines.pop(conn, None)
             conn.close()
 
     def _put(self, conn, session: bytes, store_id: int, nbytes: int):
