@@ -38,7 +38,7 @@ import secrets
 from bisect import bisect_left, insort
 import time
 from collections import OrderedDict
-from dataclasses import asdict
+from dataclasses import fields
 
 from kvedit.server import index_types as T
 from kvedit.server.index_types import (  # noqa: F401  (re-exported: the index's API)
@@ -47,6 +47,8 @@ from kvedit.server.index_types import (  # noqa: F401  (re-exported: the index's
     Refused, Released, Slot, StoreExpired, Transfer, UnknownLease, UnknownStore)
 from kvedit.server.ordered import SortedInts
 from kvedit.server.pool import Allocator
+
+_COUNTER_FIELDS = tuple(f.name for f in fields(Counters))
 
 
 # ---- the index --------------------------------------------------------------------------
@@ -93,7 +95,8 @@ class Index:
 
     def snapshot(self) -> dict:
         """The counters as a dict (O(1): a fixed number of fields)."""
-        return asdict(self.counters)
+        c = self.counters
+        return {f: getattr(c, f) for f in _COUNTER_FIELDS}
 
     def page(self, model: str | None, after: int | None, limit: int) -> Page:
         """Up to `limit` ready objects (of `model`) in commit order after cursor `after`."""
