@@ -470,3 +470,10 @@ def test_mixed_sizes_with_deletes_rarely_evict_while_enough_is_free():
             wasted += ix.counters.evictions - before
     assert ix.counters.evictions > 500                       # the pool was under pressure
     assert wasted < 0.05 * ix.counters.evictions, (wasted, ix.counters.evictions)
+
+
+def test_every_refusal_is_a_protocol_error_code():
+    from kvedit.protocol import ERROR_CODES
+    from kvedit.server.waiters import TooManyWaits
+    codes = {c.code for c in I.Refused.__subclasses__()} | {TooManyWaits.code}
+    assert len(codes) == 8 and codes <= ERROR_CODES
