@@ -46,10 +46,12 @@ class AuthError(Exception):
 # ---- the secret ----------------------------------------------------------------------
 def _check(secret: bytes, where: str) -> bytes:
     # printable ASCII without spaces: it must survive a file, an env variable and an HTTP header
-    if not MIN_SECRET_CHARS <= len(secret) <= MAX_SECRET_CHARS or not all(33 <= b < 127 for b in secret):
+    printable = all(33 <= b < 127 for b in secret)
+    if not MIN_SECRET_CHARS <= len(secret) <= MAX_SECRET_CHARS or not printable:
         raise AuthError(f"the kvedit secret from {where} must be {MIN_SECRET_CHARS}-"
                         f"{MAX_SECRET_CHARS} printable ASCII characters without spaces "
-                        f"(got {len(secret)} bytes); make one with `kvedit server --gen-secret PATH`")
+                        f"(got {len(secret)} bytes); make one with "
+                        f"`kvedit server --gen-secret PATH`")
     return secret
 
 
@@ -147,7 +149,8 @@ def start_authenticator(ctx: zmq.Context, secret: bytes):
     _require_curve()
     auth = ThreadAuthenticator(ctx, log=logging.getLogger("kvedit.auth.zap"))
     auth.start()
-    auth.configure_curve_callback("*", credentials_provider=_OneKey(curve_keys(secret, "client")[0]))
+    client_public = curve_keys(secret, "client")[0]
+    auth.configure_curve_callback("*", credentials_provider=_OneKey(client_public))
     return auth
 
 

@@ -37,7 +37,8 @@ def test_load_secret_sources_and_precedence(tmp_path, monkeypatch):
         auth.load_secret(secret=SECRET, secret_file=path)
 
 
-@pytest.mark.parametrize("bad", [b"short", b"has a space in it 12345", b"x" * 5000, "é".encode() * 20])
+@pytest.mark.parametrize("bad", [b"short", b"has a space in it 12345", b"x" * 5000,
+                                 "é".encode() * 20])
 def test_unusable_secrets_are_refused_with_the_rule(bad):
     with pytest.raises(auth.AuthError, match="printable ASCII"):
         auth.load_secret(secret=bad)

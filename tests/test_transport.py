@@ -101,7 +101,8 @@ def test_no_transfer_mode_switches_or_private_reaches_left():
             if isinstance(node, ast.Compare):
                 names = [n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)]
                 assert "transfer_mode" not in names, f"{rel}:{node.lineno} switches on transfer_mode"
-            if isinstance(node, ast.Attribute) and node.attr in ("_link", "_call", "_done", "_seg"):
+            private = ("_link", "_call", "_done", "_seg")
+            if isinstance(node, ast.Attribute) and node.attr in private:
                 owner = node.value
                 assert isinstance(owner, ast.Name) and owner.id == "self", \
                     f"{rel}:{node.lineno} reaches into another object's .{node.attr}"

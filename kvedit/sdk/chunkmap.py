@@ -116,8 +116,8 @@ def map_chunks(client, model: str, keys: list[bytes], layout) -> MappedKV | None
     that are not whole pages, too many mappings); LookupError if some are missing. Slot
     offsets are the retrieved views' offsets in the client's segment (KVClient.segment)."""
     rows, page = 2 * layout.num_layers, mmap.PAGESIZE
-    if _mmap is None or sys.platform != "linux" or client.segment() is None or (layout.chunk_bytes // rows) % page \
-            or rows * len(keys) > MAX_MAPS:
+    if _mmap is None or sys.platform != "linux" or client.segment() is None \
+            or (layout.chunk_bytes // rows) % page or rows * len(keys) > MAX_MAPS:
         return None
     got = client.retrieve(model, keys)
     try:

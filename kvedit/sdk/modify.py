@@ -20,8 +20,8 @@ raises, returns something invalid, or the store fails, the stream is unchanged, 
 names the stream and the reason, and the original chunks are untouched (still retrievable).
 The same holds when a lease or store outlives the server's TTL (lease_expired /
 store_expired): bytes read after a lease ran out are never stored, nothing is written into
-slots past the write TTL (kvedit.handles). After a successful swap, the stream's old chunks that no stream of the context references any
-more are deleted, unless `keep_old=True`.
+slots past the write TTL (kvedit.handles). After a successful swap, the stream's old chunks
+that no stream of the context references any more are deleted, unless `keep_old=True`.
 
 Partial tail. Only full chunks have keys. If the edited length is not a multiple of the
 chunk size, the trailing tokens move into the stream's suffix: they are re-sent and
