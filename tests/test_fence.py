@@ -124,3 +124,39 @@ def test_a_session_spans_its_sockets(server):
     finally:
         close_dealer(a)
         close_dealer(b)
+
+
+def test_quarantine_waits_for_the_last_socket_of_the_session(server):
+    session = secrets.token_bytes(16)
+    first, second = session_dealer(server.url, session, 0), session_dealer(server.url, session, 1)
+    try:
+        assert isinstance(call(second, P.Hello()), P.ServerInfo)   # both sockets known
+        slots = call(first, P.PrepareStore(model="m", keys=[key(0, "two")]))
+        assert isinstance(slots, P.StoreSlots)
+        assert wait_until(lambda: status(server)["quarantined_bytes"] == CHUNK)
+        close_dealer(first)
+        # the session still has a socket: it may still write, so the slot stays fenced
+        assert not wait_until(lambda: status(server)["quarantined_bytes"] == 0, timeout=2)
+    finally:
+        close_dealer(second)
+    assert wait_until(lambda: status(server)["quarantined_bytes"] == 0, timeout=10)
+
+
+def test_other_clients_coming_and_going_do_not_drop_a_live_session(server):
+    waiting = session_dealer(server.url)
+    try:
+        k = key(0, "awaited")
+        waiting.send_multipart([b"w", P.encoder.encode(
+            P.Lookup(model="m", keys=[k], wait_timeout=30))])
+        assert wait_until(lambda: status(server)["waiting_lookups"] == 1)
+        for _ in range(30):          # churn: descriptors are freed and reused
+            d = session_dealer(server.url)
+            assert isinstance(call(d, P.Hello()), P.ServerInfo)
+            close_dealer(d)
+        assert status(server)["waiting_lookups"] == 1
+        with KVClient(server.url) as c:
+            c.store("m", [k], [chunk_for(k)])
+        rid, reply = waiting.recv_multipart()
+        assert rid == b"w" and P.reply_decoder.decode(reply) == P.Count(n=1)
+    finally:
+        close_dealer(waiting)
