@@ -103,9 +103,15 @@ class DataLink:
             if full:  # refused before the handshake: the reply replaces the nonce
                 self._refuse(conn)
                 continue
-            tune(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kvedit-data-conn",
-                             daemon=True).start()
+            try:
+                tune(conn)
+                threading.Thread(target=self._serve, args=(conn,), name="kvedit-data-conn",
+                                 daemon=True).start()
+            except (OSError, RuntimeError) as e:  # peer reset at once / no thread to be had
+                log.warning("data connection dropped at accept: %s", e)
+                with self._lock:
+                    self._conns.discard(conn)
+                conn.close()
 
     def _refuse(self, conn: socket.socket) -> None:
         self.service.count_error("busy")
