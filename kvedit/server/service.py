@@ -116,11 +116,14 @@ class Service:
                     except zmq.Again:
                         break
                     self._on_message(frames)
-            gone = self.peers.poll()
-            with self.lock:
-                for holder in gone:
-                    self._session_gone(holder)
-                self._housekeeping(time.monotonic())
+            try:
+                gone = self.peers.poll()
+                with self.lock:
+                    for holder in gone:
+                        self._session_gone(holder)
+                    self._housekeeping(time.monotonic())
+            except Exception:  # a bug must not take the server (and its data) down
+                log.exception("internal error in housekeeping")
 
     def close(self) -> None:
         self.data.close()
@@ -159,7 +162,11 @@ class Service:
     # ---- messages ---------------------------------------------------------------------
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
-        gone = self.peers.seen(ident, frames[-1])
+        try:
+            gone = self.peers.seen(ident, frames[-1])
+        except Exception:  # tracking is an optimisation: deadlines still bound everything
+            log.exception("internal error tracking a peer")
+            gone = []
         if len(frames) < 3:
             out, rid = self._error("malformed", f"expected frames [request id, message], got "
                                                 f"{len(frames) - 1} frame(s)"), b""
@@ -175,7 +182,10 @@ class Service:
         if gone:
             with self.lock:
                 for holder in gone:
-                    self._session_gone(holder)
+                    try:
+                        self._session_gone(holder)
+                    except Exception:
+                        log.exception("internal error letting go of a session")
 
     def _dispatch(self, ident: bytes, rid: bytes, frames: list[zmq.Frame]):
         try:
