@@ -213,6 +213,29 @@ def peers(secured):
     ctx.term()
 
 
+@pytest.mark.parametrize("mode", ["shm", "socket"])
+def test_a_session_spans_the_threads_of_one_client(secured, mode):
+    """Each thread has its own DEALER (and data connection), all under the client's session: a
+    store prepared in one thread commits from another, a lease releases from another."""
+    import threading
+
+    with KVClient(secured.url, use_shm=mode == "shm", secret=SECRET) as c:
+        keys, data = _keys(2), _chunks(2, 7)
+        h = c.prepare_store(MODEL, keys)
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(res=h.commit(list(data))))
+        t.start()
+        t.join(30)
+        assert out["res"].stored == 2
+        leases = c.stats()["leases"]
+        got = c.retrieve(MODEL, keys)
+        assert all(torch.equal(a, b) for a, b in zip(got.tensors, data))
+        t = threading.Thread(target=got.release)
+        t.start()
+        t.join(30)
+        assert c.stats()["leases"] == leases
+
+
 def _stored_keys(secured, n: int) -> list[bytes]:
     keys = _keys(n)
     with KVClient(secured.url, secret=SECRET) as c:
