@@ -37,7 +37,7 @@ class ServerUnavailable(KVError):
 def ttl_margin(ttl: float) -> float:
     """Safety margin kept before a server TTL: a copy started just before the client-side
     deadline must finish before the server's own (later-starting) clock runs out."""
-    return min(5.0, max(0.1, 0.1 * ttl))
+    return min(5.0, max(0.1, 0.1 * ttl), 0.5 * ttl)
 
 
 @dataclass(frozen=True, slots=True)
