@@ -63,9 +63,17 @@ class StoreHandle:
         self.present: int = slots.present
         self.layout: ModelLayout = slots.layout
         self.deadline = deadline  # time.monotonic() after which writing is refused
-        self.buffers: list[torch.Tensor] = transport.store_buffers(slots)
+        self._slots, self._buffers = slots, None
         self.sent = False   # socket transport: the bytes are on the server already
         self.done = False   # committed or aborted
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The targets of the missing chunks (slot views, or socket staging tensors made on
+        first use: a store that sends its chunks directly never allocates them)."""
+        if self._buffers is None:
+            self._buffers = self._transport.store_buffers(self._slots)
+        return self._buffers
 
     def check_deadline(self) -> None:
         if time.monotonic() >= self.deadline:

@@ -185,6 +185,18 @@ def test_http_needs_the_bearer_token(secured):
         assert get(path, SECRET) == 200, path
 
 
+def test_sdk_connect_uses_the_secret(secured, monkeypatch):
+    from kvedit.sdk.context import connect
+    from kvedit.sdk.errors import ConnectError
+
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    monkeypatch.delenv(auth.SECRET_FILE_ENV, raising=False)
+    with connect(secured.url, secured.http_url, MODEL, timeout=5, secret=SECRET) as ctx:
+        assert ctx.layout == LAYOUT
+    with pytest.raises(ConnectError, match="cannot reach"):
+        connect(secured.url, secured.http_url, MODEL, timeout=1)
+
+
 # ---- sessions: stores and leases belong to their holder --------------------------------------
 class RawPeer:
     """A DEALER with its own session (routing id session + socket 0), CURVE with the secret."""
