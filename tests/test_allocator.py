@@ -139,3 +139,28 @@ def test_index_never_evicts_while_a_fitting_range_is_free(program, policy):
             assert ix.counters.evictions == before
         else:
             assert ix.counters.evictions > before
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(1, 30), st.integers(0, 10_000)),
+                min_size=1, max_size=60))
+def test_alloc_many_is_many_allocs(program):
+    """alloc_many gives distinct slots, fewer than asked only when no range fits one more."""
+    cap = 96 * ALIGN
+    a = Allocator(START, cap)
+    allocated: dict[int, int] = {}
+    for pages, count, pick in program:
+        if pick % 3 == 0 and allocated:                # free some
+            for off in sorted(allocated)[:: 1 + pick % 4]:
+                a.free(off, allocated.pop(off))
+            continue
+        n = pages * ALIGN
+        got = a.alloc_many(n, count)
+        assert len(got) <= count and len(set(got)) == len(got)
+        for off in got:
+            assert all(off + n <= s or s + size <= off for s, size in allocated.items())
+            allocated[off] = n
+        if len(got) < count:
+            assert a.largest_free() < n
+        assert a.used == sum(allocated.values())
+        assert a.ranges() == _gaps(allocated, START, cap)

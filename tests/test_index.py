@@ -83,6 +83,17 @@ def test_ids_are_random_and_bound_to_their_holder():
     assert I.Refused in NotHolder.__mro__ and NotHolder.code == "not_holder"
 
 
+def test_a_key_repeated_in_one_lease_is_one_leased_object():
+    ix, _ = make(slots=2, policy="FIFO")
+    store(ix, [k(1), k(2)])
+    lid = ix.lease("m", 0, [k(1), k(1), k(2)], A).lease_id
+    assert ix.counters.leased == 2 and ix.evictable() == 0
+    ix.release(lid, A)
+    assert ix.counters.leased == 0 and ix.evictable() == 2
+    store(ix, [k(3)], holder=B)                 # FIFO: k(1) is still the oldest
+    assert ix.leading_ready("m", 0, [k(1)]) == 0 and ix.leading_ready("m", 0, [k(2)]) == 1
+
+
 def test_delete_while_leased_hides_and_frees_at_last_release():
     ix, _ = make()
     store(ix, [k(1)])

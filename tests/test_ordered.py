@@ -37,3 +37,26 @@ def test_against_a_sorted_list(ops):
             assert all(b and b[-1] == m for b, m in zip(s._blocks, s._maxes))
     finally:
         ordered._BLOCK = old
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 300), max_size=200), st.lists(st.integers(0, 600), max_size=200),
+       st.lists(st.integers(0, 300), max_size=200))
+def test_batch_update_and_discard_many(first, more, gone):
+    old = ordered._BLOCK
+    ordered._BLOCK = 4
+    try:
+        s = SortedInts()
+        s.update(sorted(set(first)))
+        ref = sorted(set(first))
+        add = sorted(set(more) - set(ref))
+        s.update(add)
+        ref = sorted(set(ref) | set(add))
+        rm = sorted(set(gone) & set(ref))
+        s.discard_many(rm)
+        ref = [v for v in ref if v not in set(rm)]
+        assert list(s.after(None)) == ref and len(s) == len(ref)
+        assert all(b and b[-1] == m for b, m in zip(s._blocks, s._maxes))
+        assert s._maxes == sorted(s._maxes)
+    finally:
+        ordered._BLOCK = old

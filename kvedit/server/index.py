@@ -75,7 +75,7 @@ class Index:
         self._q_by_holder: dict[bytes, set[int]] = {}
         self._deadlines: list[tuple[float, int, str, int]] = []  # (when, tiebreak, what, id)
         self._tiebreak = itertools.count()
-        self._clock = itertools.count(1)                  # seq and LRU ranks
+        self._tick = 1                                    # next seq / LRU rank
         self._evict: dict[int, SortedInts] = {}           # slot size -> evictable ranks
         self._evict_sizes: list[int] = []                 # its keys, ascending
         self._by_rank: dict[int, Obj] = {}
@@ -114,10 +114,23 @@ class Index:
 
     # ---- leases -----------------------------------------------------------------------
     def lease(self, model: str, tp_rank: int, keys: list[bytes], holder: bytes) -> Leased:
-        objs = [self.objects[(model, tp_rank, k)]
-                for k in keys[: self.leading_ready(model, tp_rank, keys)]]
+        objs, get = [], self.objects.get
+        for k in keys:   # the leading ready objects
+            o = get((model, tp_rank, k))
+            if o is None or o.state != READY:
+                break
+            objs.append(o)
+        first = []   # newly leased (a key may repeat in one request)
         for o in objs:
-            self._lease_obj(o)
+            if o.leases == 0:
+                first.append(o)
+            o.leases += 1
+        self.counters.leased += len(first)
+        self._leave_order(first)
+        if self.policy == "LRU":   # touched: their place when their last lease goes
+            base = self._ticks(len(objs))
+            for j, o in enumerate(objs):
+                o.rank = base + j
         p = self._new_pending("lease", holder, objs, self.lease_ttl)
         self.leases[p.id] = p
         self.counters.leases += 1
@@ -140,62 +153,61 @@ class Index:
         Raises PoolFull (nothing allocated) when the missing ones do not fit.
         """
         have = [self.objects.get((model, tp_rank, k)) for k in keys]
-        pinned = []   # what we report present must survive this store's own evictions
-        for o in have:
-            if o is not None and o.evictable:
-                self._leave_evict(o)
-                pinned.append(o)
-            elif o is not None and o.leases and self.policy == "LRU":
-                o.rank = next(self._clock)   # touched: its place when its last lease goes
-        missing, objs = [], []
-        try:
-            for i, k in enumerate(keys):
-                if have[i] is not None or (model, tp_rank, k) in self.objects:  # or a duplicate
-                    continue
-                off = self._alloc(nbytes)
-                if off is None:
-                    for o in objs:
-                        self._forget(o)
-                    a = self.alloc
-                    raise PoolFull(
-                        f"chunk {len(objs) + 1} of the {nbytes}-byte chunks this store needs "
-                        f"does not fit: {a.used} of {a.capacity} bytes "
-                        f"in use (largest free range {a.largest_free()} bytes; "
-                        f"{self.counters.quarantined_bytes} bytes in quarantine) and nothing "
-                        f"evictable (eviction policy {self.policy}; leased and in-flight objects "
-                        f"are not evictable)")
-                o = Obj(model, tp_rank, k, off, nbytes)
-                self.objects[o.ident] = o
-                self.counters.objects += 1
-                self.counters.writing += 1
-                objs.append(o)
+        present = [o for o in have if o is not None]
+        pinned = [o for o in present if o.evictable]
+        self._leave_order(pinned)   # what we report present must survive our own evictions
+        missing, seen = [], set()
+        for i, k in enumerate(keys):
+            if have[i] is None and k not in seen:   # not present, not a duplicate
+                seen.add(k)
                 missing.append(i)
+        try:
+            offsets = self._alloc(nbytes, len(missing))
         finally:
-            for o in pinned:   # touched: LRU puts them at the most recently used end
-                if self.policy == "LRU":
-                    o.rank = next(self._clock)
-                self._enter_evict(o)
+            if self.policy == "LRU":   # touched: LRU puts them at the most recently used end
+                base = self._ticks(len(present))
+                for j, o in enumerate(present):
+                    o.rank = base + j
+            self._enter_order(pinned)
+        if offsets is None:
+            a = self.alloc
+            raise PoolFull(
+                f"{len(missing)} chunk(s) of {nbytes} bytes do not fit: {a.used} of "
+                f"{a.capacity} bytes in use (largest free range {a.largest_free()} bytes; "
+                f"{self.counters.quarantined_bytes} bytes in quarantine) and nothing more is "
+                f"evictable (eviction policy {self.policy}; leased and in-flight objects are "
+                f"not evictable)")
+        slot = self.alloc.rounded(nbytes)
+        objs = [Obj(model, tp_rank, keys[i], off, nbytes, slot)
+                for i, off in zip(missing, offsets)]
+        for o in objs:
+            self.objects[o.ident] = o
+        self.counters.objects += len(objs)
+        self.counters.writing += len(objs)
         p = self._new_pending("store", holder, objs, self.write_ttl)
         self.stores[p.id] = p
         self.counters.pending_stores += 1
-        return Prepared(p.id, missing, [o.offset for o in objs], len(keys) - len(missing))
+        return Prepared(p.id, missing, offsets, len(keys) - len(missing))
 
     def commit(self, store_id: int, holder: bytes) -> Committed:
         p = self._pending("store", store_id, holder)
         if p.busy:
             raise Busy(f"store {store_id} is still receiving its data on the data link")
         self._drop_store(p)
+        objs = p.objs
         c = self.counters
-        for o in p.objs:
+        c.writing -= len(objs)
+        c.ready += len(objs)
+        base = self._ticks(len(objs))
+        for j, o in enumerate(objs):
             o.state = READY
-            o.seq = next(self._clock)
-            o.rank = o.seq
-            c.writing -= 1
-            c.ready += 1
-            self._pages.add(o.seq)
-            self._model_pages.setdefault(o.model, SortedInts()).add(o.seq)
+            o.seq = o.rank = base + j
             self._by_seq[o.seq] = o
-            self._enter_evict(o)
+        seqs = list(range(base, base + len(objs)))   # one model per store; newest of all
+        self._pages.update(seqs)
+        if objs:
+            self._model_pages.setdefault(objs[0].model, SortedInts()).update(seqs)
+        self._enter_order(objs)
         return Committed(store_id, p.objs, sum(o.nbytes for o in p.objs), p.started)
 
     def abort(self, store_id: int, holder: bytes) -> None:
@@ -464,25 +476,14 @@ class Index:
         return freed
 
     # ---- internals: objects -----------------------------------------------------------
-    def _lease_obj(self, o: Obj) -> None:
-        if o.leases == 0:
-            self._leave_evict(o)
-            self.counters.leased += 1
-        o.leases += 1
-        if self.policy == "LRU":
-            o.rank = next(self._clock)   # re-enters the order at this place when released
-
     def _unlease_objs(self, p: Pending, quarantine: bool, now: float = 0.0) -> None:
-        dead = []
+        back, dead = [], []
         for o in p.objs:
             o.leases -= 1
-            if o.leases:
-                continue
-            self.counters.leased -= 1
-            if o.live:
-                self._enter_evict(o)
-            else:
-                dead.append(o)
+            if o.leases == 0:
+                (back if o.live else dead).append(o)
+        self.counters.leased -= len(back) + len(dead)
+        self._enter_order(back)   # at its place (FIFO: commit; LRU: last lease)
         if quarantine:   # the holder may still be reading them (shm)
             self._quarantine_objs(p, dead, now)
         else:
@@ -493,37 +494,69 @@ class Index:
         """Objects in the eviction order (READY, live, not leased)."""
         return len(self._by_rank)
 
-    def _enter_evict(self, o: Obj) -> None:
-        if o.live and o.state == READY and o.leases == 0 and not o.evictable:
-            o.evictable = True
-            size = self.alloc.rounded(o.nbytes)
-            ranks = self._evict.get(size)
-            if ranks is None:
-                ranks = self._evict[size] = SortedInts()
-                insort(self._evict_sizes, size)
-            ranks.add(o.rank)
-            self._by_rank[o.rank] = o
+    def _ticks(self, n: int) -> int:
+        """n consecutive new ranks/seqs -> the first."""
+        base = self._tick
+        self._tick += n
+        return base
 
-    def _leave_evict(self, o: Obj) -> None:
-        if o.evictable:
-            o.evictable = False
-            size = self.alloc.rounded(o.nbytes)
-            ranks = self._evict[size]
-            ranks.discard(o.rank)
-            if not ranks:
-                del self._evict[size]
-                del self._evict_sizes[bisect_left(self._evict_sizes, size)]
-            del self._by_rank[o.rank]
+    def _enter_order(self, objs: list[Obj]) -> None:
+        """Put the evictable ones of `objs` (live, READY, unleased) in the eviction order at
+        their rank: one batch per slot size (a store or a lease is one or few sizes)."""
+        by_slot: dict[int, list[int]] = {}
+        by_rank = self._by_rank
+        last, ranks = -1, []
+        for o in objs:
+            if o.live and o.state == READY and o.leases == 0 and not o.evictable:
+                o.evictable = True
+                by_rank[o.rank] = o
+                if o.slot != last:   # objects of one store/lease share a slot size
+                    last = o.slot
+                    ranks = by_slot.setdefault(last, [])
+                ranks.append(o.rank)
+        for slot, ranks in by_slot.items():
+            order = self._evict.get(slot)
+            if order is None:
+                order = self._evict[slot] = SortedInts()
+                insort(self._evict_sizes, slot)
+            ranks.sort()
+            order.update(ranks)
 
-    def _alloc(self, nbytes: int) -> int | None:
-        # Evict only when no free range fits (the allocator finds any range that does).
-        while (off := self.alloc.alloc(nbytes)) is None:
-            if self.policy == "none" or not self._evict_one(self.alloc.rounded(nbytes)):
+    def _leave_order(self, objs: list[Obj]) -> None:
+        """Take `objs` out of the eviction order (those in it)."""
+        by_slot: dict[int, list[int]] = {}
+        by_rank = self._by_rank
+        last, ranks = -1, []
+        for o in objs:
+            if o.evictable:
+                o.evictable = False
+                del by_rank[o.rank]
+                if o.slot != last:   # objects of one store/lease share a slot size
+                    last = o.slot
+                    ranks = by_slot.setdefault(last, [])
+                ranks.append(o.rank)
+        for slot, ranks in by_slot.items():
+            order = self._evict[slot]
+            ranks.sort()
+            order.discard_many(ranks)
+            if not order:
+                del self._evict[slot]
+                del self._evict_sizes[bisect_left(self._evict_sizes, slot)]
+
+    def _alloc(self, nbytes: int, count: int) -> list[int] | None:
+        """`count` slots, evicting only while no free range fits the next one (the allocator
+        finds any range that does); None (nothing kept) if eviction cannot make room."""
+        slot = self.alloc.rounded(nbytes)
+        offsets = self.alloc.alloc_many(nbytes, count)
+        while len(offsets) < count:
+            if self.policy == "none" or not self._evict_one(slot):
+                for off in offsets:
+                    self.alloc.free(off, nbytes)
                 return None
-        n = self.alloc.rounded(nbytes)
-        self.counters.pool_used += n
-        self.counters.pool_free -= n
-        return off
+            offsets += self.alloc.alloc_many(nbytes, count - len(offsets))
+        self.counters.pool_used += count * slot
+        self.counters.pool_free -= count * slot
+        return offsets
 
     def _free(self, offset: int, nbytes: int) -> int:
         self.alloc.free(offset, nbytes)
@@ -560,7 +593,7 @@ class Index:
         c.objects -= 1
         if o.state == READY:
             c.ready -= 1
-            self._leave_evict(o)
+            self._leave_order([o])
             self._pages.discard(o.seq)
             model_seqs = self._model_pages[o.model]
             model_seqs.discard(o.seq)

@@ -62,6 +62,7 @@ class Obj:
     key: bytes
     offset: int
     nbytes: int
+    slot: int = 0            # nbytes rounded to pages: the size class of the eviction order
     state: str = WRITING
     created: float = field(default_factory=time.time)
     leases: int = 0

@@ -50,6 +50,61 @@ class SortedInts:
             self._maxes[i] = block[-1]
             self._maxes.insert(i + 1, half[-1])
 
+    def update(self, xs: list[int]) -> None:
+        """Insert every x of `xs` (ascending, none present): one bisect walk, not len(xs)
+        separate searches; a run past the current largest is appended block by block."""
+        if not xs:
+            return
+        blocks, maxes = self._blocks, self._maxes
+        cut = bisect_right(xs, maxes[-1]) if maxes else 0
+        i = 0
+        for x in xs[:cut]:           # x < maxes[i] (not present): no maximum changes
+            i = bisect_left(maxes, x, i)
+            block = blocks[i]
+            insort(block, x)
+            if len(block) > 2 * _BLOCK:
+                half = block[_BLOCK:]
+                del block[_BLOCK:]
+                blocks.insert(i + 1, half)
+                maxes[i] = block[-1]
+                maxes.insert(i + 1, half[-1])
+        self._len += cut
+        self._extend(xs[cut:])
+
+    def _extend(self, xs: list[int]) -> None:
+        if not xs:
+            return
+        self._len += len(xs)
+        blocks, maxes = self._blocks, self._maxes
+        if blocks and len(blocks[-1]) < _BLOCK:
+            room = _BLOCK - len(blocks[-1])
+            blocks[-1].extend(xs[:room])
+            maxes[-1] = blocks[-1][-1]
+            xs = xs[room:]
+        for lo in range(0, len(xs), _BLOCK):
+            block = list(xs[lo:lo + _BLOCK])
+            blocks.append(block)
+            maxes.append(block[-1])
+
+    def discard_many(self, xs: list[int]) -> None:
+        """Remove every x of `xs` (ascending, all present)."""
+        blocks, maxes = self._blocks, self._maxes
+        touched: list[int] = []
+        i = 0
+        for x in xs:   # a stale (larger) maximum still bounds its block: fix them after
+            i = bisect_left(maxes, x, i)
+            block = blocks[i]
+            del block[bisect_left(block, x)]
+            if not touched or touched[-1] != i:
+                touched.append(i)
+        self._len -= len(xs)
+        for i in reversed(touched):
+            if blocks[i]:
+                maxes[i] = blocks[i][-1]
+            else:
+                del blocks[i]
+                del maxes[i]
+
     def discard(self, x: int) -> bool:
         """Remove x if present; True if it was."""
         i = bisect_left(self._maxes, x)

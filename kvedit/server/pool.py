@@ -187,21 +187,35 @@ class Allocator:
 
     def alloc(self, nbytes: int) -> int | None:
         """The start of a free range of `nbytes` (rounded up to pages), or None if none fits."""
+        got = self.alloc_many(nbytes, 1)
+        return got[0] if got else None
+
+    def alloc_many(self, nbytes: int, count: int) -> list[int]:
+        """Up to `count` slots of `nbytes`; fewer only when no free range fits one more.
+
+        Best fit per range: the smallest range that takes a slot gives as many slots as it
+        holds (one split per range, not one per slot: a large store carves its slots from
+        one big range in one step)."""
         n = self.rounded(nbytes)
-        i = bisect_left(self._sizes, n)
-        if i == len(self._sizes):
-            return None
-        size = self._sizes[i]
-        bucket = self._by_size[size]
-        start, _ = bucket.popitem()   # LIFO within a size: O(1), and the most recently freed
-        if not bucket:
-            self._drop_size(size)
-        del self._free[start]
-        del self._ends[start + size]
-        if size > n:
-            self._add(start + n, size - n)
-        self.used += n
-        return start
+        out: list[int] = []
+        sizes = self._sizes
+        while len(out) < count:
+            i = bisect_left(sizes, n)
+            if i == len(sizes):
+                break
+            size = sizes[i]
+            bucket = self._by_size[size]
+            start, _ = bucket.popitem()   # LIFO within a size: O(1), the most recently freed
+            if not bucket:
+                self._drop_size(size)
+            del self._free[start]
+            del self._ends[start + size]
+            k = min(size // n, count - len(out))
+            out.extend(range(start, start + k * n, n))
+            if size > k * n:
+                self._add(start + k * n, size - k * n)
+        self.used += len(out) * n
+        return out
 
     def free(self, start: int, nbytes: int) -> None:
         n = self.rounded(nbytes)
