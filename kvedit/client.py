@@ -183,6 +183,11 @@ class KVClient:
         need to switch on it)."""
         return self._transport.mode if self._transport is not None else "closed"
 
+    @property
+    def max_keys(self) -> int:
+        """Most keys the server takes in one request (0: no limit known)."""
+        return self._info.max_keys_per_request if self._info is not None else 0
+
     def segment(self) -> tuple[str, torch.Tensor] | None:
         """(path, bytes) of the attached shared-memory segment, None over the socket.
 

@@ -47,7 +47,9 @@ def secured(tmp_path_factory):
     path = tmp_path_factory.mktemp("secret") / "kvedit.secret"
     path.write_text(SECRET + "\n")
     path.chmod(0o600)
-    with start_server(0.25, chunk_size=256, secret_file=path) as server:
+    # at most 4 keys per request: the connector's store must split larger steps
+    with start_server(0.25, chunk_size=256, secret_file=path,
+                      extra_args=["--max-keys-per-request", "4"]) as server:
         with KVClient(server.url, secret=SECRET) as c:
             c.register(MODEL, LAYOUT)
         yield server
@@ -465,3 +467,31 @@ def test_connector_link_takes_the_secret_file_from_its_config(secured, tmp_path,
         assert link.client is None  # refused (no CURVE reply): an outage, not a crash
     finally:
         link.close()
+
+
+def test_connector_store_splits_a_step_larger_than_the_key_limit(secured):
+    """The worker's real store path (PagedCopier) with 10 chunks against a server taking 4 keys
+    per request: stored in 3 requests, every chunk's bytes as gathered from the paged cache."""
+    from kvedit.vllm.paged import PagedKV
+    from kvedit.vllm.worker_side import PagedCopier
+
+    block, nblocks = 128, 24
+    g = torch.Generator().manual_seed(8)
+    layers = [torch.randn(nblocks, LAYOUT.num_kv_heads, block, 2 * LAYOUT.head_dim,
+                          generator=g).to(torch.bfloat16) for _ in range(LAYOUT.num_layers)]
+    paged = PagedKV(layers, "cpu", LAYOUT.head_dim, block)
+    block_ids = torch.randperm(nblocks, generator=g)[:20].tolist()
+    keys = _keys(10)
+    with KVClient(secured.url, secret=SECRET) as c:
+        assert c.max_keys == 4
+        PagedCopier(paged, LAYOUT, MODEL).store_chunks(
+            c, {k: (block_ids, i) for i, k in enumerate(keys)})
+        for i in range(0, 10, 4):
+            part = keys[i:i + 4]
+            with c.retrieve(MODEL, part) as got:
+                assert len(got) == len(part)
+                for j, t in enumerate(got.tensors):
+                    want = torch.empty(LAYOUT.chunk_shape, dtype=torch.bfloat16)
+                    n = i + j
+                    paged.gather(paged.slots(block_ids, n * 256, (n + 1) * 256), want)
+                    assert torch.equal(t, want)

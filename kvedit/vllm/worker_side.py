@@ -159,8 +159,15 @@ class PagedCopier:
         return loaded
 
     def store_chunks(self, client, todo: dict[bytes, tuple[list[int], int]]) -> None:
-        c = self.layout.chunk_size
+        """Store the chunks of `todo`, in requests of at most the server's keys per request."""
         keys = list(todo)
+        step = client.max_keys or len(keys)
+        for i in range(0, len(keys), step):
+            self._store_batch(client, keys[i:i + step], todo)
+
+    def _store_batch(self, client, keys: list[bytes],
+                     todo: dict[bytes, tuple[list[int], int]]) -> None:
+        c = self.layout.chunk_size
         on_host = self.paged.device.type == "cpu"
         with client.prepare_store(self.model, keys, tp_rank=self.tp_rank) as handle:
             if handle.buffers:
