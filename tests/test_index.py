@@ -394,6 +394,8 @@ def test_counters_equal_a_recount_after_random_operations(seed):
                 ix.abort(*stores.pop(rng.randrange(len(stores))))
             elif op == 5:
                 keys = [k(rng.randrange(60)) for _ in range(rng.randrange(1, 4))]
+                if rng.random() < 0.3:
+                    keys.insert(1, keys[0])   # a key repeated in one request
                 leases.append((ix.lease(model, 0, keys, h).lease_id, h))
             elif op == 6 and leases:
                 ix.release(*leases.pop(rng.randrange(len(leases))))
