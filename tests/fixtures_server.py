@@ -99,9 +99,10 @@ def data_port(server) -> int:
 
 
 def link(server, session: bytes | None = None, secret: bytes | None = None,
-         timeout: float = 10.0, handshake: bool = True) -> socket.socket:
+         timeout: float = 10.0, handshake: bool = True, port: int | None = None
+         ) -> socket.socket:
     """A raw data-link connection, handshake done (as `session`, random when None)."""
-    conn = socket.create_connection((server.host, data_port(server)), timeout=timeout)
+    conn = socket.create_connection((server.host, port or data_port(server)), timeout=timeout)
     if handshake:
         auth.client_handshake(conn, secret, session or secrets.token_bytes(16))
     return conn

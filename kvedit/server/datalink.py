@@ -117,8 +117,10 @@ class DataLink:
         self.service.count_error("busy")
         try:
             conn.settimeout(1.0)  # a few dozen bytes: fits in any send buffer
+            # no lingering here: the accept thread must not wait on a refused peer
             _send_error(conn, "busy", f"too many data-link connections (--max-data-conns "
-                                      f"{self.cfg.max_data_conns}); close idle ones or retry")
+                                      f"{self.cfg.max_data_conns}); close idle ones or retry",
+                        linger=False)
         except OSError:
             pass
         conn.close()
@@ -232,12 +234,27 @@ class DataLink:
                                   f"(--transfer-idle-timeout)") from None
 
 
-def _send_error(conn: socket.socket, code: str, message: str) -> None:
+LINGER_S = 1.0  # after an error reply: how long to swallow what the peer still sends
+
+
+def _send_error(conn: socket.socket, code: str, message: str, linger: bool = True) -> None:
+    """Send an error reply, then close gently: closing a socket with unread input sends a
+    RST, which can destroy the reply before the peer reads it (e.g. a client still sending a
+    PUT the server refused). So: stop sending, swallow the peer's bytes for LINGER_S."""
     msg = f"{code}: {message}".encode()
     try:
         conn.sendall(REPLY.pack(MAGIC, FAILED, 0, len(msg)) + msg)
+        if not linger:
+            return
+        conn.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + LINGER_S
+        sink = bytearray(1 << 16)
+        while (left := deadline - time.monotonic()) > 0:
+            conn.settimeout(left)
+            if not conn.recv_into(sink):
+                break
     except OSError:
-        pass  # the peer is gone; nothing to tell
+        pass  # the peer is gone or slow; nothing more to tell
 
 
 def _shutdown(conn: socket.socket) -> None:
