@@ -193,3 +193,37 @@ def test_dripping_bytes_does_not_extend_the_handshake_deadline():
                 break
         assert closed, "the server kept a dripping handshake open past its deadline"
         conn.close()
+
+
+def test_a_dripping_put_is_cut_at_the_transfer_deadline():
+    """A PUT that always makes a little progress is not saved by the idle timeout."""
+    flags = ["--transfer-timeout", "2", "--transfer-idle-timeout", "60"]
+    with start_server(0.01, shm=False, extra_args=flags) as s, \
+            KVClient(s.url, use_shm=False) as c:
+        c.register("m", SMALL)
+        h = c.prepare_store("m", [key(0, "drip")])
+        conn = link(s, session=c.session)
+        conn.sendall(wire.REQUEST.pack(wire.MAGIC, wire.PUT, h.store_id, CHUNK))
+        cut = False
+        for _ in range(100):                 # a byte every 0.2 s: 20 s, far past 2 s
+            try:
+                conn.sendall(b"\x01")
+                conn.settimeout(0.2)
+                if conn.recv(1) in (b"", b"K"):   # closed, or the error reply's magic
+                    cut = True
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                cut = True
+                break
+        assert cut, "a dripping PUT outlived --transfer-timeout"
+        conn.close()
+        assert wait_until(lambda: status(s)["pending_stores"] == 0 and
+                          status(s)["transfers"] == 0)
+        d = session_dealer(s.url, c.session, thread_no=3)
+        try:
+            reply = call(d, P.Commit(store_id=h.store_id))
+        finally:
+            close_dealer(d)
+        assert isinstance(reply, P.Error) and reply.code == "store_expired", reply
