@@ -8,7 +8,7 @@ import socket
 
 import zmq
 
-from kvedit.server.config import ServerConfig
+from kvedit.server.config import ServerConfig, is_loopback
 from kvedit.server.pool import Arena, PoolError
 
 log = logging.getLogger("kvedit.server")
@@ -68,6 +68,10 @@ def serve(cfg: ServerConfig, secret: bytes | None = None) -> int:
              cfg.chunk_size, mode,
              f"shared secret ({cfg.secret_file or 'environment'}): CurveZMQ, data-link HMAC, "
              f"HTTP bearer" if secret else "none (loopback only unless --insecure)")
+    if secret is None and not is_loopback(cfg.host):
+        log.warning("--insecure: listening on %s without a secret; anyone who reaches ports "
+                    "%d, %d and %d can read, change and delete every tenant's KV", cfg.host,
+                    cfg.port, service.data.port, cfg.http_port)
     for note in arena.notes:
         log.info("note: %s", note)
     try:
