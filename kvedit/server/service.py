@@ -196,9 +196,7 @@ class Service:
             return self._error("malformed", f"cannot decode the message frame as a kvedit "
                                             f"request (msgpack map tagged by 't'): "
                                             f"{str(e)[:200]}")
-        except Fail as e:
-            return self._error(e.code, e.message)
-        except (Refused, TooManyWaits) as e:
+        except (Fail, Refused, TooManyWaits) as e:  # each carries its ErrorCode
             return self._error(e.code, e.message)
         except Exception as e:  # a bug must not take the server (and its data) down
             log.exception("internal error handling a request")
@@ -270,14 +268,15 @@ class Service:
                                       f" (kvedit.keys makes 16-byte keys)")
         lay = self.layouts.get((model, tp))
         if lay is None:
+            # bounded: at most MAX_LISTED_MODELS names (each cut short), then a count
             known = sorted(f"{m}[tp_rank {r}]" for m, r in self.layouts)
-            listed = ", ".join(quoted(k) for k in known[:MAX_LISTED_MODELS])
-            more = (f" and {len(known) - MAX_LISTED_MODELS} more"
-                    if len(known) > MAX_LISTED_MODELS else "")
+            listed = "none"
+            if known:
+                listed = "[" + ", ".join(quoted(k) for k in known[:MAX_LISTED_MODELS]) + "]"
+            if len(known) > MAX_LISTED_MODELS:
+                listed += f" and {len(known) - MAX_LISTED_MODELS} more"
             raise Fail("unknown_model", f"model {quoted(model)} (tp_rank {tp}) is not registered;"
-                                        f" registered: [{listed}]{more}" if known else
-                                        f"model {quoted(model)} (tp_rank {tp}) is not registered;"
-                                        f" registered: none")
+                                        f" registered: {listed}")
         return lay
 
     def _register(self, model: str, layout: ModelLayout):
