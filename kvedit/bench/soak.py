@@ -183,9 +183,9 @@ def mixed_phase(args, secret_file: str, logdir: Path) -> dict:
                                       seed=rng.randrange(1 << 30), max_ops=int(run_s * 2000) + 100))
         steady.append(procs.spawn("laggard", shm=True, seed=rng.randrange(1 << 30), max_ops=1000))
         later = {name: procs.spawn(role) for name, role in (
-            ("stall get", "stall"), ("stall put", "stall"), ("oversized", "oversized"),
-            ("victim", "victim"))}
-        for p in [*steady, *later.values()]:   # imports done everywhere: start the clock
+            ("stall get", "stall"), ("stall put", "stall"), ("oversized", "oversized"))}
+        first = procs.spawn("victim")
+        for p in [*steady, *later.values(), first]:   # imports done everywhere: start the clock
             if procs.line(p, 180.0) is None:
                 raise RuntimeError(f"a soak client did not start: {procs._log(p)}")
         t0 = time.time()
@@ -198,18 +198,22 @@ def mixed_phase(args, secret_file: str, logdir: Path) -> dict:
         events += [(0.05 + 0.9 * k / 12, "victim") for k in range(12)]
         events.sort()
         victims, restart = [], None
+        # victims start importing early (seconds on a busy box): (process, said "ready")
+        spares = [(first, True), (procs.spawn("victim"), False)]
         rss_base = None
         kinds = [(True, "store"), (False, "store"), (True, "lease"), (False, "lease")]
         for frac, what in events:
             time.sleep(max(0.0, t0 + frac * run_s - time.time()))
             if what == "victim":
-                if victims and procs.line(later["victim"], 60.0) is None:   # its "ready"
+                p, ready = spares.pop(0)
+                if not ready and procs.line(p, 60.0) is None:
                     victims.append("a victim did not start in 60 s")
-                    continue
-                shm, kind = kinds[len(victims) % 4]
-                victims.append(f"{'shm' if shm else 'socket'} {kind}: "
-                               + _victim(procs, later["victim"], rng, shm, kind, deadline))
-                later["victim"] = procs.spawn("victim")   # importing until the next event
+                    procs.kill_one(p)
+                else:
+                    shm, kind = kinds[len(victims) % 4]
+                    victims.append(f"{'shm' if shm else 'socket'} {kind}: "
+                                   + _victim(procs, p, rng, shm, kind, deadline))
+                spares.append((procs.spawn("victim"), False))
             elif what.startswith("stall"):
                 procs.go(later[what], what=what.split()[1], data_port=_data_port(srv, base),
                          stall_seconds=8.0, seed=rng.randrange(1 << 30), deadline=deadline,
@@ -222,7 +226,8 @@ def mixed_phase(args, secret_file: str, logdir: Path) -> dict:
                 restart = (r0, time.time())
                 time.sleep(min(5.0, run_s * 0.05))
                 rss_base = _rss_mb(srv.pid), _rss_mb(srv.pid, "RssAnon")
-        procs.kill_one(later["victim"])
+        for p, _ in spares:
+            procs.kill_one(p)
         time.sleep(max(0.0, deadline - time.time()))
         procs.collect(timeout=2 * ttl + 30)
         # every client is gone: wait out the TTLs and the quarantine, then look
@@ -249,7 +254,9 @@ def mixed_phase(args, secret_file: str, logdir: Path) -> dict:
         out.update(_summarize(procs.results, restart))
         out.update({
             "victims": victims, "restart": None if restart is None else
-            {"seconds": round(restart[1] - restart[0], 3)},
+            {"seconds": round(restart[1] - restart[0], 3),
+             "began_s": round(restart[0] - t0, 3), "ended_s": round(restart[1] - t0, 3)},
+            "started_at": round(t0, 3),
             "leaked_leases": leaked_leases, "leaked_slots": leaked_slots,
             "status_after_clients": {k: st[k] for k in ("leases", "pending_stores", "objects",
                                                         "evictions")}
@@ -324,6 +331,8 @@ def _summarize(results: dict, restart) -> dict:
     hello = [ms for r in results.get("pinger", []) for t, ms in r["samples"] if not in_restart(t)]
     fails = [t for r in results.get("pinger", []) for t in r["failures"] if not in_restart(t)]
     unexpected += len(fails)
+    if fails:
+        examples.append(["hello without a reply within 1 s, sent at", fails[:5]])
     per_worker = [{"ops": r["ops"], "errors": r["errors"], "chunks_checked": r["chunks_checked"]}
                   for r in results.get("worker", [])]
     return {"ops": ops, "chunks_checked": checked, "per_worker": per_worker,

@@ -66,13 +66,14 @@ class Tally:
         self.stale_detected = 0       # bad bytes on a lease the server said had expired
         self.chunks_checked = 0
         self.notes: dict[str, object] = {}
+        self.op_started = time.time()  # errors are dated by the start of their operation
 
     def error(self, code: str, message: str) -> None:
         self.errors[code] = self.errors.get(code, 0) + 1
         if code not in EXPECTED:
             self.odd_count += 1
             if len(self.odd) < MAX_ODD:
-                self.odd.append([round(time.time(), 3), code, message[:200]])
+                self.odd.append([round(self.op_started, 3), code, message[:200]])
 
     def result(self) -> dict:
         return {"ops": self.ops, "errors": self.errors, "odd": self.odd,
@@ -109,6 +110,7 @@ def _read_and_check(t: Tally, c, keys: list[bytes], hold: float = 0.0) -> bool:
     if hold:
         time.sleep(hold)
         bad += sum(not intact(k, x) for k, x in zip(keys, r.tensors))
+        t.op_started = time.time()   # the release is the call that may fail now
     try:
         r.release()
     except KVError as e:
@@ -128,6 +130,7 @@ def worker(cfg: dict) -> dict:
     deadline, nkeys = cfg["deadline"], cfg["keys"]
     while time.time() < deadline and t.ops < cfg["max_ops"]:
         if c is None:
+            t.op_started = time.time()
             try:
                 c = _client(cfg, cfg["shm"])
             except Exception as e:  # noqa: BLE001 - the server may be restarting
@@ -138,6 +141,7 @@ def worker(cfg: dict) -> dict:
         start = rng.randrange(nkeys)
         keys = [key((start + j) % nkeys) for j in range(rng.randint(1, 8))]
         op = rng.choices(("store", "lookup", "retrieve", "delete"), (4, 3, 4, 1))[0]
+        t.op_started = time.time()
         if op == "store":
             _guard(t, lambda: c.store(MODEL, keys, [chunk(k) for k in keys]))
         elif op == "lookup":
@@ -166,11 +170,13 @@ def laggard(cfg: dict) -> dict:
     deadline = cfg["deadline"]
     c = None
     while time.time() + cfg["ttl"] + 1 < deadline and t.ops < cfg["max_ops"]:
+        t.op_started = time.time()
         try:
             c = c or _client(cfg, cfg["shm"])
             keys = [key(cfg["keys"] + rng.randrange(1 << 30)) for _ in range(2)]
             h = c.prepare_store(MODEL, keys)
             time.sleep(cfg["ttl"] + 0.5)
+            t.op_started = time.time()
             try:
                 h.commit([chunk(k) for k in keys])
                 late["late_commits_accepted"] += 1
@@ -251,11 +257,10 @@ def pinger(cfg: dict) -> dict:
     peer = RawPeer(cfg)
     samples, failures = [], []
     while time.time() < cfg["deadline"] and len(samples) < cfg["max_ops"]:
-        t0 = time.perf_counter()
+        sent, t0 = round(time.time(), 3), time.perf_counter()
         reply = peer.call(P.Hello(), timeout=1.0)
         ms = (time.perf_counter() - t0) * 1e3
-        (samples.append([round(time.time(), 3), round(ms, 3)]) if reply is not None
-         else failures.append(round(time.time(), 3)))
+        (samples.append([sent, round(ms, 3)]) if reply is not None else failures.append(sent))
         time.sleep(max(0.0, 0.01 - ms / 1e3))
     peer.close()
     return {"samples": samples, "failures": failures}
@@ -332,7 +337,10 @@ def oversized(cfg: dict) -> dict:
     r = peer.call(big, timeout=10)   # over MAXMSGSIZE: libzmq drops us, no reply
     out["over_message_size"] = "no reply (dropped)" if r is None else (
         r.code if isinstance(r, P.Error) else repr(r)[:100])
-    hello = peer.call(P.Hello(), timeout=5)
+    for _ in range(3):   # the server must still answer (a restart may be under way)
+        hello = peer.call(P.Hello(), timeout=5)
+        if hello is not None:
+            break
     out["hello_after"] = type(hello).__name__ if hello is not None else None
     peer.close()
     return out
@@ -342,9 +350,8 @@ ROLES = {"worker": worker, "laggard": laggard, "victim": victim, "pinger": pinge
          "stall": stall, "oversized": oversized}
 
 def main(role: str, cfg: dict) -> None:
-    import torch  # noqa: F401 - imported before "ready": seconds on a busy machine
-
-    import kvedit.client  # noqa: F401
+    if role in ("worker", "laggard", "victim"):   # the KVClient: torch, seconds to import
+        import kvedit.client  # noqa: F401
     print(json.dumps({"ready": role}), flush=True)
     go = sys.stdin.readline()
     if not go:   # the parent is gone
