@@ -141,8 +141,8 @@ def test_host_help_names_every_listener():
 def test_gen_secret_data_port_and_curve(tmp_path):
     path = tmp_path / "kvedit.secret"
     data_port = free_port()
-    with start_server(0.01, extra_args=["--gen-secret", str(path),
-                                        "--data-port", str(data_port)]) as s:
+    s = start_server(0.01, extra_args=["--gen-secret", str(path), "--data-port", str(data_port)])
+    try:
         assert os.stat(path).st_mode & 0o777 == 0o600
         assert f"wrote a new secret to {path}" in s.log() and "CurveZMQ" in s.log()
         secret = path.read_bytes().strip()
@@ -153,5 +153,7 @@ def test_gen_secret_data_port_and_curve(tmp_path):
             c.store("m", [k], [chunk_for(k)])
             with c.retrieve("m", [k]) as r:
                 assert matches(k, r.tensors[0])
+    finally:
+        assert s.stop() == 0   # the ZAP authenticator stops with the server
     p = _run_server("--l1-size-gb", "0.01", "--gen-secret", str(path))  # never overwritten
     assert p.returncode == 2 and "exists" in p.stderr
