@@ -176,3 +176,18 @@ def test_every_malformed_message_is_counted(server):
     finally:
         close_dealer(d)
     assert malformed() - before == 12
+
+
+def test_connection_gauges_follow_clients(server):
+    base = status(server)["zmq_conns"] - 1   # status() counts its own client's connection
+    socks = [dealer(server.url) for _ in range(3)]
+    try:
+        for s in socks:
+            assert isinstance(call(s, P.Hello()), P.ServerInfo)
+        assert wait_until(lambda: status(server)["zmq_conns"] >= base + 3)
+        text = httpx.get(server.http_url + "/metrics", timeout=10).text
+        assert _metric(text, "kvedit_zmq_connections") >= base + 3
+    finally:
+        for s in socks:
+            close_dealer(s)
+    assert wait_until(lambda: status(server)["zmq_conns"] - 1 <= base)

@@ -46,6 +46,8 @@ class _SnapshotCollector:
                                 value=s["waiting_lookups"])
         yield GaugeMetricFamily("kvedit_data_connections", "open data-link connections",
                                 value=s["data_conns"])
+        yield GaugeMetricFamily("kvedit_zmq_connections", "open ZMQ control connections",
+                                value=s["zmq_conns"])
         yield GaugeMetricFamily("kvedit_quarantined_objects",
                                 "slots of expired leases/stores not yet reusable",
                                 value=s["quarantined_objects"])

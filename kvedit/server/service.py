@@ -431,6 +431,7 @@ class Service:
         return self.index.snapshot() | {
             "models": len(self.layouts), "waiting_lookups": len(self.waiters),
             "parked_keys": self.waiters.keys, "data_conns": self.data.connections(),
+            "zmq_conns": self.peers.connected(),
             "transfer_mode": "shm" if self.cfg.shm_name else "socket",
             "uptime_s": round(time.time() - self.started, 3),
         }
