@@ -170,3 +170,23 @@ def test_secret_guards_status_config_and_cache(secret_server):
     assert key(0, "s").hex() not in metrics.text and 'model="a"' not in metrics.text
     r = httpx.delete(server.http_url + "/cache", headers=good, timeout=10)
     assert r.json()["deleted"] == 1
+
+
+def test_silent_connections_are_closed(server):
+    """More silent peers than the connection cap (and one with half a request head): the
+    server closes each of them (HEADER_TIMEOUT_S), then serves requests again."""
+    import socket
+
+    from kvedit.server.http import HEADER_TIMEOUT_S, MAX_CONNECTIONS
+    peers = [socket.create_connection(("127.0.0.1", server.http_port))
+             for _ in range(MAX_CONNECTIONS + 6)]
+    peers[0].sendall(b"GET /status HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    try:
+        for p in peers:
+            p.settimeout(HEADER_TIMEOUT_S * 3)
+            assert p.recv(100) == b""   # closed by the server, not by our timeout
+    finally:
+        for p in peers:
+            p.close()
+    assert get(server, "/health").json()["status"] == "ok"
+    assert "Traceback" not in server.log()

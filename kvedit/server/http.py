@@ -18,6 +18,7 @@ import threading
 
 import uvicorn
 from starlette.applications import Starlette
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -33,6 +34,7 @@ ENDPOINTS = "/health /status /config /metrics /cache (GET, DELETE) /openapi.json
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_CONNECTIONS = 64         # uvicorn answers 503 beyond this many open connections
 KEEP_ALIVE_S = 5             # an idle keep-alive connection is closed after this
+HEADER_TIMEOUT_S = 10        # ... and one that has not sent a whole request head by then
 
 
 def _json(body, status: int = 200, headers: dict | None = None) -> Response:
@@ -145,6 +147,45 @@ def build_app(service: Service, secret: bytes | None) -> Starlette:
     return app
 
 
+class _Protocol(HttpToolsProtocol):
+    """uvicorn's HTTP protocol plus a deadline on request heads. uvicorn waits forever for
+    the first bytes of a connection and for a head that stops half-way, so MAX_CONNECTIONS
+    silent peers would leave everyone else with 503s. A connection with no request in
+    flight is closed HEADER_TIMEOUT_S after it opened or after its last response."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._heads = self._done = 0
+        self._timer = None
+        self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._heads += 1
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        self._done += 1
+        super().on_response_complete()
+        self._arm()
+
+    def connection_lost(self, exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(HEADER_TIMEOUT_S, self._deadline, self._done)
+
+    def _deadline(self, done_when_armed: int) -> None:
+        self._timer = None
+        if self._heads > self._done:   # a request is being served: not ours to cut
+            return
+        if self._done == done_when_armed and not self.transport.is_closing():
+            self.transport.close()
+
+
 def _bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket whose proto is IPPROTO_TCP: asyncio sets TCP_NODELAY on the
     accepted connections only then (socket.create_server leaves proto 0, and uvicorn's
@@ -168,7 +209,7 @@ class HttpApi:
     def __init__(self, service: Service, host: str, port: int, secret: bytes | None = None):
         self.sock = _bind(host, port)
         cfg = uvicorn.Config(build_app(service, secret), log_config=None, log_level="warning",
-                             access_log=False, lifespan="off", loop="asyncio",
+                             access_log=False, lifespan="off", loop="asyncio", http=_Protocol,
                              limit_concurrency=MAX_CONNECTIONS,
                              timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(cfg)
