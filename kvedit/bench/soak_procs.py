@@ -117,6 +117,8 @@ def _read_and_check(t: Tally, c, keys: list[bytes], hold: float = 0.0) -> bool:
         if e.code != "lease_expired":
             raise
         t.stale_detected += bad
+        if bad:   # when: to tell a server restart from slots reused while quarantined
+            t.notes.setdefault("stale_at", []).append(round(time.time(), 3))
         t.error(e.code, str(e))
         return False
     t.torn_reads += bad
