@@ -35,6 +35,7 @@ METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_CONNECTIONS = 64         # uvicorn answers 503 beyond this many open connections
 KEEP_ALIVE_S = 5             # an idle keep-alive connection is closed after this
 HEADER_TIMEOUT_S = 10        # ... and one that has not sent a whole request head by then
+MAX_HEAD_BYTES = 64 << 10    # a request head larger than this is refused (431) and closed
 
 
 def _json(body, status: int = 200, headers: dict | None = None) -> Response:
@@ -155,9 +156,22 @@ class _Protocol(HttpToolsProtocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self._heads = self._done = 0
+        self._heads = self._done = self._head_bytes = 0
         self._timer = None
         self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        # httptools sets no limit on a request head: bound the bytes we buffer for one
+        if self._heads == self._done:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                body = b'{"error": "request head over %d bytes"}\n' % MAX_HEAD_BYTES
+                self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                                     b"Content-Type: application/json\r\nConnection: close\r\n"
+                                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                self.transport.close()
+                return
+        super().data_received(data)
 
     def on_headers_complete(self) -> None:
         self._heads += 1
@@ -165,6 +179,7 @@ class _Protocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         self._done += 1
+        self._head_bytes = 0
         super().on_response_complete()
         self._arm()
 
@@ -208,7 +223,8 @@ class HttpApi:
 
     def __init__(self, service: Service, host: str, port: int, secret: bytes | None = None):
         self.sock = _bind(host, port)
-        cfg = uvicorn.Config(build_app(service, secret), log_config=None, log_level="warning",
+        # log_level "error": a peer's malformed request is its problem, not a server log line
+        cfg = uvicorn.Config(build_app(service, secret), log_config=None, log_level="error",
                              access_log=False, lifespan="off", loop="asyncio", http=_Protocol,
                              limit_concurrency=MAX_CONNECTIONS,
                              timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=2)
