@@ -190,3 +190,24 @@ def test_silent_connections_are_closed(server):
             p.close()
     assert get(server, "/health").json()["status"] == "ok"
     assert "Traceback" not in server.log()
+
+
+def test_server_stops_cleanly_with_http_connections_open():
+    """SIGTERM with a keep-alive client, a silent peer and a half-sent head connected: the
+    HTTP thread ends with the server (exit code 0, the stop does not need SIGKILL)."""
+    import socket
+    s = start_server(0.05)
+    try:
+        keep = httpx.Client(base_url=s.http_url, timeout=10)
+        assert keep.get("/health").status_code == 200
+        silent = socket.create_connection(("127.0.0.1", s.http_port))
+        half = socket.create_connection(("127.0.0.1", s.http_port))
+        half.sendall(b"GET /status HTTP/1.1\r\nHo")
+        assert s.stop(timeout=20) == 0
+    finally:
+        s.stop()
+    for sock in (silent, half):
+        sock.settimeout(5)
+        assert sock.recv(100) == b""   # closed by the server's shutdown
+        sock.close()
+    keep.close()
