@@ -157,7 +157,8 @@ def _pct(xs: list[float], q: float) -> float | None:
 # the hostile events after it are all on the server instance whose leaks are measured
 EVENTS = sorted([(0.15, "restart"), (0.30, "stall get"), (0.35, "oversized"),
                  (0.45, "stall put")] + [(0.05 + 0.9 * k / 12, "victim") for k in range(12)])
-VICTIM_KINDS = [(True, "store"), (False, "store"), (True, "lease"), (False, "lease")]
+VICTIM_KINDS = [(True, "store"), (False, "store"), (True, "lease"), (False, "lease"),
+                (True, "storing"), (False, "storing")]   # (shared memory?, what it holds)
 
 
 class _MixedRun:
@@ -249,7 +250,7 @@ class _MixedRun:
             self.victims.append("a victim did not start in 60 s")
             self.procs.kill_one(p)
         else:
-            shm, kind = VICTIM_KINDS[len(self.victims) % 4]
+            shm, kind = VICTIM_KINDS[len(self.victims) % len(VICTIM_KINDS)]
             self.victims.append(f"{'shm' if shm else 'socket'} {kind}: "
                                 + _victim(self.procs, p, self.rng, shm, kind, self.deadline))
         self.spares.append((self.procs.spawn("victim"), False))

@@ -7,7 +7,7 @@ is bounded by `deadline` (time.time()) and an op count; the parent SIGKILLs what
 Roles:
   worker    store / lookup / retrieve / delete of random keys, every chunk read checked
   laggard   a writer past the write TTL and a reader past the lease TTL (the fence, item 2)
-  victim    prepares a store or takes a lease, prints "ready", waits for its SIGKILL
+  victim    prepares a store, takes a lease or stores in a loop, says so, waits for SIGKILL
   pinger    a small Hello every ~10 ms on its own socket: the control loop's latency
   stall     a raw data-link GET (or PUT) that stops reading (writing) half-way
   oversized one request over the server's key limit, one over its message size
@@ -208,6 +208,13 @@ def victim(cfg: dict) -> dict:
         c.store(MODEL, keys, [chunk(k) for k in keys])
         r = c.retrieve(MODEL, keys)
         print(json.dumps({"ready": "lease", "count": len(r)}), flush=True)
+    elif cfg["what"] == "storing":   # killed in the middle of copying / sending chunk bytes
+        many = [key(cfg["keys"] + rng.randrange(1 << 30)) for _ in range(32)]
+        data = [chunk(k) for k in many]
+        print(json.dumps({"ready": "storing"}), flush=True)
+        while time.time() < cfg["deadline"]:
+            c.store(MODEL, many, data)
+            c.delete(MODEL, many)
     else:
         c.prepare_store(MODEL, [key(cfg["keys"] + rng.randrange(1 << 30)) for _ in range(8)])
         print(json.dumps({"ready": "store"}), flush=True)
