@@ -62,76 +62,95 @@ def _param(req: Request, name: str, max_chars: int) -> str | None:
     return v
 
 
-def build_app(service: Service, secret: bytes | None) -> Starlette:
-    def guarded(fn):
+def _limit(req: Request) -> int:
+    raw = _param(req, "limit", 8) or "100"
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_PAGE:
+        raise _BadParam(f"limit must be an integer 1..{MAX_PAGE}, got {raw!r}")
+    return limit
+
+
+def _after(req: Request) -> int | None:
+    if "offset" in req.query_params:
+        raise _BadParam("offset is gone: pass the previous page's next_after as ?after=")
+    raw = _param(req, "after", MAX_CURSOR)
+    if raw is None:
+        return None
+    try:
+        after = int(raw)
+    except ValueError:
+        after = -1
+    if not 0 <= after < 2**63:
+        raise _BadParam(f"after must be the next_after of a previous page (an integer >= 0), "
+                        f"got {raw!r}")
+    return after
+
+
+class _Routes:
+    """The endpoints. Those behind the secret run in worker threads (`guarded`): the service
+    lock they take for an O(1)/O(page) read may be held by a long control request."""
+
+    def __init__(self, service: Service, secret: bytes | None):
+        self.service, self.secret = service, secret
+
+    def app(self) -> Starlette:
+        g = self.guarded
+        routes = [Route("/health", self.health), Route("/metrics", self.metrics),
+                  Route("/openapi.json", self.openapi),
+                  Route("/status", g(self.status)), Route("/config", g(self.config)),
+                  Route("/cache", g(self.cache), methods=["GET", "DELETE"])]
+        app = Starlette(routes=routes, exception_handlers={HTTPException: self.http_error})
+        app.router.redirect_slashes = False  # /status/ is a JSON 404, not a bodiless redirect
+        return app
+
+    def guarded(self, fn):
         """The endpoint needs `Authorization: Bearer <secret>` when the server has one."""
         async def endpoint(req: Request) -> Response:
-            if not http_authorized(req.headers.get("authorization"), secret):
+            if not http_authorized(req.headers.get("authorization"), self.secret):
                 return _error(401, f"{req.url.path} needs the header 'Authorization: Bearer "
                                    f"<secret>' (the server's --secret-file / KVEDIT_SECRET)",
                               {"WWW-Authenticate": 'Bearer realm="kvedit"'})
             try:
-                # the service lock may be held by a long control request: not on the loop
                 return await asyncio.to_thread(fn, req)
             except _BadParam as e:
                 return _error(400, str(e))
             except state.UnknownModel as e:
-                names = sorted(state.model_names(service))
+                names = state.model_names(self.service)
+                more = f" and {len(names) - 20} more" if len(names) > 20 else ""
                 return _error(404, f"model {e.args[0]!r} is not registered; registered: "
-                                   f"{names[:20]}" + (f" and {len(names) - 20} more"
-                                                      if len(names) > 20 else ""))
+                                   f"{names[:20]}{more}")
         return endpoint
 
-    async def health(_req: Request) -> Response:
-        return _json({"status": "ok", "instance": service.instance})
+    async def health(self, _req: Request) -> Response:
+        return _json({"status": "ok", "instance": self.service.instance})
 
-    async def metrics(_req: Request) -> Response:
-        body = await asyncio.to_thread(state.metrics, service)
+    async def metrics(self, _req: Request) -> Response:
+        body = await asyncio.to_thread(state.metrics, self.service)
         return Response(body, 200, media_type=METRICS_TYPE)
 
-    async def openapi(_req: Request) -> Response:
+    async def openapi(self, _req: Request) -> Response:
         return _json(SPEC)
 
-    def status(_req: Request) -> Response:
-        return _json(state.status(service))
+    def status(self, _req: Request) -> Response:
+        return _json(state.status(self.service))
 
-    def config(_req: Request) -> Response:
-        return _json(state.config(service))
+    def config(self, _req: Request) -> Response:
+        return _json(state.config(self.service))
 
-    def cache_get(req: Request) -> Response:
-        raw = _param(req, "limit", 8) or "100"
-        try:
-            limit = int(raw)
-        except ValueError:
-            raise _BadParam(f"limit must be an integer 1..{MAX_PAGE}, got {raw!r}") from None
-        if not 1 <= limit <= MAX_PAGE:
-            raise _BadParam(f"limit must be an integer 1..{MAX_PAGE}, got {limit}")
-        if "offset" in req.query_params:
-            raise _BadParam("offset is gone: pass the previous page's next_after as ?after=")
+    def cache(self, req: Request) -> Response:
         model = _param(req, "model", MAX_MODEL_PARAM)
-        raw_after = _param(req, "after", MAX_CURSOR)
-        after = None
-        if raw_after is not None:
-            try:
-                after = int(raw_after)
-            except ValueError:
-                after = -1
-            if not 0 <= after < 2**63:
-                raise _BadParam(f"after must be the next_after of a previous page (an integer "
-                                f">= 0), got {raw_after!r}")
-        p = state.page(service, model, after, limit)
+        if req.method == "DELETE":
+            return _json({"deleted": state.clear(self.service, model), "model": model})
+        limit, after = _limit(req), _after(req)
+        p = state.page(self.service, model, after, limit)
         return _json({"total": p.total, "limit": limit, "after": after,
                       "next_after": p.next_after,
                       "items": [{f: getattr(i, f) for f in i.__slots__} for i in p.items]})
 
-    def cache_delete(req: Request) -> Response:
-        model = _param(req, "model", MAX_MODEL_PARAM)
-        return _json({"deleted": state.clear(service, model), "model": model})
-
-    def cache(req: Request) -> Response:
-        return cache_delete(req) if req.method == "DELETE" else cache_get(req)
-
-    async def http_error(req: Request, exc: HTTPException) -> Response:
+    async def http_error(self, req: Request, exc: HTTPException) -> Response:
         if exc.status_code == 404:
             return _error(404, f"no endpoint {req.url.path}; endpoints: {ENDPOINTS}")
         if exc.status_code == 405:
@@ -139,13 +158,9 @@ def build_app(service: Service, secret: bytes | None) -> Starlette:
                                f"{ENDPOINTS}", dict(exc.headers or {}))
         return _error(exc.status_code, str(exc.detail), dict(exc.headers or {}))
 
-    routes = [Route("/health", health), Route("/metrics", metrics),
-              Route("/openapi.json", openapi),
-              Route("/status", guarded(status)), Route("/config", guarded(config)),
-              Route("/cache", guarded(cache), methods=["GET", "DELETE"])]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
-    app.router.redirect_slashes = False  # /status/ is a JSON 404, not a bodiless redirect
-    return app
+
+def build_app(service: Service, secret: bytes | None) -> Starlette:
+    return _Routes(service, secret).app()
 
 
 class _Protocol(HttpToolsProtocol):
