@@ -356,8 +356,9 @@ def _summarize(results: dict, restart) -> dict:
     unexpected += len(fails)
     if fails:
         examples.append(["hello without a reply within 1 s, sent at", fails[:5]])
-    per_worker = [{"ops": r["ops"], "errors": r["errors"], "chunks_checked": r["chunks_checked"]}
-                  for r in results.get("worker", [])]
+    per_worker = [{"transport": r["notes"].get("transport"), "ops": r["ops"],
+                   "by_kind": r["by_kind"], "errors": r["errors"],
+                   "chunks_checked": r["chunks_checked"]} for r in results.get("worker", [])]
     return {"ops": ops, "chunks_checked": checked, "per_worker": per_worker,
             "errors_by_code": errors,
             "unexpected_errors": unexpected, "unexpected_examples": examples[:10],

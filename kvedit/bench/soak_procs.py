@@ -66,6 +66,7 @@ class Tally:
         self.stale_detected = 0       # bad bytes on a lease the server said had expired
         self.chunks_checked = 0
         self.notes: dict[str, object] = {}
+        self.by_kind: dict[str, int] = {}
         self.op_started = time.time()  # errors are dated by the start of their operation
 
     def error(self, code: str, message: str) -> None:
@@ -76,7 +77,7 @@ class Tally:
                 self.odd.append([round(self.op_started, 3), code, message[:200]])
 
     def result(self) -> dict:
-        return {"ops": self.ops, "errors": self.errors, "odd": self.odd,
+        return {"ops": self.ops, "by_kind": self.by_kind, "errors": self.errors, "odd": self.odd,
                 "odd_count": self.odd_count, "torn_reads": self.torn_reads,
                 "stale_detected": self.stale_detected, "chunks_checked": self.chunks_checked,
                 "notes": self.notes}
@@ -144,6 +145,7 @@ def worker(cfg: dict) -> dict:
         keys = [key((start + j) % nkeys) for j in range(rng.randint(1, 8))]
         op = rng.choices(("store", "lookup", "retrieve", "delete"), (4, 3, 4, 1))[0]
         t.op_started = time.time()
+        t.by_kind[op] = t.by_kind.get(op, 0) + 1
         if op == "store":
             _guard(t, lambda: c.store(MODEL, keys, [chunk(k) for k in keys]))
         elif op == "lookup":
@@ -155,6 +157,7 @@ def worker(cfg: dict) -> dict:
             _guard(t, lambda: c.delete(MODEL, keys))
         t.ops += 1
     t.notes["stopped_at"] = round(time.time(), 3)
+    t.notes["transport"] = "shm" if cfg["shm"] else "socket"
     if c is not None:
         c.close()
     return t.result()
