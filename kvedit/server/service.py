@@ -11,6 +11,7 @@ begin_get/finish_get, snapshot, page, clear, count_error); each takes the lock i
 """
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -35,6 +36,8 @@ log = logging.getLogger("kvedit.server")
 MAX_LISTED_MODELS = 20    # an unknown_model error names at most this many
 MAX_QUOTED_NAME = 80      # characters of a client-given name quoted back in an error
 BURST = 256               # messages handled before housekeeping runs again
+FREEZE_MIN_OBJECTS = 50_000  # below this a full GC pass is cheap enough (< ~10 ms)
+FREEZE_GROWTH = 1.1       # freeze again when the index grew by this factor
 
 
 class Fail(Exception):
@@ -71,6 +74,7 @@ class Service:
                                max_keys=cfg.max_parked_keys)
         self._cuts: dict[int, Callable[[], None]] = {}  # store/lease id -> cut its transfer
         self.stop_requested = False
+        self._frozen_objects = 0            # index size at the last gc.freeze()
         self.ctx = zmq.Context()
         self.authenticator = None
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -153,6 +157,18 @@ class Service:
                 cut()
         for w in self.waiters.expired(now):
             self._answer_waiter(w)
+        self._freeze_gc()
+
+    def _freeze_gc(self) -> None:
+        """Keep full GC passes off the index. CPython runs a gen-2 pass whenever long-lived
+        objects grew by 25%, and at 1M objects that pass holds the GIL (loop and HTTP) for
+        ~0.2-0.5 s. The index's objects form no cycles (freed by refcount), so moving them to
+        the permanent generation loses nothing; a pass then scans only what came after."""
+        n = self.index.counters.objects
+        if n >= FREEZE_MIN_OBJECTS and n >= self._frozen_objects * FREEZE_GROWTH:
+            gc.collect(1)   # young cyclic garbage is not frozen with them (cheap: gens 0-1)
+            gc.freeze()
+            self._frozen_objects = n
 
     def _session_gone(self, holder: bytes) -> None:
         """The holder's last socket disconnected: let go of what only it could use."""
