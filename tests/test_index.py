@@ -139,11 +139,70 @@ def test_expired_lease_of_a_deleted_object_is_quarantined():
     clock.t += 6
     assert ix.expire(clock()).leases == 1
     c = ix.counters
-    assert c.leases == 0 and c.leased == 0 and c.quarantined_objects == 1
+    assert c.leases == 0 and c.leased == 0 and c.quarantined_objects == 2   # k(2) pinned too
     assert ix.counters.ready == 1 and ix.alloc.used == 2 * CH
     with pytest.raises(LeaseExpired):
         ix.release(lid, A)
     assert ix.counters.quarantined_objects == 0 and ix.alloc.used == CH
+    assert ix.evictable() == 1                # k(2) is back in the eviction order
+
+
+@pytest.mark.parametrize("end", ["late_release", "session_gone", "quarantine_ttl"])
+def test_expired_lease_keeps_its_live_objects_out_of_reuse_until_it_ends(end):
+    """C's soak finding: an expired lease's live objects went straight back to the eviction
+    order, so the next store reused their slots under the late shm reader."""
+    ix, clock = make(slots=4, lease_ttl=5.0, write_ttl=100.0, quarantine_ttl=20.0)
+    store(ix, [k(1), k(2)])
+    lease = ix.lease("m", 0, [k(1), k(2)], A)
+    clock.t += 6
+    assert ix.expire(clock()).leases == 1
+    c = ix.counters
+    assert c.leases == 0 and c.leased == 0 and ix.evictable() == 0
+    assert c.quarantined_objects == 2 and c.quarantined_bytes == 2 * CH
+    # the 2 free slots are handed out (kept WRITING: not evictable), then the store is
+    # refused: the late reader's slots are not evicted
+    p = ix.prepare("m", 0, [k(3), k(4)], CH, B)
+    assert set(p.offsets).isdisjoint(lease.offsets)
+    with pytest.raises(PoolFull):
+        ix.prepare("m", 0, [k(5)], CH, B)
+    assert ix.leading_ready("m", 0, [k(1), k(2)]) == 2   # still there for anyone to retrieve
+    assert ix.delete("m", 0, [k(1)]) == 1    # hidden, but its slot stays with the reader
+    assert ix.alloc.used == 4 * CH and c.quarantined_objects == 2 and c.objects == 3
+    if end == "late_release":
+        with pytest.raises(LeaseExpired):
+            ix.release(lease.lease_id, A)
+    elif end == "session_gone":
+        assert ix.session_gone(B) == 0 and c.quarantined_objects == 2   # not its holder
+        assert ix.session_gone(A) == CH
+    else:
+        clock.t += 19
+        assert ix.expire(clock()).unquarantined == 0 and c.quarantined_objects == 2
+        clock.t += 1
+        assert ix.expire(clock()).unquarantined == CH
+    assert c.quarantined_objects == 0 and c.quarantined_bytes == 0
+    assert ix.alloc.used == 3 * CH and ix.evictable() == 1   # k(1) freed, k(2) evictable again
+    p = ix.prepare("m", 0, [k(5), k(6)], CH, B)   # one free slot, then k(2) is the oldest
+    assert sorted(p.offsets) == sorted(lease.offsets) and c.evictions == 1
+    assert ix.leading_ready("m", 0, [k(2)]) == 0
+
+
+def test_releasing_a_newer_lease_does_not_end_an_expired_ones_quarantine():
+    ix, clock = make(slots=2, lease_ttl=5.0, quarantine_ttl=20.0)
+    store(ix, [k(1)])
+    late = ix.lease("m", 0, [k(1)], A).lease_id
+    clock.t += 3
+    newer = ix.lease("m", 0, [k(1)], B).lease_id
+    clock.t += 3
+    assert ix.expire(clock()).leases == 1    # `late` only
+    assert ix.counters.leased == 1 and ix.counters.quarantined_objects == 1
+    ix.release(newer, B)
+    assert ix.counters.leased == 0 and ix.evictable() == 0   # A may still be reading it
+    ix.prepare("m", 0, [k(2)], CH, B)
+    with pytest.raises(PoolFull):
+        ix.prepare("m", 0, [k(3)], CH, B)
+    with pytest.raises(LeaseExpired):
+        ix.release(late, A)
+    assert ix.evictable() == 1 and ix.counters.quarantined_objects == 0
 
 
 def test_quarantine_ends_at_session_gone_or_its_deadline():
@@ -234,6 +293,24 @@ def test_get_transfer_release_is_busy_and_finish_releases():
     assert ix.counters.leases == 0 and ix.counters.leased == 0
     with pytest.raises(UnknownLease):
         ix.release(lid, A)
+
+
+def test_get_failed_on_the_data_link_answers_lease_expired_to_its_holder():
+    """A GET cut by the data link itself (idle timeout, peer gone): finish_get(ok=False)."""
+    ix, _ = make()
+    store(ix, [k(1)])
+    lid = ix.lease("m", 0, [k(1)], A).lease_id
+    ix.begin_get(lid, A)
+    assert ix.finish_get(lid, ok=False).nbytes == CH
+    c = ix.counters
+    assert c.leases == 0 and c.leased == 0 and c.transfers == 0 and ix.evictable() == 1
+    assert c.quarantined_objects == 0        # only the data-link thread read the slot
+    with pytest.raises(NotHolder):
+        ix.release(lid, B)
+    with pytest.raises(LeaseExpired) as e:
+        ix.release(lid, A)
+    assert "data-link transfer failed" in e.value.message
+    assert ix.finish_get(lid, ok=False) is None   # a second finish is a no-op
 
 
 def test_stalled_get_is_cut_then_deleted_objects_free_at_finish():
@@ -352,19 +429,27 @@ def _recount(ix: Index) -> dict:
         objs.update({id(o): o for o in p.objs})
     live = list(ix.objects.values())
     q = list(ix._quarantine.values())
+    pins: dict[int, int] = {}                       # object -> quarantines naming it
+    for e in q:
+        for o in e.objs:
+            pins[id(o)] = pins.get(id(o), 0) + 1
+            objs[id(o)] = o
+    assert all(o.pins == pins.get(i, 0) for i, o in objs.items())
     ready = sum(o.state == I.READY for o in live)
-    alive_bytes = sum(ix.alloc.rounded(o.nbytes) for o in objs.values()
-                      if o.live or o.leases or any(o in p.objs for p in ix._cut.values()))
-    q_bytes = sum(ix.alloc.rounded(n) for e in q for _, n in e.ranges)
-    assert ix.alloc.used == alive_bytes + q_bytes   # no slot leaked, none freed twice
+    held = [o for o in objs.values()
+            if o.live or o.leases or id(o) in pins or any(o in p.objs for p in ix._cut.values())]
+    assert ix.alloc.used == sum(ix.alloc.rounded(o.nbytes) for o in held)   # none leaked
+    assert len({o.offset for o in held}) == len(held)   # no slot given to two objects
+    q_bytes = sum(ix.alloc.rounded(o.nbytes) for i, o in objs.items() if i in pins)
     return {"objects": len(live), "ready": ready, "writing": len(live) - ready,
             "leased": sum(1 for o in objs.values() if o.leases),
             "leases": len(ix.leases), "pending_stores": len(ix.stores),
             "transfers": sum(p.busy for p in [*ix.stores.values(), *ix.leases.values()])
             + sum(p.busy for p in ix._cut.values()),
-            "quarantined_objects": sum(len(e.ranges) for e in q), "quarantined_bytes": q_bytes,
+            "quarantined_objects": len(pins), "quarantined_bytes": q_bytes,
             "pool_used": ix.alloc.used, "pool_free": ix.alloc.capacity - ix.alloc.used,
-            "evictable": sum(1 for o in live if o.state == I.READY and not o.leases)}
+            "evictable": sum(1 for o in live
+                             if o.state == I.READY and not o.leases and id(o) not in pins)}
 
 
 def _finish(ix: Index, pid: int) -> None:
@@ -380,7 +465,7 @@ def test_counters_equal_a_recount_after_random_operations(seed):
     holders = [A, B]
     stores, leases = [], []
     for step in range(1500):
-        op = rng.randrange(12)
+        op = rng.randrange(13)
         h = rng.choice(holders)
         model = rng.choice(["x", "y"])
         try:
@@ -424,6 +509,15 @@ def test_counters_equal_a_recount_after_random_operations(seed):
                     ix.clear(model)
                 elif r < 0.2:
                     ix.drop_model(model, 0)
+            elif op == 12:   # a late shm reader: its lease expires, then stores/deletes go on
+                ready = [e.key for e in ix.page(model, None, 60).items] or [k(0)]
+                keys = [rng.choice(ready) for _ in range(rng.randrange(1, 4))]
+                leases.append((ix.lease(model, 0, keys, h).lease_id, h))   # released later
+                clock.t += 5.5                # past the lease TTL (other pendings may go too)
+                for pid in ix.expire(clock()).cut:
+                    _finish(ix, pid)
+                if rng.random() < 0.5:
+                    ix.delete(model, 0, [keys[0]])
         except I.Refused:
             pass
         c = ix.counters

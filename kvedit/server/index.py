@@ -10,18 +10,24 @@ methods below (results are dataclasses, refusals are `Refused` with a protocol e
 - Holders: every store and lease records the client session (`holder`) that made it; commit,
   abort, release and the data-link begin_put/begin_get from anyone else are `not_holder`.
   Ids are `secrets.randbits(63)`: unguessable, unique among live and recently ended ids.
-- Fence: a store or lease that expires is remembered (a bounded table of recently ended ids),
-  so a late commit/abort/release gets `store_expired`/`lease_expired`, not `unknown_*`. The
-  slots of an expired store, and those of objects that were deleted under an expired lease,
-  go to quarantine: not reused until the holder acknowledges (that late commit/abort/release),
-  its session is gone (`session_gone`), or `quarantine_ttl` passes. So a late shm writer
-  scribbles only on memory nobody else owns.
+- Fence: a store or lease that expires, or whose data-link transfer fails or is cut, is
+  remembered (a bounded table of recently ended ids), so a late commit/abort/release gets
+  `store_expired`/`lease_expired`, not `unknown_*`. The objects of an expired store or lease
+  go to quarantine: each gets a pin (`Obj.pins`) that keeps it out of the eviction order and
+  its slot allocated (a delete only hides it, as under a lease) until the holder acknowledges
+  (that late commit/abort/release), its session is gone (`session_gone`), or `quarantine_ttl`
+  passes; then a live one goes back to the eviction order and a deleted one is freed. So a
+  late shm writer scribbles only on memory nobody else owns, and a late shm reader reads the
+  key's bytes or freed-but-unused memory, never another key's new bytes.
+  `counters.quarantined_objects` counts the distinct objects with a pin (live or deleted, even
+  if leased anew meanwhile), `quarantined_bytes` their slot bytes.
 - Transfers: `begin_put`/`begin_get` mark a store/lease as moving bytes on the data link; it is
   not expired under the transfer, and commit/abort/release answer `busy`. When the transfer's
   own deadline passes, `expire` cuts it (the id is returned so the data link aborts the
   socket); `finish_put`/`finish_get` then free its slots.
-- Eviction order (LRU or FIFO) holds only evictable objects (READY, live, not leased): a leased
-  object leaves it at its first lease and re-enters at its place at its last release, and
+- Eviction order (LRU or FIFO) holds only evictable objects (READY, live, not leased, not
+  quarantined): a leased object leaves it at its first lease and re-enters at its place at its
+  last release (or at the end of its quarantine, if that lease expired), and
   in-flight (WRITING) objects are never in it. So evicting is O(log n) whatever is leased.
   It is kept per slot size (one per layout): a store evicts the oldest object whose slot
   fits it, so a large chunk does not evict many small ones that free no large range. The
@@ -280,19 +286,24 @@ class Index:
 
     def finish_get(self, lease_id: int, ok: bool = True) -> Released | None:
         """The GET ended (sent, failed or cut): the lease is released -> Released, or None
-        when it had been cut (or was not in transfer)."""
+        when it had been cut (or was not in transfer). ok=False (peer gone, idle timeout):
+        a later Release from the holder gets lease_expired, as for a cut GET. Nothing is
+        quarantined: only the data-link thread read the slots, and it is done."""
         p = self._finish("lease", lease_id)
         if p is None:
             return None
         if p.id not in self.leases:   # cut: already counted as ended; only the objects' leases
-            self._unlease_objs(p, quarantine=False)
+            self._unlease_objs(p)
             return None
         self._end_lease(p)
+        if not ok:
+            self._remember(p.id, p.holder, "failed")
         return Released(lease_id, sum(o.nbytes for o in p.objs), p.started)
 
     # ---- clients ----------------------------------------------------------------------
     def session_gone(self, holder: bytes) -> int:
-        """The holder's last socket went away: release its quarantined slots -> bytes freed."""
+        """The holder's last socket went away: end its quarantines -> bytes freed (deleted
+        objects; live ones go back to the eviction order)."""
         return sum(self._unquarantine(i) for i in list(self._q_by_holder.get(holder, ())))
 
     # ---- deadlines --------------------------------------------------------------------
@@ -370,7 +381,7 @@ class Index:
     def _end_lease(self, p: Pending) -> None:
         del self.leases[p.id]
         self.counters.leases -= 1
-        self._unlease_objs(p, quarantine=False)
+        self._unlease_objs(p)
 
     def _remember(self, pid: int, holder: bytes, reason: str) -> None:
         self._gone[pid] = Gone(holder, reason)
@@ -390,7 +401,8 @@ class Index:
         self.counters.leases -= 1
         self._remember(p.id, p.holder, "expired")
         self.counters.expired_leases += 1
-        self._unlease_objs(p, quarantine=True, now=now)
+        self._quarantine_objs(p, p.objs, now)   # the holder may still read them (shm)
+        self._unlease_objs(p)
 
     def _cut_transfer(self, p: Pending) -> None:
         """The transfer passed its deadline: end the store/lease now (late Commit/Release get
@@ -448,19 +460,26 @@ class Index:
 
     # ---- internals: quarantine --------------------------------------------------------
     def _quarantine_objs(self, p: Pending, objs: list[Obj], now: float) -> None:
+        """Pin `objs` (one pin per entry) under `p`'s quarantine. Pinned objects are in no
+        eviction order and their slots are not freed (see _enter_order, _forget)."""
         if not objs:
             return
-        ranges = [(o.offset, o.nbytes) for o in objs]
         q = self._quarantine.get(p.id)
         if q is None:
             q = self._quarantine[p.id] = Quarantined(p.holder, [], now + self.quarantine_ttl)
             self._q_by_holder.setdefault(p.holder, set()).add(p.id)
             self._push(q.deadline, "quarantine", p.id)
-        q.ranges.extend(ranges)
-        self.counters.quarantined_objects += len(ranges)
-        self.counters.quarantined_bytes += sum(self.alloc.rounded(n) for _, n in ranges)
+        q.objs.extend(objs)
+        c = self.counters
+        for o in objs:
+            if o.pins == 0:
+                c.quarantined_objects += 1
+                c.quarantined_bytes += self.alloc.rounded(o.nbytes)
+            o.pins += 1
 
     def _unquarantine(self, pid: int) -> int:
+        """End quarantine `pid`: unpin its objects -> bytes freed (the deleted ones no lease
+        or other quarantine holds; the live ones go back to the eviction order)."""
         q = self._quarantine.pop(pid, None)
         if q is None:
             return 0
@@ -468,30 +487,41 @@ class Index:
         ids.discard(pid)
         if not ids:
             del self._q_by_holder[q.holder]
-        freed = 0
-        for off, n in q.ranges:
-            freed += self._free(off, n)
-        self.counters.quarantined_objects -= len(q.ranges)
-        self.counters.quarantined_bytes -= freed
+        c = self.counters
+        freed, back = 0, []
+        for o in q.objs:
+            o.pins -= 1
+            if o.pins:
+                continue
+            c.quarantined_objects -= 1
+            c.quarantined_bytes -= self.alloc.rounded(o.nbytes)
+            if o.leases == 0:
+                if o.live:
+                    back.append(o)
+                else:
+                    freed += self._free(o.offset, o.nbytes)
+        self._enter_order(back)   # at its place (FIFO: commit; LRU: last lease)
         return freed
 
     # ---- internals: objects -----------------------------------------------------------
-    def _unlease_objs(self, p: Pending, quarantine: bool, now: float = 0.0) -> None:
-        back, dead = [], []
+    def _unlease_objs(self, p: Pending) -> None:
+        """Drop `p`'s lease on its objects: the ones no lease or quarantine holds any more
+        go back to the eviction order (live) or are freed (deleted meanwhile)."""
+        back = []
         for o in p.objs:
             o.leases -= 1
             if o.leases == 0:
-                (back if o.live else dead).append(o)
-        self.counters.leased -= len(back) + len(dead)
+                self.counters.leased -= 1
+                if o.pins:
+                    continue   # quarantined: _unquarantine decides
+                if o.live:
+                    back.append(o)
+                else:
+                    self._free(o.offset, o.nbytes)
         self._enter_order(back)   # at its place (FIFO: commit; LRU: last lease)
-        if quarantine:   # the holder may still be reading them (shm)
-            self._quarantine_objs(p, dead, now)
-        else:
-            for o in dead:
-                self._free(o.offset, o.nbytes)
 
     def evictable(self) -> int:
-        """Objects in the eviction order (READY, live, not leased)."""
+        """Objects in the eviction order (READY, live, not leased, not quarantined)."""
         return len(self._by_rank)
 
     def _ticks(self, n: int) -> int:
@@ -501,13 +531,14 @@ class Index:
         return base
 
     def _enter_order(self, objs: list[Obj]) -> None:
-        """Put the evictable ones of `objs` (live, READY, unleased) in the eviction order at
+        """Put the evictable ones of `objs` (live, READY, unleased, unpinned) in the eviction order at
         their rank: one batch per slot size (a store or a lease is one or few sizes)."""
         by_slot: dict[int, list[int]] = {}
         by_rank = self._by_rank
         last, ranks = -1, []
         for o in objs:
-            if o.live and o.state == READY and o.leases == 0 and not o.evictable:
+            if o.live and o.state == READY and not o.leases and not o.pins \
+                    and not o.evictable:
                 o.evictable = True
                 by_rank[o.rank] = o
                 if o.slot != last:   # objects of one store/lease share a slot size
@@ -604,7 +635,7 @@ class Index:
             c.writing -= 1
 
     def _forget(self, o: Obj) -> None:
-        """Hide the object; free its memory now, or when its last lease is released."""
+        """Hide the object; free its memory now, or when its last lease/quarantine ends."""
         self._hide(o)
-        if o.leases == 0:
+        if o.leases == 0 and o.pins == 0:
             self._free(o.offset, o.nbytes)

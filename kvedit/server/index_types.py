@@ -66,7 +66,10 @@ class Obj:
     state: str = WRITING
     created: float = field(default_factory=time.time)
     leases: int = 0
-    live: bool = True        # False once evicted/deleted/aborted: hidden, freed at last lease
+    pins: int = 0            # quarantine pins: expired leases/stores whose holder may still
+                             # touch the slot (not evictable, not freed while > 0)
+    live: bool = True        # False once evicted/deleted/aborted: hidden, freed once neither
+                             # leased nor pinned
     seq: int = 0             # commit order (the /cache cursor); 0 while WRITING
     rank: int = 0            # place in the eviction order (LRU: last use, FIFO: commit)
     evictable: bool = False  # in the eviction order right now
@@ -101,8 +104,10 @@ class Gone:
 
 @dataclass(slots=True)
 class Quarantined:
+    """The objects of one expired store/lease, pinned (one pin per object of it) until the
+    holder acknowledges, its session goes, or the deadline passes."""
     holder: bytes
-    ranges: list[tuple[int, int]]   # (offset, nbytes) not to reuse yet
+    objs: list[Obj]
     deadline: float
 
 
@@ -120,8 +125,8 @@ class Counters:
     expired_leases: int = 0
     expired_stores: int = 0
     cut_transfers: int = 0
-    quarantined_objects: int = 0
-    quarantined_bytes: int = 0
+    quarantined_objects: int = 0  # distinct objects with a quarantine pin (deleted or live)
+    quarantined_bytes: int = 0    # their slot bytes (a live one may also be leased anew)
     pool_bytes: int = 0
     pool_used: int = 0
     pool_free: int = 0
@@ -180,7 +185,8 @@ class Expiry:
     stores: int = 0          # stores expired now
     leases: int = 0          # leases expired now
     cut: list[int] = field(default_factory=list)   # store/lease ids whose transfer is cut
-    unquarantined: int = 0   # bytes whose quarantine deadline passed (freed)
+    unquarantined: int = 0   # bytes freed as quarantine deadlines passed (deleted objects;
+                             # live ones go back to the eviction order, not counted)
 
 
 @dataclass(frozen=True, slots=True)
