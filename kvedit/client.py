@@ -1,78 +1,72 @@
 """KVClient: the low-level client of the kvedit server, used by the SDK and the vLLM connector.
 
 Control messages go over ZMQ (one DEALER socket per thread, so a server-side wait in one
-thread never holds up another). Data moves through the server's shared-memory segment when
-this process can map it (slot offsets, the client copies in/out itself), otherwise over the
-server's data link (raw TCP, kvedit.datalink). The segment is attached by mmap-ing
-/dev/shm/NAME, never through multiprocessing.shared_memory, whose resource tracker would
-unlink it when this process exits.
+thread never holds up another). Chunk bytes move through one transport chosen at connect
+(kvedit.transport): the server's shared-memory segment when this process can map it, else
+the server's data link (raw TCP, kvedit.datalink).
+
+Sessions and authentication: each client draws a random 16-byte session id; every DEALER
+socket's ZMQ routing id is that session plus a 4-byte socket number, and the data link
+announces the session in its handshake, so the server binds the stores and leases it hands
+out to this client (another client's Commit/Release/PUT/GET of them gets `not_holder`).
+With a shared secret (argument, $KVEDIT_SECRET or $KVEDIT_SECRET_FILE, see kvedit.auth)
+every ZMQ socket is a CURVE client and the data-link handshake carries an HMAC of it.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-import mmap
-import os
+import secrets
 import threading
 import time
 
-import numpy as np
 import torch
 import zmq
 
+from kvedit import auth
 from kvedit import protocol as P
-from kvedit.handles import KVError, Retrieved, ServerUnavailable, StoreHandle, StoreResult
-from kvedit.layout import ModelLayout
 from kvedit.datalink import LinkClient
+from kvedit.handles import (KVError, Retrieved, ServerUnavailable, StoreHandle, StoreResult,
+                            ttl_margin)
+from kvedit.layout import ModelLayout
 from kvedit.protocol import ServerInfo
-from kvedit.server.pool import MAGIC, read_header
+from kvedit.transport import ShmTransport, SocketTransport, Transport
 
 __all__ = ["KVClient", "KVError", "ServerUnavailable", "ServerInfo", "StoreHandle",
            "StoreResult", "Retrieved"]
 log = logging.getLogger("kvedit.client")
-SMALL_COPY_BYTES = 8 << 20
-
-
-def copy_chunk(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src), single-threaded below SMALL_COPY_BYTES.
-
-    torch splits even a 256 KiB copy over its OpenMP threads; on a busy machine a descheduled
-    thread then stalls the copy for milliseconds (measured: 20 ms instead of 0.1 ms with 2
-    threads on 2 loaded cores). Large copies keep torch's threads, which pay off there.
-    """
-    n = dst.numel() * dst.element_size()
-    if (n < SMALL_COPY_BYTES and src.device.type == "cpu" and src.dtype == dst.dtype
-            and src.is_contiguous() and dst.is_contiguous()):
-        np.copyto(dst.view(-1).view(torch.uint8).numpy(), src.view(-1).view(torch.uint8).numpy())
-    else:
-        dst.copy_(src)
+# Errors that mean "this id is gone, nothing left to undo" when aborting a store.
+_ABORT_GONE = frozenset({"unknown_store", "store_expired", "busy"})
 
 
 class KVClient:
     """Client of one kvedit server. Thread-safe: each thread gets its own ZMQ socket and data
     connection, so a server-side wait (lookup with wait_timeout) holds up only its caller.
 
-    transfer_mode "shm": store copies into slots of the mapped segment, retrieve returns
-    zero-copy views into it, valid until release(). "socket": bytes go over the data link;
-    retrieved tensors live in receive buffers that are reused after release() as well.
+    `transfer_mode` ("shm" or "socket", read-only) says which transport connect chose. With
+    shared memory, store copies into slots of the mapped segment and retrieve returns
+    zero-copy views into it, valid until release(); over the socket the bytes travel on the
+    data link and retrieved tensors live in receive buffers reused after release().
     Survives a server restart: the next reply with a new instance id re-attaches, and models
     registered through this client are registered again on demand.
     """
 
     def __init__(self, url: str = "tcp://127.0.0.1:6555", *, use_shm: bool | None = None,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, secret: str | bytes | None = None,
+                 secret_file: str | None = None):
         self.url, self.timeout, self._use_shm = url, timeout, use_shm
+        self._secret = auth.load_secret(secret, secret_file)
+        self.session = secrets.token_bytes(auth.SESSION_BYTES)
         self._ctx = zmq.Context()
         self._local = threading.local()
         self._sockets: list[zmq.Socket] = []
-        self._link: LinkClient | None = None
+        self._socket_no = itertools.count()
+        self._transport: Transport | None = None
+        self._info: ServerInfo | None = None
         self._lock = threading.RLock()  # _check_instance reconnects while holding it
         self._rids = itertools.count(1)
         self._registered: dict[tuple[str, int], ModelLayout] = {}
-        self._mm: mmap.mmap | None = None
-        self._seg: torch.Tensor | None = None
         self._closed = False
-        self.transfer_mode = "socket"
         try:
             self._connect()
         except BaseException:
@@ -81,50 +75,23 @@ class KVClient:
 
     # ---- connection -------------------------------------------------------------------
     def _connect(self) -> None:
-        """(Re)read ServerInfo and attach to its segment as use_shm asks."""
+        """(Re)read ServerInfo and choose the transport as use_shm asks."""
         info = self._call(P.Hello())
+        old, self._transport = self._transport, None
+        if old is not None:
+            old.close()
         self._info = info
-        if self._link is not None:
-            self._link.close()
+        shm = ShmTransport.attach(info) if self._use_shm is not False else "use_shm=False"
+        if isinstance(shm, ShmTransport):
+            self._transport = shm
+            return
+        if self._use_shm:
+            raise KVError("shm_unavailable", f"use_shm=True but {shm}")
+        if self._use_shm is None and info.shm_name:
+            log.info("kvedit client: socket transfers (%s)", shm)
         host = self.url.rsplit("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-        self._link = LinkClient(host, info.data_port, self.timeout)
-        self._seg, self._mm = None, None
-        reason = self._attach(info) if self._use_shm is not False else "use_shm=False"
-        if reason is None:
-            self.transfer_mode = "shm"
-        elif self._use_shm:
-            raise KVError("shm_unavailable", f"use_shm=True but {reason}")
-        else:
-            if self._use_shm is None and info.shm_name:
-                log.info("kvedit client: socket transfers (%s)", reason)
-            self.transfer_mode = "socket"
-
-    def _attach(self, info: ServerInfo) -> str | None:
-        """Map the segment; returns why it cannot be used, or None on success."""
-        if not info.shm_name:
-            return "the server has no shared memory (--shm-name '')"
-        path = f"/dev/shm/{info.shm_name}"
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as e:
-            return f"cannot open {path}: {e.strerror} (server on another host?)"
-        try:
-            size = os.fstat(fd).st_size
-            if size != info.segment_bytes:
-                return f"{path} is {size} bytes, the server says {info.segment_bytes}"
-            flags = mmap.MAP_SHARED | (0 if info.lazy else mmap.MAP_POPULATE)
-            mm = mmap.mmap(fd, size, flags=flags)
-        except OSError as e:
-            return f"cannot map {path}: {e}"
-        finally:
-            os.close(fd)
-        magic, instance, _, _ = read_header(mm)
-        if magic != MAGIC or instance != info.instance:
-            mm.close()
-            return f"{path} belongs to another kvedit server (same name, another host?)"
-        self._mm = mm
-        self._seg = torch.frombuffer(mm, dtype=torch.uint8)
-        return None
+        self._transport = SocketTransport(LinkClient(host, info.data_port, self.timeout,
+                                                     self.session, self._secret))
 
     def _check_instance(self, instance: int) -> None:
         """A reply from a restarted server: re-attach before trusting its slot offsets."""
@@ -141,6 +108,10 @@ class KVClient:
                 raise KVError("closed", "KVClient is closed")
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            # session + socket number: unique per socket, and the server's holder is the session
+            s.setsockopt(zmq.ROUTING_ID, self.session + next(self._socket_no).to_bytes(4, "big"))
+            if self._secret is not None:
+                auth.curve_client(s, self._secret)
             s.connect(self.url)
             self._local.sock = s
             with self._lock:
@@ -155,21 +126,38 @@ class KVClient:
             self._sockets.remove(s)
         s.close(linger=0)
 
+    def _limits(self, msg) -> None:
+        """Refuse what the server would refuse anyway, with a clear error instead of a
+        dropped message (libzmq drops a message over MAXMSGSIZE without a reply)."""
+        keys = getattr(msg, "keys", None)
+        cap = self._info.max_keys_per_request if self._info is not None else 0
+        if keys is not None and cap and len(keys) > cap:
+            raise KVError("too_many_keys", f"{type(msg).__name__} with {len(keys)} keys; the "
+                                           f"server takes at most {cap} per request: split it")
+
     def _call(self, msg, timeout: float | None = None):
         """Send one request and wait for its reply. Raises KVError."""
         if self._closed:
             raise KVError("closed", "KVClient is closed")
+        self._limits(msg)
+        body = P.encoder.encode(msg)
+        cap = self._info.max_message_bytes if self._info is not None else 0
+        if cap and len(body) > cap:
+            raise KVError("too_large", f"{type(msg).__name__} is {len(body)} bytes; the server "
+                                       f"takes messages of at most {cap} bytes: split it")
         sock = self._sock()
         rid = next(self._rids).to_bytes(8, "little")
-        sock.send_multipart([rid, P.encoder.encode(msg)])
+        sock.send_multipart([rid, body])
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(max(1, int(left * 1000))):
                 self._drop_sock()
+                hint = (" (with a secret set, a server with another secret or none never "
+                        "answers: CURVE drops the connection)" if self._secret else "")
                 raise ServerUnavailable("timeout", f"no reply from the kvedit server at "
                                                    f"{self.url} within {timeout or self.timeout}"
-                                                   f" s to {type(msg).__name__}")
+                                                   f" s to {type(msg).__name__}{hint}")
             frames = sock.recv_multipart(copy=False)
             if frames[0].bytes == rid:  # else: the late reply of an earlier, timed-out call
                 break
@@ -190,19 +178,43 @@ class KVClient:
         return self._call(msg, timeout=timeout)
 
     @property
-    def recv_pool(self):
-        return self._link.recv_pool
+    def transfer_mode(self) -> str:
+        """"shm" or "socket": which transport connect chose (for reports; callers never
+        need to switch on it)."""
+        return self._transport.mode if self._transport is not None else "closed"
+
+    @property
+    def max_keys(self) -> int:
+        """Most keys the server takes in one request (0: no limit known)."""
+        return self._info.max_keys_per_request if self._info is not None else 0
 
     def segment(self) -> tuple[str, torch.Tensor] | None:
-        """(path, bytes) of the attached shared-memory segment, None in socket mode.
+        """(path, bytes) of the attached shared-memory segment, None over the socket.
 
         Retrieved views point into these bytes, so `view.data_ptr() - bytes.data_ptr()` is the
         chunk's offset in the file at `path` (what kvedit.sdk.chunkmap maps from). Ask again
         after each retrieve: a server restart re-attaches a new segment."""
-        seg, info = self._seg, self._info
-        if seg is None or info is None or not info.shm_name:
-            return None
-        return f"/dev/shm/{info.shm_name}", seg
+        t = self._transport
+        return None if t is None else t.segment()
+
+    # ---- what StoreHandle and Retrieved call ------------------------------------------
+    def commit_store(self, store_id: int) -> int:
+        """Commit a prepared store; returns the number of chunks it made ready."""
+        return self._call(P.Commit(store_id=store_id)).stored
+
+    def abort_store(self, store_id: int) -> None:
+        """Abort a prepared store; a store already gone (expired, committed) is not an error."""
+        try:
+            self._call(P.Abort(store_id=store_id))
+        except KVError as e:
+            # gone already (TTL; the late abort acknowledges it), or a broken data-link PUT
+            # still winding down on an older server: the write TTL reclaims the slots
+            if e.code not in _ABORT_GONE:
+                raise
+
+    def release_lease(self, lease_id: int) -> None:
+        """Release a read lease; KVError("lease_expired") if it ran out before."""
+        self._call(P.Release(lease_id=lease_id))
 
     # ---- API --------------------------------------------------------------------------
     def server_info(self) -> ServerInfo:
@@ -226,15 +238,11 @@ class KVClient:
 
     def prepare_store(self, model: str, keys: list[bytes], tp_rank: int = 0) -> StoreHandle:
         msg = P.PrepareStore(model=model, keys=list(keys), tp_rank=tp_rank)
+        t0 = time.monotonic()  # the server's write TTL starts later: a conservative deadline
         slots = self._model_call(model, tp_rank, msg)
         self._check_instance(slots.instance)
-        lay = slots.layout
-        if self.transfer_mode == "shm":
-            bufs = [self._view(off, lay) for off in slots.offsets]
-        else:
-            bufs = [torch.empty(lay.chunk_shape, dtype=getattr(torch, lay.dtype))
-                    for _ in slots.missing]
-        return StoreHandle(self, slots, bufs)
+        ttl = self._info.write_ttl
+        return StoreHandle(self, self._transport, slots, t0 + ttl - ttl_margin(ttl))
 
     def store(self, model: str, keys: list[bytes], chunks, tp_rank: int = 0) -> StoreResult:
         if isinstance(chunks, torch.Tensor) and chunks.dim() == 5:
@@ -254,34 +262,25 @@ class KVClient:
                        else type(c).__name__)
                 raise KVError("bad_chunk", f"chunk {i} is {got}, expected a tensor "
                                            f"{lay.chunk_shape} {dtype} (model {model!r} layout)")
-        try:
-            if self.transfer_mode == "shm":
-                for buf, i in zip(handle.buffers, handle.missing):
-                    copy_chunk(buf, chunks[i])
-                return handle.commit()
-            return handle.commit([chunks[i] for i in handle.missing])
-        except BaseException:
-            if not handle._done:
-                handle.abort()
-            raise
+        return handle.commit([chunks[i] for i in handle.missing])
 
     def retrieve(self, model: str, keys: list[bytes], tp_rank: int = 0) -> Retrieved:
-        shm = self.transfer_mode == "shm"
-        msg = P.Retrieve(model=model, keys=list(keys), tp_rank=tp_rank, with_data=not shm)
+        transport = self._transport
+        msg = P.Retrieve(model=model, keys=list(keys), tp_rank=tp_rank,
+                         with_data=transport.with_data)
+        t0 = time.monotonic()  # the server's lease TTL starts later: a conservative deadline
         reply = self._model_call(model, tp_rank, msg)
-        lay = reply.layout
         self._check_instance(reply.instance)  # a restarted server: new segment and data port
-        if shm:
-            if self.transfer_mode != "shm":  # the new server cannot be mapped: ask again
-                self._call(P.Release(lease_id=reply.lease_id))
-                return self.retrieve(model, keys, tp_rank)
-            return Retrieved(self, [self._view(o, lay) for o in reply.offsets], reply.lease_id)
-        if not reply.count:
-            return Retrieved(self, [], None)
-        # the server releases the lease once it has sent the bytes
-        bufs = self._link.get(reply.lease_id, reply.count, lay)
-        dtype = getattr(torch, lay.dtype)
-        return Retrieved(self, [b.view(dtype).view(lay.chunk_shape) for b in bufs], None, bufs)
+        current = self._transport
+        if current.with_data != transport.with_data:  # re-attached the other way: ask again
+            try:
+                self.release_lease(reply.lease_id)
+            except KVError as e:  # an empty with_data lease may not exist: nothing to release
+                if e.code not in ("unknown_lease", "lease_expired"):
+                    raise
+            return self.retrieve(model, keys, tp_rank)
+        ttl = self._info.lease_ttl
+        return current.open_lease(self, reply, t0 + ttl - ttl_margin(ttl))
 
     def delete(self, model: str, keys: list[bytes], tp_rank: int = 0) -> int:
         return self._model_call(model, tp_rank,
@@ -289,10 +288,6 @@ class KVClient:
 
     def stats(self) -> dict:
         return self._call(P.Stats()).stats
-
-    def _view(self, offset: int, lay: ModelLayout) -> torch.Tensor:
-        return self._seg[offset:offset + lay.chunk_bytes].view(
-            getattr(torch, lay.dtype)).view(lay.chunk_shape)
 
     def close(self) -> None:
         if self._closed:
@@ -302,16 +297,9 @@ class KVClient:
             for s in self._sockets:
                 s.close(linger=0)
             self._sockets.clear()
-        if self._link is not None:
-            self._link.close()
+        if self._transport is not None:
+            self._transport.close()
         self._ctx.term()
-        self._seg = None
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:  # views still alive elsewhere: the mapping goes with them
-                pass
-            self._mm = None
 
     def __enter__(self) -> KVClient:
         return self

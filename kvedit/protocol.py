@@ -4,11 +4,12 @@ Every ZMQ message is multipart: [request id, message]. The request id is an opaq
 token (≤ 16 bytes) echoed in the reply, so a client can drop late replies of a timed-out call.
 The message is a msgpack map tagged by its "t" field. Chunk bytes never ride on ZMQ: in
 shared-memory mode they move through slot offsets in the segment, in socket mode through the
-server's data link (kvedit.server.datalink, raw TCP). See docs/protocol.md.
+server's data link (kvedit.server.datalink, raw TCP; its framing is in kvedit.wire).
+See docs/protocol.md.
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Literal, Union, get_args
 
 import msgspec
 
@@ -16,6 +17,32 @@ from kvedit.layout import ModelLayout
 
 MAX_RID_BYTES = 16
 MAX_KEY_BYTES = 64
+
+# Every code an Error reply (or a data-link error) can carry; docs/protocol.md says when.
+ErrorCode = Literal[
+    "malformed",        # undecodable message, wrong frame count, request id too long
+    "unknown_type",     # a message type the server does not handle
+    "unknown_model",    # model (tp_rank) not registered
+    "bad_layout",       # Register with an invalid layout or name
+    "layout_conflict",  # Register of a name already registered with another layout
+    "bad_key",          # a key of 0 or more than MAX_KEY_BYTES bytes
+    "bad_wait",         # Lookup.wait_timeout out of range
+    "too_large",        # one store bigger than the pool, or a message over the size cap
+    "too_many_keys",    # more keys in one request than --max-keys-per-request
+    "too_many_models",  # Register beyond --max-models
+    "name_too_long",    # model name over --max-model-name bytes
+    "too_many_waits",   # parked lookups over the per-client or total cap
+    "pool_full",        # no room even after evicting every unleased object
+    "unknown_store",    # store id never existed or was committed/aborted
+    "unknown_lease",    # lease id never existed or was released
+    "store_expired",    # the store passed its write TTL: its bytes were discarded
+    "lease_expired",    # the lease passed its TTL: bytes read under it may be wrong
+    "not_holder",       # the store/lease belongs to another client session
+    "busy",             # the object is in use (e.g. Unregister of a model with leases)
+    "unauthorized",     # data-link handshake failed (wrong or missing secret)
+    "internal",         # a server bug; the request had no effect it can rely on
+]
+ERROR_CODES: frozenset[str] = frozenset(get_args(ErrorCode))
 
 
 class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, kw_only=True):
@@ -30,6 +57,13 @@ class Hello(_Msg, tag="hello"):
 class Register(_Msg, tag="register"):
     model: str
     layout: ModelLayout
+
+
+class Unregister(_Msg, tag="unregister"):
+    """Forget a model's layout (tp_rank) and delete its objects -> Count(objects deleted);
+    fails `busy` while any of them is leased or being stored."""
+    model: str
+    tp_rank: int = 0
 
 
 class GetLayout(_Msg, tag="get_layout"):
@@ -87,8 +121,8 @@ class Stats(_Msg, tag="stats"):
     pass
 
 
-Request = Union[Hello, Register, GetLayout, ListModels, Lookup, PrepareStore, Commit, Abort,
-                Retrieve, Release, Delete, Stats]
+Request = Union[Hello, Register, Unregister, GetLayout, ListModels, Lookup, PrepareStore,
+                Commit, Abort, Retrieve, Release, Delete, Stats]
 
 
 # ---- replies --------------------------------------------------------------------------
@@ -105,6 +139,10 @@ class ServerInfo(_Msg, tag="server_info"):
     eviction: str
     lease_ttl: float
     write_ttl: float
+    # limits a client checks before sending (0 = unknown, e.g. an older server); a message
+    # over max_message_bytes is dropped by libzmq with the connection, so no reply would come
+    max_keys_per_request: int = 0
+    max_message_bytes: int = 0
 
 
 class Ok(_Msg, tag="ok"):
@@ -151,6 +189,8 @@ class StatsReply(_Msg, tag="stats_reply"):
 
 
 class Error(_Msg, tag="error"):
+    # str on the wire (not ErrorCode) so that an older client still decodes a newer code;
+    # the server only sends members of ErrorCode (Service.fail takes an ErrorCode).
     code: str
     message: str
 

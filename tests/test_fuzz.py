@@ -3,6 +3,8 @@ reply (or, for a valid waiting lookup, none until its timeout), the server stays
 data committed before the fuzzing is intact afterwards."""
 from __future__ import annotations
 
+import socket
+
 import httpx
 import msgspec
 import pytest
@@ -11,12 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvedit import protocol as P
-from kvedit.client import KVClient
+from kvedit import wire
 from kvedit.layout import DTYPE_SIZES, ModelLayout
-from kvedit.server.launch import start_server
-from tests.kv_helpers import SMALL, chunk_for, key, matches
-
-KEYS = [key(i, "fuzz") for i in range(4)]
+from tests.fixtures_server import assert_seed_intact, data_port, link
 
 keys = st.lists(st.binary(min_size=0, max_size=70), max_size=6)
 models = st.sampled_from(["m", "other", ""]) | st.text(max_size=8)
@@ -38,6 +37,7 @@ requests = st.one_of(
     st.builds(P.Retrieve, model=models, keys=keys, tp_rank=small_int, with_data=st.booleans()),
     st.builds(P.Release, lease_id=st.integers(-1, 50)),
     st.builds(P.Delete, model=models, keys=keys, tp_rank=small_int),
+    st.builds(P.Unregister, model=models.filter(lambda m: m != "m"), tp_rank=small_int),
 )
 
 
@@ -66,11 +66,8 @@ message_frames = st.one_of(
 
 
 @pytest.fixture(scope="module")
-def server():
-    with start_server(0.01) as s, KVClient(s.url) as c:
-        c.register("m", SMALL)
-        c.store("m", KEYS, [chunk_for(k) for k in KEYS])
-        yield s
+def server(seeded_server):
+    return seeded_server
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +108,38 @@ def test_fuzz_server(server, sock, frames, n):
         assert isinstance(reply, P.Error) and reply.code == "malformed"
 
 
+link_payloads = st.one_of(
+    st.binary(max_size=80),
+    st.builds(lambda op, pid, n, tail: wire.REQUEST.pack(wire.MAGIC, op, pid, n) + tail,
+              st.integers(0, 255), st.integers(-2**63, 2**63 - 1), st.integers(0, 2**64 - 1),
+              st.binary(max_size=32)),
+)
+
+
+@pytest.fixture(scope="module")
+def link_port(server) -> int:
+    return data_port(server)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(payload=link_payloads)
+def test_fuzz_data_link(server, link_port, payload):
+    """Random requests on the data link: an error reply naming a protocol code, or a close;
+    never an OK for bytes nobody was given, never a crash."""
+    with link(server, port=link_port) as conn:
+        conn.sendall(payload)
+        conn.shutdown(socket.SHUT_WR)   # end of input: the server must not wait for more
+        got = bytearray()
+        while chunk := conn.recv(65536):   # the server closes gently: no reset
+            got += chunk
+    if got:
+        magic, status, _, n = wire.REPLY.unpack_from(got)
+        assert magic == wire.MAGIC and status == wire.FAILED, bytes(got[:64])
+        code = bytes(got[wire.REPLY.size:wire.REPLY.size + n]).decode().split(":")[0]
+        assert code in P.ERROR_CODES, code
+
+
 def test_server_survived_fuzzing(server):
     assert httpx.get(server.http_url + "/health", timeout=5).json()["status"] == "ok"
-    with KVClient(server.url) as c:
-        with c.retrieve("m", KEYS) as r:
-            assert [matches(k, t) for k, t in zip(KEYS, r.tensors)] == [True] * 4
+    assert_seed_intact(server)
     assert "internal error" not in server.log(), server.log()[-3000:]

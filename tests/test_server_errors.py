@@ -1,52 +1,22 @@
 """Bad input gets a clear error reply; the server keeps running and keeps committed data."""
 from __future__ import annotations
 
-import socket
-
 import msgspec
 import pytest
-import zmq
 
 from kvedit import protocol as P
+from kvedit import wire
 from kvedit.client import KVClient, KVError
 from kvedit.layout import ModelLayout
-from kvedit.server import datalink as DL
-from kvedit.server.launch import start_server
-from tests.kv_helpers import SMALL, chunk_for, key, matches
-
-KEYS = [key(i, "err") for i in range(3)]
+from tests.fixtures_server import SEED_KEYS as KEYS
+from tests.fixtures_server import ask, link, link_error, status, wait_until
+from tests.fixtures_server import assert_seed_intact as assert_data_intact
+from tests.kv_helpers import SMALL, chunk_for, key
 
 
 @pytest.fixture(scope="module")
-def server():
-    with start_server(0.01) as s, KVClient(s.url) as c:
-        c.register("m", SMALL)
-        c.store("m", KEYS, [chunk_for(k) for k in KEYS])
-        yield s
-
-
-@pytest.fixture
-def raw(server):
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVTIMEO, 5000)
-    s.connect(server.url)
-    yield s
-    s.close()
-    ctx.term()
-
-
-def ask(sock, *frames: bytes) -> tuple[bytes, object]:
-    sock.send_multipart(list(frames))
-    rid, msg = sock.recv_multipart()
-    return rid, P.reply_decoder.decode(msg)
-
-
-def assert_data_intact(server):
-    with KVClient(server.url) as c:
-        with c.retrieve("m", KEYS) as r:
-            assert [matches(k, t) for k, t in zip(KEYS, r.tensors)] == [True] * 3
+def server(seeded_server):
+    return seeded_server
 
 
 @pytest.mark.parametrize("frames, code, words", [
@@ -99,39 +69,31 @@ def test_error_replies(server, raw, msg, code, words):
     assert_data_intact(server)
 
 
-def _link(server) -> socket.socket:
-    with KVClient(server.url) as c:
-        port = c.server_info().data_port
-    return socket.create_connection((server.host, port), timeout=5)
-
-
-def _link_error(conn: socket.socket) -> str:
-    head = bytearray(DL.REPLY.size)
-    DL.recv_exact(conn, head)
-    magic, status, _, n = DL.REPLY.unpack(head)
-    assert magic == DL.MAGIC and status == 1
-    msg = bytearray(n)
-    DL.recv_exact(conn, msg)
-    return msg.decode()
-
-
 def test_data_link_bad_requests(server):
-    with _link(server) as conn:
+    with link(server) as conn:
         conn.sendall(b"HTTP/1.1 GET / xxxxxxxxxxxxxxx")
-        assert "bad data-link request" in _link_error(conn)
-    with _link(server) as conn:
-        conn.sendall(DL.REQUEST.pack(DL.MAGIC, DL.GET, 31337, 0))
-        assert "lease 31337 is unknown" in _link_error(conn)
+        assert link_error(conn).startswith("malformed: bad data-link request")
+    with link(server) as conn:
+        conn.sendall(wire.REQUEST.pack(wire.MAGIC, wire.GET, 31337, 0))
+        assert link_error(conn).startswith("unknown_lease: GET: lease 31337 is unknown")
     with KVClient(server.url) as c:
         h = c.prepare_store("m", [key(7, "link")])
-        with _link(server) as conn:  # announces the wrong size
-            conn.sendall(DL.REQUEST.pack(DL.MAGIC, DL.PUT, h._slots.store_id, 5))
-            assert f"expected {SMALL.chunk_bytes}" in _link_error(conn)
-        with _link(server) as conn:  # the peer vanishes mid-transfer: nothing committed
-            conn.sendall(DL.REQUEST.pack(DL.MAGIC, DL.PUT, h._slots.store_id, SMALL.chunk_bytes))
+        sid = h.store_id
+        with link(server) as conn:  # another session: not the holder
+            conn.sendall(wire.REQUEST.pack(wire.MAGIC, wire.PUT, sid, SMALL.chunk_bytes))
+            assert link_error(conn).startswith("not_holder: ")
+        with link(server, session=c.session) as conn:  # the peer vanishes mid-transfer
+            conn.sendall(wire.REQUEST.pack(wire.MAGIC, wire.PUT, sid, SMALL.chunk_bytes))
             conn.sendall(b"\0" * 1000)
-        h.abort()
+        assert wait_until(lambda: status(server)["transfers"] == 0)  # the server saw it go
+        with pytest.raises(KVError) as e:  # the failed transfer voided the store
+            h.commit()
+        assert e.value.code == "store_expired", e.value
         assert c.lookup("m", [key(7, "link")]) == 0
+        h = c.prepare_store("m", [key(8, "link")])
+        with link(server, session=c.session) as conn:  # announces the wrong size
+            conn.sendall(wire.REQUEST.pack(wire.MAGIC, wire.PUT, h.store_id, 5))
+            assert f"expected {SMALL.chunk_bytes}" in link_error(conn)
     assert_data_intact(server)
 
 

@@ -121,3 +121,39 @@ def test_client_survives_server_restart(use_shm):
             other.store("m", [key(2)], [chunk_for(key(2))])
         with c.retrieve("m", [key(2)]) as r:  # a retrieve is the first call after the restart
             assert matches(key(2), r.tensors[0])
+
+
+def test_non_loopback_host_needs_a_secret():
+    p = _run_server("--l1-size-gb", "0.01", "--host", "0.0.0.0", "--shm-name", "")
+    assert p.returncode == 2, p.stderr
+    assert "--host 0.0.0.0 is reachable from other machines but no secret is set" in p.stderr
+    assert "--insecure" in p.stderr and "--secret-file" in p.stderr
+
+
+def test_host_help_names_every_listener():
+    p = subprocess.run([sys.executable, "-m", "kvedit.server.cli", "--help"],
+                       capture_output=True, text=True, timeout=30)
+    help_text = " ".join(p.stdout.split())
+    assert "the ZMQ control socket (--port), the data link (--data-port) and the HTTP API " \
+           "(--http-port)" in help_text
+
+
+def test_gen_secret_data_port_and_curve(tmp_path):
+    path = tmp_path / "kvedit.secret"
+    data_port = free_port()
+    s = start_server(0.01, extra_args=["--gen-secret", str(path), "--data-port", str(data_port)])
+    try:
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        assert f"wrote a new secret to {path}" in s.log() and "CurveZMQ" in s.log()
+        secret = path.read_bytes().strip()
+        with KVClient(s.url, secret=secret) as c:
+            assert c.server_info().data_port == data_port
+            c.register("m", SMALL)
+            k = key(0, "gen")
+            c.store("m", [k], [chunk_for(k)])
+            with c.retrieve("m", [k]) as r:
+                assert matches(k, r.tensors[0])
+    finally:
+        assert s.stop() == 0   # the ZAP authenticator stops with the server
+    p = _run_server("--l1-size-gb", "0.01", "--gen-secret", str(path))  # never overwritten
+    assert p.returncode == 2 and "exists" in p.stderr

@@ -4,27 +4,17 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 from kvedit.client import KVClient, KVError
 from kvedit.server.launch import start_server
+from tests.fixtures_server import wait_until
 from tests.kv_helpers import SMALL, chunk_for, key, matches
 
 CHUNK = SMALL.chunk_bytes
 POOL_CHUNKS = 16
 POOL_GB = POOL_CHUNKS * CHUNK / 2**30
-
-
-def _wait_until(pred, timeout: float = 10.0) -> bool:
-    """Wait for a *server-side* TTL to pass (the thing under test is the expiry itself)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return pred()
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +48,11 @@ def test_lease_expires_and_release_then_fails(ttl_server):
         c.store("m", ks, [chunk_for(k) for k in ks])
         r = c.retrieve("m", ks)
         assert c.stats()["leases"] == 1
-        assert _wait_until(lambda: c.stats()["leases"] == 0)
+        assert wait_until(lambda: c.stats()["leases"] == 0)
         assert c.stats()["expired_leases"] >= 1
         with pytest.raises(KVError) as e:
             r.release()
-        assert e.value.code == "unknown_lease" and "expired" in str(e.value)
+        assert e.value.code == "lease_expired" and "TTL" in str(e.value)
 
 
 def test_unfinished_write_expires(ttl_server):
@@ -71,10 +61,15 @@ def test_unfinished_write_expires(ttl_server):
         used = c.stats()["pool_used"]
         h = c.prepare_store("m", [key(0, "w")])
         assert c.stats()["pool_used"] == used + CHUNK
-        assert _wait_until(lambda: c.stats()["pool_used"] == used)
+        assert wait_until(lambda: c.stats()["pending_stores"] == 0)
+        # expired, but its slot stays quarantined while this (live) writer may still touch it
+        assert c.stats()["quarantined_bytes"] == CHUNK
+        assert c.stats()["pool_used"] == used + CHUNK
         with pytest.raises(KVError) as e:
             h.commit()
-        assert e.value.code == "unknown_store" and "write TTL" in str(e.value)
+        assert e.value.code == "store_expired" and "TTL" in str(e.value)
+        # the late commit acknowledged the expiry: the slot is free again
+        assert c.stats()["pool_used"] == used and c.stats()["quarantined_bytes"] == 0
         assert c.lookup("m", [key(0, "w")]) == 0
 
 
@@ -97,7 +92,7 @@ def test_killed_client_slot_is_reclaimed(ttl_server):
         p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                            timeout=60)
         assert p.returncode == -9 and p.stdout.strip() == "4", p.stderr
-        assert _wait_until(lambda: c.stats()["pool_used"] == used)
+        assert wait_until(lambda: c.stats()["pool_used"] == used)
         ks = [key(i, "killed") for i in range(4)]
         assert c.lookup("m", ks) == 0
         assert c.store("m", ks, [chunk_for(k) for k in ks]).stored == 4

@@ -11,7 +11,7 @@ in alternation so machine noise hits both sides of each ratio alike):
 Each ratio is the median over pairs measured back to back (noise from other work on a
 shared machine then hits both sides of a pair alike).
 `--paged`: only the copies (GB/s), on CUDA when there is a GPU: paged gather/scatter, and
-the connector's path through a real kvedit server's shared memory (store and load).
+the connector's own store/load code (worker_side.PagedCopier) through a real kvedit server.
 No torch/vllm at module level (CLI start-up).
 """
 from __future__ import annotations
@@ -108,28 +108,26 @@ def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
         out["pin_seconds"] = time.perf_counter() - t0
         out["store_to_pinned_shm_GBps"] = timed(store)
         out["load_from_pinned_shm_GBps"] = timed(load)
-    out.update(_through_server(paged, slots, shape, chunk, timed))
+    out.update(_through_server(paged, block_ids, shape, chunk, chunks, timed))
     return out
 
 
-def _through_server(paged, slots, shape, chunk: int, timed) -> dict:
-    """The connector's copy path through a real kvedit server: paged -> its shared memory
-    (prepare_store / commit) and back (retrieve), fresh keys each time."""
+def _through_server(paged, block_ids: list[int], shape, chunk: int, n: int, timed) -> dict:
+    """The connector's own store and load code (kvedit.vllm.worker_side.PagedCopier, what
+    wait_for_save and start_load_kv run) through a real kvedit server: paged -> its shared
+    memory (prepare_store / commit) and back (retrieve / release), fresh keys each time."""
     import os
-
-    import torch
 
     from kvedit.client import KVClient
     from kvedit.layout import ModelLayout
     from kvedit.server.launch import start_server
-    from kvedit.vllm.paged import pin_host
+    from kvedit.vllm.metadata import ChunkRun
+    from kvedit.vllm.worker_side import PagedCopier
 
-    n = len(slots)
     layout = ModelLayout(num_layers=shape[1], num_kv_heads=paged.num_heads,
                          head_dim=paged.head_dim, dtype="bfloat16", chunk_size=chunk)
     pool_gb = 3 * n * layout.chunk_bytes / 2**30 + 0.5
-    on_gpu = paged.device.type == "cuda"
-    staged = torch.empty(shape, dtype=torch.bfloat16, device=paged.device)
+    copier = PagedCopier(paged, layout, "bench")
     with start_server(pool_gb, chunk_size=chunk) as server, KVClient(server.url) as client:
         client.register("bench", layout)
         keys: list[bytes] = []
@@ -138,24 +136,17 @@ def _through_server(paged, slots, shape, chunk: int, timed) -> dict:
             if keys:
                 client.delete("bench", keys)
             keys[:] = [os.urandom(16) for _ in range(n)]
-            with client.prepare_store("bench", keys) as handle:
-                if on_gpu and not pinned:
-                    pinned.append(pin_host(handle.buffers[0]))
-                for j, buf in zip(handle.missing, handle.buffers):
-                    if on_gpu:
-                        paged.gather(slots[j], staged)
-                        buf.copy_(staged)
-                    else:
-                        paged.gather(slots[j], buf)
+            copier.store_chunks(client, {k: (block_ids, c) for c, k in enumerate(keys)})
 
         def load():
-            with client.retrieve("bench", keys) as got:
-                for s, t in zip(slots, got.tensors):
-                    paged.scatter(s, t.to(paged.device))
-        pinned: list[bool] = []
+            run = ChunkRun(req_id="bench", first=0, keys=[keys], start=0, end=n * chunk,
+                           block_ids=block_ids)
+            if copier.load_run(client, run) != n * chunk:
+                raise RuntimeError("bench connector: the server lost chunks mid-benchmark")
+        store_gbps, load_gbps = timed(store), timed(load)
         return {"transfer_mode": client.transfer_mode,
-                "store_via_server_GBps": timed(store), "load_via_server_GBps": timed(load),
-                **({"server_shm_pinned": pinned[0]} if pinned else {})}
+                "store_via_server_GBps": store_gbps, "load_via_server_GBps": load_gbps,
+                **({"server_shm_pin_attempted": True} if copier.pinned else {})}
 
 
 def _shm_tensors(n: int, shape, dtype) -> list:

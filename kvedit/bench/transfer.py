@@ -6,6 +6,8 @@ the whole cost of an shm transfer, so the ratio shows the protocol overhead); th
 is compared with a raw loopback TCP transfer of the same bytes to another process.
 Each figure is the best of --rounds rounds; each ratio divides a path by the baseline rounds
 run alternately with it, so load from other processes on a shared box hits both sides alike.
+Also the cost of authentication on the control channel: the median round trip of a `hello`
+with a shared secret (CurveZMQ) against one without (NULL), servers side by side.
 No torch at module level (CLI start-up).
 """
 from __future__ import annotations
@@ -158,8 +160,32 @@ def measure(total_gb: float, rounds: int, batch: int) -> dict:
     return out
 
 
+def control_rtt(calls: int = 2000) -> dict:
+    """Median hello round trip (µs) without and with a secret, calls interleaved in blocks."""
+    import secrets
+    import statistics
+
+    from kvedit.client import KVClient
+    from kvedit.server.launch import start_server
+
+    secret = "bench-" + secrets.token_hex(16)
+    times: dict[str, list[float]] = {"null": [], "curve": []}
+    with start_server(0.1) as plain, start_server(0.1, secret=secret) as curve, \
+            KVClient(plain.url) as a, KVClient(curve.url, secret=secret) as b:
+        for _ in range(calls // 100):
+            for name, c in (("null", a), ("curve", b)):
+                for _ in range(100):
+                    t0 = time.perf_counter()
+                    c.server_info()
+                    times[name].append(time.perf_counter() - t0)
+    null, cur = statistics.median(times["null"]), statistics.median(times["curve"])
+    return {"hello_median_us_null": round(null * 1e6, 1),
+            "hello_median_us_curve": round(cur * 1e6, 1), "curve_vs_null_hello": round(cur / null, 3)}
+
+
 def run(args) -> int:
     res = measure(args.total_gb, args.rounds, args.batch)
+    res.update(control_rtt())
     if args.json:
         print(json.dumps(res))
     else:

@@ -13,7 +13,11 @@ The chunks must not change while anything uses the mapping: the retrieve's read 
 held until the last tensor, view or array of it is gone (the server frees a deleted chunk
 only once its last lease is released, and never evicts a leased one); then the range is
 unmapped and the lease released. A kv that fn keeps after modify so stays valid, for at
-most the server's lease TTL.
+most the server's lease TTL: past it the server may hand the slots to other keys, and pages
+fn has not read yet would then show their bytes. modify checks the lease (check_lease)
+before it commits an edit computed from the mapping, so an edit is never stored from bytes
+read after the lease ran out; a kv kept beyond the TTL is reported when its lease is
+finally released (a warning: the server answered lease_expired).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import ctypes
 import mmap
 import os
 import sys
+import logging
 import weakref
 
 import torch
@@ -34,6 +39,7 @@ MAX_MAPS = 16384  # mappings per kv; vm.max_map_count is 65530 per process by de
 # to the mapping: it needs no buffer memory and no fresh pages on a context's first modify.
 COPY_SPARED = 1.5
 _MAP_FIXED, _MAP_NORESERVE = 0x10, 0x4000  # Linux values; the mmap module lacks MAP_FIXED
+log = logging.getLogger("kvedit.sdk")
 
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
@@ -50,8 +56,11 @@ def _unmap(base: int, nbytes: int, release) -> None:
     _munmap(base, nbytes)
     try:
         release()
-    except Exception:  # client closed, lease expired: the server drops it by TTL anyway
-        pass
+    except Exception as e:  # client closed, lease expired: the server drops it by TTL anyway
+        if getattr(e, "code", None) == "lease_expired":
+            log.warning("a kv mapped for modify was released after the server's lease TTL (a "
+                        "slow fn, or fn kept kv after modify): bytes read from it after the "
+                        "TTL may belong to other keys; clone kv if fn must keep it")
 
 
 class MappedKV:
@@ -59,7 +68,7 @@ class MappedKV:
 
     private = True
 
-    def __init__(self, path: str, offsets: list[int], layout, release):
+    def __init__(self, path: str, offsets: list[int], layout, lease):
         rows = 2 * layout.num_layers
         row = layout.chunk_bytes // rows  # one (K/V, layer) row of one chunk
         n = len(offsets)
@@ -86,11 +95,16 @@ class MappedKV:
             os.close(fd)
         arr = (ctypes.c_ubyte * nbytes).from_address(base)
         # Unmap and release once the array is gone: torch.frombuffer's storages keep it alive.
-        weakref.finalize(arr, _unmap, base, nbytes, release)
+        weakref.finalize(arr, _unmap, base, nbytes, lease.release)
+        self._lease = lease
         self.view: torch.Tensor | None = torch.frombuffer(arr, dtype=torch.uint8)
 
     def written_pages(self):
         return None if self.view is None else written_pages(self.view.data_ptr(), self.nbytes)
+
+    def check_lease(self) -> None:
+        """KVError("lease_expired") once the chunks' read lease may have run out."""
+        self._lease.check_lease()
 
     def close(self) -> None:
         """modify is done with it: unmapped and released now, unless fn's tensors live on."""
@@ -102,9 +116,8 @@ def map_chunks(client, model: str, keys: list[bytes], layout) -> MappedKV | None
     that are not whole pages, too many mappings); LookupError if some are missing. Slot
     offsets are the retrieved views' offsets in the client's segment (KVClient.segment)."""
     rows, page = 2 * layout.num_layers, mmap.PAGESIZE
-    if _mmap is None or sys.platform != "linux" or client.transfer_mode != "shm" \
-            or client.segment() is None or (layout.chunk_bytes // rows) % page \
-            or rows * len(keys) > MAX_MAPS:
+    if _mmap is None or sys.platform != "linux" or client.segment() is None \
+            or (layout.chunk_bytes // rows) % page or rows * len(keys) > MAX_MAPS:
         return None
     got = client.retrieve(model, keys)
     try:
@@ -118,7 +131,7 @@ def map_chunks(client, model: str, keys: list[bytes], layout) -> MappedKV | None
                               for o in offsets):
             got.release()
             return None
-        m = MappedKV(path, offsets, layout, got.release)
+        m = MappedKV(path, offsets, layout, got)
     except OSError:  # cannot open or map the segment here: the caller copies instead
         got.release()
         return None

@@ -84,7 +84,8 @@ class Context:
 
 def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
             model_name: str = "", timeout: float = 60.0, *, use_shm: bool | None = None,
-            io_threads: int = 32, track_writes: bool | None = None) -> Context:
+            io_threads: int = 32, track_writes: bool | None = None,
+            secret: str | bytes | None = None, secret_file: str | None = None) -> Context:
     """Connect to the kvedit server at `url` and read `model_name`'s layout.
 
     If the model is not registered yet, wait up to `timeout` seconds for the vLLM connector to
@@ -95,22 +96,32 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
     mapping so modify need not byte-compare chunks fn left untouched (kvedit.sdk.buffers):
     faster for edits that read kv and return it or a new tensor, slower (a page copy per
     written page) for edits that rewrite much of kv in place; False turns it off.
+
+    `secret` / `secret_file`: the server's shared secret (kvedit.auth); by default
+    $KVEDIT_SECRET or $KVEDIT_SECRET_FILE when set. Used for ZMQ (CURVE), the data link and
+    as the bearer token of the HTTP calls.
     """
+    from kvedit.auth import AuthError, bearer_header, load_secret
     from kvedit.client import KVClient, KVError
 
     if not model_name:
         raise ConnectError("connect() needs model_name: the served model name vLLM uses")
     deadline = time.monotonic() + timeout
+    try:
+        key = load_secret(secret, secret_file)
+    except AuthError as e:
+        raise ConnectError(str(e)) from None
     if http_url:
         try:
-            httpx.get(f"{http_url.rstrip('/')}/health",
+            httpx.get(f"{http_url.rstrip('/')}/health", headers=bearer_header(key),
                       timeout=min(5.0, timeout)).raise_for_status()
         except httpx.HTTPError as e:
             raise ConnectError(f"the kvedit server's HTTP endpoint {http_url} does not answer "
                                f"/health ({type(e).__name__}: {e}); is `kvedit server` running "
                                f"with that --http-port?") from None
     try:
-        client = KVClient(url, use_shm=use_shm, timeout=max(0.5, min(10.0, timeout)))
+        client = KVClient(url, use_shm=use_shm, timeout=max(0.5, min(10.0, timeout)),
+                          secret=key)
     except KVError as e:
         raise ConnectError(f"cannot reach the kvedit server at {url}: {e.message}; is "
                            f"`kvedit server` running there?") from None

@@ -18,8 +18,10 @@ retrieve buffer (kvedit.sdk.buffers), so the kernel records every page fn wrote.
 Atomicity. The stream's tokens/salt/keys change only after the store has committed. If fn
 raises, returns something invalid, or the store fails, the stream is unchanged, the error
 names the stream and the reason, and the original chunks are untouched (still retrievable).
-After a successful swap, the stream's old chunks that no stream of the context references any
-more are deleted, unless `keep_old=True`.
+The same holds when a lease or store outlives the server's TTL (lease_expired /
+store_expired): bytes read after a lease ran out are never stored, nothing is written into
+slots past the write TTL (kvedit.handles). After a successful swap, the stream's old chunks
+that no stream of the context references any more are deleted, unless `keep_old=True`.
 
 Partial tail. Only full chunks have keys. If the edited length is not a multiple of the
 chunk size, the trailing tokens move into the stream's suffix: they are re-sent and
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvedit.handles import KVError
 from kvedit.layout import ModelLayout
 from kvedit.sdk.buffers import KVBuffer, untouched_chunks
 from kvedit.sdk.chunkmap import COPY_SPARED, MappedKV, map_chunks
@@ -142,11 +145,13 @@ class _Differs(Exception):
 
 
 def store_kv(ctx, tokens: list[int], salt: str, kv: torch.Tensor, keys_for,
-             old_keys: list[bytes], untouched: set[int]):
+             old_keys: list[bytes], untouched: set[int], check_source=lambda: None):
     """Store the edited full chunks. Returns (salt, keys, stored, reused, compared).
 
     `untouched`: chunks known identical to the retrieved chunk at the same index; if their
-    key is that chunk's original key, the stored object is the one retrieved: no compare."""
+    key is that chunk's original key, the stored object is the one retrieved: no compare.
+    `check_source()` runs just before each commit and raises if the bytes fn read can no
+    longer be trusted (a mapped kv's lease ran out): the store is then aborted."""
     keys = keys_for(tokens, salt)
     try:
         with ctx.client.prepare_store(ctx.model, keys) as h:
@@ -156,6 +161,7 @@ def store_kv(ctx, tokens: list[int], salt: str, kv: torch.Tensor, keys_for,
             if check and not chunks_identical(ctx, keys, check, kv):
                 raise _Differs
             _fill(h, kv)
+            check_source()
         return salt, keys, len(h.missing), len(present), len(check)
     except _Differs:
         pass
@@ -165,11 +171,12 @@ def store_kv(ctx, tokens: list[int], salt: str, kv: torch.Tensor, keys_for,
         if len(h.missing) != len(keys):
             raise RuntimeError(f"fresh salt {salt!r} already has chunks in the server")
         _fill(h, kv)
+        check_source()
     return salt, keys, len(keys), 0, len(check)
 
 
 def _fill(h, kv: torch.Tensor) -> None:
-    for buf, i in zip(h.buffers, h.missing):  # straight from the edited tensor into shm
+    for i, buf in h.writable():  # straight from the edited tensor into shm; refused past the TTL
         save_chunk(buf, kv, i)
 
 
@@ -197,6 +204,12 @@ async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False
         t0 = time.perf_counter()
         try:
             buf, kv = await ctx.call(retrieve_kv, ctx, old_keys)
+        except KVError as e:
+            if e.code != "lease_expired":
+                raise ModifyError(stream, f"retrieving its KV failed: {e}") from e
+            raise ModifyError(stream, f"its KV was copied out after the server's lease TTL "
+                                      f"({e}); the copy may not be its bytes, nothing was "
+                                      f"changed") from e
         except Exception as e:
             raise ModifyError(stream, f"retrieving its KV failed: {e}") from e
         try:
@@ -228,7 +241,14 @@ async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False
                 ctx.pool.note_outcome(written, spared)
                 salt, keys, stored, reused, compared = await ctx.call(
                     store_kv, ctx, new_tokens[:m * c], stream.cache_salt, new_kv,
-                    stream.keys_for, old_keys, untouched)
+                    stream.keys_for, old_keys, untouched,
+                    buf.check_lease if isinstance(buf, MappedKV) else (lambda: None))
+            except KVError as e:
+                if e.code not in ("lease_expired", "store_expired"):
+                    raise ModifyError(stream, f"storing the edited KV failed ({e}); the "
+                                              f"original KV is kept") from e
+                raise ModifyError(stream, f"the edit took longer than the server's TTL ({e}); "
+                                          f"nothing was stored, the original KV is kept") from e
             except Exception as e:
                 raise ModifyError(stream, f"storing the edited KV failed ({type(e).__name__}: "
                                           f"{e}); the original KV is kept") from e

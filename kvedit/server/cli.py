@@ -7,6 +7,8 @@ import sys
 
 from kvedit.server.config import EVICTION_POLICIES, ServerConfig
 
+_D = ServerConfig(l1_size_gb=1.0)  # the defaults, shown in --help
+
 
 def register(sub) -> None:
     p = sub.add_parser("server", help="run the kvedit KV chunk server",
@@ -17,37 +19,104 @@ def register(sub) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (ZMQ and HTTP)")
-    p.add_argument("--port", type=int, default=6555, help="ZMQ port (default 6555)")
-    p.add_argument("--http-port", type=int, default=8080, help="HTTP port (default 8080)")
+    p.add_argument("--host", default=_D.host,
+                   help="address every listener binds: the ZMQ control socket (--port), the "
+                        "data link (--data-port) and the HTTP API (--http-port). A non-loopback "
+                        "address needs a secret (--secret-file/--gen-secret) or --insecure")
+    p.add_argument("--port", type=int, default=_D.port, help="ZMQ port (default 6555)")
+    p.add_argument("--http-port", type=int, default=_D.http_port, help="HTTP port (default 8080)")
+    p.add_argument("--data-port", type=int, default=_D.data_port,
+                   help="data-link TCP port for socket-mode transfers (default 0: a free port, "
+                        "announced to clients in ServerInfo)")
     p.add_argument("--l1-size-gb", type=float, required=True,
                    help="pool size in GiB (host memory for KV chunks)")
-    p.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (default 256)")
-    p.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default="LRU",
+    p.add_argument("--chunk-size", type=int, default=_D.chunk_size,
+                   help="tokens per chunk (default 256)")
+    p.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default=_D.eviction_policy,
                    help="LRU, FIFO, or none (refuse stores when the pool is full)")
-    p.add_argument("--shm-name", default="kvedit",
+    p.add_argument("--shm-name", default=_D.shm_name,
                    help="POSIX shared-memory segment holding the whole pool (/dev/shm/NAME); "
                         "'' = no shared memory, data travels over the socket")
     p.add_argument("--l1-use-lazy", action=argparse.BooleanOptionalAction, default=True,
                    help="lazy: memory is taken as it is used; --no-l1-use-lazy allocates and "
                         "pre-faults the whole pool at start")
-    p.add_argument("--lease-ttl", type=float, default=300.0,
+    p.add_argument("--lease-ttl", type=float, default=_D.lease_ttl,
                    help="seconds a read lease lives if never released (default 300)")
-    p.add_argument("--write-ttl", type=float, default=300.0,
+    p.add_argument("--write-ttl", type=float, default=_D.write_ttl,
                    help="seconds a prepared store lives if never committed (default 300)")
+    p.add_argument("--quarantine-ttl", type=float, default=_D.quarantine_ttl,
+                   help="seconds the slots of an expired lease/store stay unused while their "
+                        "late holder may still touch them (default 0 = 4 x the longer TTL)")
+    g = p.add_argument_group("limits (every resource a client can make the server hold)")
+    for name, hlp in (
+            ("max_models", "registered (model, tp_rank) layouts"),
+            ("max_model_name", "bytes of a model name"),
+            ("max_keys_per_request", "keys in one lookup/store/retrieve/delete"),
+            ("max_message_bytes", "bytes of one ZMQ message (libzmq drops the connection of "
+                                  "a peer that sends more)"),
+            ("max_waits_per_client", "parked lookups (wait_timeout > 0) of one client"),
+            ("max_waits_total", "parked lookups of all clients"),
+            ("max_parked_keys", "keys of all parked lookups together"),
+            ("max_data_conns", "open data-link connections")):
+        g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(_D, name),
+                       help=f"{hlp} (default {getattr(_D, name)})")
+    for name, hlp in (
+            ("max_wait_seconds", "longest Lookup wait_timeout"),
+            ("data_idle_timeout", "data link: close a connection idle this long between "
+                                  "requests"),
+            ("handshake_timeout", "data link: time for a new connection's handshake"),
+            ("transfer_idle_timeout", "data link: cut a transfer that makes no progress "
+                                      "this long"),
+            ("transfer_timeout", "data link: cut a single PUT/GET that takes longer")):
+        g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(_D, name),
+                       help=f"seconds: {hlp} (default {getattr(_D, name)})")
+    a = p.add_argument_group("authentication (one shared secret for ZMQ, data link and HTTP)")
+    a.add_argument("--secret-file", default=None,
+                   help="file holding the shared secret (else $KVEDIT_SECRET, then "
+                        "$KVEDIT_SECRET_FILE); with a secret ZMQ uses CurveZMQ, the data link "
+                        "an HMAC handshake and HTTP a bearer token")
+    a.add_argument("--gen-secret", metavar="PATH", default=None,
+                   help="write a new random secret to PATH (mode 0600, must not exist), print "
+                        "the path and use it")
+    a.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without a secret (anyone who reaches the "
+                        "ports can read and change every tenant's KV)")
+
+
+def config_from_args(args) -> ServerConfig:
+    names = ("host", "port", "http_port", "data_port", "chunk_size", "eviction_policy",
+             "shm_name", "l1_use_lazy", "lease_ttl", "write_ttl", "quarantine_ttl",
+             "max_models", "max_model_name", "max_keys_per_request", "max_message_bytes",
+             "max_waits_per_client", "max_waits_total", "max_parked_keys", "max_wait_seconds",
+             "max_data_conns", "data_idle_timeout", "handshake_timeout",
+             "transfer_idle_timeout", "transfer_timeout", "insecure")
+    return ServerConfig(l1_size_gb=args.l1_size_gb, **{n: getattr(args, n) for n in names})
 
 
 def run(args) -> int:
+    from kvedit import auth
     from kvedit.server.main import serve
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = ServerConfig(
-        l1_size_gb=args.l1_size_gb, host=args.host, port=args.port, http_port=args.http_port,
-        chunk_size=args.chunk_size, eviction_policy=args.eviction_policy,
-        shm_name=args.shm_name, l1_use_lazy=args.l1_use_lazy, lease_ttl=args.lease_ttl,
-        write_ttl=args.write_ttl)
-    return serve(cfg)
+    log = logging.getLogger("kvedit.server")
+    cfg = config_from_args(args)
+    try:
+        if args.gen_secret:
+            if args.secret_file:
+                raise auth.AuthError("give --gen-secret or --secret-file, not both")
+            secret = auth.generate_secret(args.gen_secret)
+            cfg.secret_file = args.gen_secret
+            print(f"kvedit: wrote a new secret to {args.gen_secret} (mode 0600); clients use it "
+                  f"with --secret-file/KVEDIT_SECRET_FILE={args.gen_secret}", flush=True)
+        else:
+            secret = auth.load_secret(secret_file=args.secret_file)
+            cfg.secret_file = args.secret_file or ""
+    except auth.AuthError as e:
+        log.error("cannot start: %s", e)
+        return 2
+    cfg.authenticated = secret is not None
+    return serve(cfg, secret)
 
 
 if __name__ == "__main__":

@@ -1,29 +1,60 @@
-"""ServerConfig: every knob of `kvedit server`, one dataclass (what /config reports)."""
+"""ServerConfig: every knob of `kvedit server`, one dataclass (what /config reports).
+
+Every resource a client can make the server hold has a bound here (models, keys per request,
+message size, parked lookups, data connections) and a deadline (TTLs, transfer timeouts,
+quarantine). docs/protocol.md lists them with the error code a client gets at the bound.
+"""
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import asdict, dataclass
 
 EVICTION_POLICIES = ("LRU", "FIFO", "none")
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 @dataclass(slots=True)
 class ServerConfig:
     l1_size_gb: float                 # pool size in GiB (2**30 bytes)
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"           # every listener: ZMQ, data link, HTTP
     port: int = 6555                  # ZMQ ROUTER
     http_port: int = 8080
+    data_port: int = 0                # data link (socket-mode bytes); 0 = a free port
     chunk_size: int = 256             # tokens per chunk; registered layouts must match
     eviction_policy: str = "LRU"      # LRU, FIFO, or none (refuse stores when full)
     shm_name: str = "kvedit"          # POSIX shm segment holding the pool; "" = no shm
     l1_use_lazy: bool = True          # False: allocate and pre-fault the whole pool at start
     lease_ttl: float = 300.0          # seconds a read lease lives without release
     write_ttl: float = 300.0          # seconds a prepared store lives without commit/abort
+    quarantine_ttl: float = 0.0       # seconds expired slots stay unused; 0 = 4 x the longer TTL
+    # ---- limits (items 3-5, 7 of issue 9) ----
+    max_models: int = 64              # registered (model, tp_rank) layouts
+    max_model_name: int = 256         # bytes of a model name (UTF-8)
+    max_keys_per_request: int = 8192  # bounds one request's loop time (docs/protocol.md)
+    max_message_bytes: int = 16 * MIB  # ZMQ MAXMSGSIZE: libzmq drops the peer's connection above
+    max_waits_per_client: int = 1024  # parked lookups of one client session
+    max_waits_total: int = 16384
+    max_parked_keys: int = 1 << 20    # keys of all parked lookups together (their memory)
+    max_wait_seconds: float = 600.0   # longest Lookup.wait_timeout
+    max_data_conns: int = 256         # open data-link connections (a thread each)
+    data_idle_timeout: float = 60.0   # data link: seconds without a request before closing
+    handshake_timeout: float = 5.0    # data link: seconds for the client's first bytes
+    transfer_idle_timeout: float = 10.0  # data link: seconds without progress mid-transfer
+    transfer_timeout: float = 300.0   # data link: longest single PUT/GET
+    # ---- authentication (item 8) ----
+    secret_file: str = ""             # where the shared secret came from ("" = none / env)
+    authenticated: bool = False       # a secret is in use (the secret itself is never here)
+    insecure: bool = False            # allow a non-loopback host without a secret
 
     @property
     def pool_bytes(self) -> int:
         # whole 4 KiB pages: slots are page-aligned
         return int(self.l1_size_gb * GIB) // 4096 * 4096
+
+    @property
+    def quarantine_seconds(self) -> float:
+        return self.quarantine_ttl or 4 * max(self.lease_ttl, self.write_ttl)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad setting and what is expected."""
@@ -34,11 +65,46 @@ class ServerConfig:
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"--eviction-policy {self.eviction_policy!r} is not one of "
                              f"{list(EVICTION_POLICIES)}")
-        for name in ("lease_ttl", "write_ttl"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds")
+        for name in ("lease_ttl", "write_ttl", "max_wait_seconds", "data_idle_timeout",
+                     "handshake_timeout", "transfer_idle_timeout", "transfer_timeout"):
+            if not getattr(self, name) > 0:  # also refuses NaN
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got "
+                                 f"{getattr(self, name)}")
+        if not self.quarantine_ttl >= 0:
+            raise ValueError(f"--quarantine-ttl must be >= 0 seconds (0 = 4 x the TTL), got "
+                             f"{self.quarantine_ttl}")
+        for name in ("max_models", "max_model_name", "max_keys_per_request", "max_message_bytes",
+                     "max_waits_per_client", "max_waits_total", "max_parked_keys",
+                     "max_data_conns"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
+                                 f"{getattr(self, name)}")
+        if self.max_message_bytes < 64 * 1024:
+            raise ValueError(f"--max-message-bytes must be at least 65536 (a request with a few "
+                             f"keys must fit), got {self.max_message_bytes}")
+        if not 0 <= self.data_port < 65536:
+            raise ValueError(f"--data-port must be 0 (any free port) or 1..65535, got "
+                             f"{self.data_port}")
         if "/" in self.shm_name:
             raise ValueError(f"--shm-name {self.shm_name!r} must not contain '/'")
+        if not self.authenticated and not self.insecure and not is_loopback(self.host):
+            raise ValueError(
+                f"--host {self.host} is reachable from other machines but no secret is set: "
+                f"anyone who reaches the ports could read, change or delete every tenant's KV. "
+                f"Give --secret-file PATH (or --gen-secret PATH, or $KVEDIT_SECRET / "
+                f"$KVEDIT_SECRET_FILE), or pass --insecure to accept that")
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"pool_bytes": self.pool_bytes}
+        return asdict(self) | {"pool_bytes": self.pool_bytes,
+                               "quarantine_seconds": self.quarantine_seconds}
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+

@@ -3,68 +3,92 @@
 Why not ZMQ frames: ZMQ receives every message into a freshly malloc'd buffer, and for 36 MiB
 chunks that is a fresh mmap whose page faults (plus the copy into the pool) held transfers
 to ~0.3x of raw loopback TCP. Here the server `recv_into`s the slots themselves and
-`sendall`s from them, so a transfer costs what the kernel's TCP copy costs.
+`send`s from them, so a transfer costs what the kernel's TCP copy costs.
 
 One thread per connection (a client opens one per thread); each blocks only on its own peer.
 The ZMQ loop stays the only place that decides things: a transfer names a store or lease that
-the loop created, and the index keeps it (marked busy) until the bytes have moved.
-Frames: request  <4s B 3x q Q>  magic "KVD1", op (PUT=1, GET=2), store/lease id, byte count
-        reply    <4s B 3x Q I>  magic, status (0 ok, 1 error), payload bytes, message bytes
+the loop created, and the service's begin_put/begin_get hand out its slots only to the
+session that holds it (checked against the handshake). Framing: kvedit.wire.
+
+Every wait has a bound, so a stalled or hostile peer cannot pin a thread or a slot:
+- at most `max_data_conns` connections (beyond: an error reply instead of the nonce, close);
+- the handshake must arrive within `handshake_timeout`, and a request header within
+  `data_idle_timeout` of the previous request: total deadlines (a reaper thread shuts the
+  socket down), so dripping one byte at a time does not extend them;
+- mid-transfer each recv/send must make progress within `transfer_idle_timeout`, and the
+  whole transfer must end within `transfer_timeout`;
+- when the store/lease itself passes its TTL, the service shuts this socket down (cut), so
+  a thread blocked in recv/send returns at once.
+A cut transfer ends with finish_*(ok=False): the slots are reclaimed (or quarantined).
 PUT sends the missing chunks in key order after the request; GET's reply carries the leased
 chunks in key order, and the server releases that lease once they are sent.
+Error replies carry "<code>: <message>" (code from kvedit.protocol.ErrorCode).
 """
 from __future__ import annotations
 
 import logging
 import socket
-import struct
 import threading
+import time
+
+from kvedit import auth
+from kvedit.wire import FAILED, GET, MAGIC, OK, PUT, REPLY, REQUEST, recv_exact, tune
 
 log = logging.getLogger("kvedit.server")
 
-MAGIC = b"KVD1"
-PUT, GET = 1, 2
-REQUEST = struct.Struct("<4sB3xqQ")
-REPLY = struct.Struct("<4sB3xQI")
-SOCK_BUF = 4 << 20
 
-
-def recv_exact(sock: socket.socket, buf) -> None:
-    """Fill `buf` (a writable buffer) from `sock`; ConnectionError if the peer goes away."""
-    view, pos = memoryview(buf).cast("B"), 0
-    while pos < len(view):
-        n = sock.recv_into(view[pos:])
-        if not n:
-            raise ConnectionError("peer closed the data connection mid-transfer")
-        pos += n
-
-
-def tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
+class TransferCut(Exception):
+    """The transfer passed a deadline or its socket was shut down; the bytes are void."""
 
 
 class DataLink:
-    def __init__(self, service, host: str):
-        self.service = service
-        self.listener = socket.create_server((host, 0))
+    def __init__(self, service, cfg, secret: bytes | None):
+        self.service, self.cfg, self.secret = service, cfg, secret
+        self.listener = socket.create_server((cfg.host, cfg.data_port))
         self.port = self.listener.getsockname()[1]
         self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()   # guards _conns (accept thread vs connection threads)
         self._closing = False
+        self._deadlines: dict[socket.socket, float] = {}   # armed waits (under _lock)
         self.thread = threading.Thread(target=self._accept, name="kvedit-data", daemon=True)
+        self._reaper = threading.Thread(target=self._reap, name="kvedit-data-reaper",
+                                        daemon=True)
 
     def start(self) -> None:
         self.thread.start()
+        self._reaper.start()
+
+    def _arm(self, conn: socket.socket, seconds: float) -> None:
+        """`conn` must get what it waits for within `seconds` in total, or be shut down."""
+        conn.settimeout(seconds)
+        with self._lock:
+            self._deadlines[conn] = time.monotonic() + seconds
+
+    def _disarm(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._deadlines.pop(conn, None)
+
+    def _reap(self) -> None:
+        while not self._closing:
+            time.sleep(0.25)
+            now = time.monotonic()
+            with self._lock:
+                late = [c for c, d in self._deadlines.items() if d <= now]
+                for c in late:
+                    del self._deadlines[c]
+            for c in late:
+                _shutdown(c)
+
+    def connections(self) -> int:
+        return len(self._conns)
 
     def close(self) -> None:
         self._closing = True
         self.listener.close()
-        for c in list(self._conns):
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            _shutdown(c)
 
     def _accept(self) -> None:
         while not self._closing:
@@ -72,74 +96,170 @@ class DataLink:
                 conn, _ = self.listener.accept()
             except OSError:
                 return
-            tune(conn)
-            self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            with self._lock:
+                full = len(self._conns) >= self.cfg.max_data_conns
+                if not full:
+                    self._conns.add(conn)
+            if full:  # refused before the handshake: the reply replaces the nonce
+                self._refuse(conn)
+                continue
+            try:
+                tune(conn)
+                threading.Thread(target=self._serve, args=(conn,), name="kvedit-data-conn",
+                                 daemon=True).start()
+            except (OSError, RuntimeError) as e:  # peer reset at once / no thread to be had
+                log.warning("data connection dropped at accept: %s", e)
+                with self._lock:
+                    self._conns.discard(conn)
+                conn.close()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        self.service.count_error("busy")
+        try:
+            conn.settimeout(1.0)  # a few dozen bytes: fits in any send buffer
+            # no lingering here: the accept thread must not wait on a refused peer
+            _send_error(conn, "busy", f"too many data-link connections (--max-data-conns "
+                                      f"{self.cfg.max_data_conns}); close idle ones or retry",
+                        linger=False)
+        except OSError:
+            pass
+        conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
-        head = bytearray(REQUEST.size)
+        cfg = self.cfg
         try:
+            self._arm(conn, cfg.handshake_timeout)
+            try:
+                session = auth.server_handshake(conn, self.secret)
+            except (auth.AuthError, OSError) as e:
+                with self._lock:
+                    late = conn not in self._deadlines  # the reaper shut it down
+                if isinstance(e, auth.AuthError) and not late:  # wrong MAC or short answer
+                    self.service.count_error("unauthorized")
+                    return _send_error(conn, "unauthorized", str(e))
+                self.service.count_error("malformed")
+                log.info("data connection closed: no complete handshake within %.1f s (%s)",
+                         cfg.handshake_timeout, e)
+                return
+            self._disarm(conn)
+            head = bytearray(REQUEST.size)
             while True:
+                self._arm(conn, cfg.data_idle_timeout)
                 try:
                     recv_exact(conn, head)
-                except ConnectionError:
-                    return  # the client closed its connection between requests
+                except OSError:  # closed by the client, or idle too long (timeout, reaper)
+                    return       # between requests: the client reconnects when it needs to
+                self._disarm(conn)
                 magic, op, pid, nbytes = REQUEST.unpack(head)
                 if magic != MAGIC or op not in (PUT, GET):
-                    return self._fail(conn, f"bad data-link request: magic {magic!r}, op {op}; "
-                                            f"expected magic {MAGIC!r} and op PUT=1 or GET=2")
-                err = self._put(conn, pid, nbytes) if op == PUT else self._get(conn, pid)
-                if err:
-                    return self._fail(conn, err)
-        except OSError as e:  # the peer vanished: whatever it held expires by TTL
+                    self.service.count_error("malformed")
+                    return _send_error(conn, "malformed", f"bad data-link request: magic "
+                                                          f"{magic!r}, op {op}; expected magic "
+                                                          f"{MAGIC!r} and op PUT=1 or GET=2")
+                failure = (self._put(conn, session, pid, nbytes) if op == PUT
+                           else self._get(conn, session, pid))
+                if failure:  # after an error the byte stream is out of step: answer, close
+                    self.service.count_error(failure[0])
+                    return _send_error(conn, *failure)
+        except (OSError, TransferCut) as e:  # the peer vanished or stalled: it was cut
             log.info("data connection closed: %s", e)
         finally:
-            self._conns.discard(conn)
+            with self._lock:
+                self._conns.discard(conn)
+                self._deadlines.pop(conn, None)
             conn.close()
 
-    @staticmethod
-    def _fail(conn: socket.socket, message: str) -> None:
-        # After an error the byte stream is out of step: answer, then drop the connection.
-        msg = message.encode()
-        conn.sendall(REPLY.pack(MAGIC, 1, 0, len(msg)) + msg)
-
-    def _put(self, conn: socket.socket, store_id: int, nbytes: int) -> str | None:
-        s = self.service
-        with s.lock:
-            p = s.index.stores.get(store_id)
-            if p is None or p.busy:
-                return f"PUT: {s.unknown_store(store_id)}" if p is None else \
-                    f"PUT: store {store_id} is already receiving data on another connection"
-            want = sum(o.nbytes for o in p.objs)
-            if nbytes != want:
-                return (f"PUT of store {store_id} announces {nbytes} bytes, expected {want} "
-                        f"({len(p.objs)} missing chunk(s) of the layout)")
-            p.busy = True  # not expired (freed) while bytes land in its slots
-            views = [s.arena.view(o.offset, o.nbytes) for o in p.objs]
+    def _put(self, conn, session: bytes, store_id: int, nbytes: int):
+        t = self.service.begin_put(store_id, session, nbytes, lambda: _shutdown(conn))
+        if t.error:
+            return t.error
+        ok = False
         try:
-            for v in views:
-                recv_exact(conn, v)
+            deadline = time.monotonic() + self.cfg.transfer_timeout
+            for v in t.views:
+                self._recv_into(conn, v, deadline)
+            ok = True
         finally:
-            with s.lock:
-                p.busy = False
-        conn.sendall(REPLY.pack(MAGIC, 0, 0, 0))
+            error = self.service.finish_put(store_id, ok)
+        if error:  # cut by its TTL just as the last byte came in
+            return error
+        conn.sendall(REPLY.pack(MAGIC, OK, 0, 0))
         return None
 
-    def _get(self, conn: socket.socket, lease_id: int) -> str | None:
-        s = self.service
-        with s.lock:
-            p = s.index.leases.get(lease_id)
-            if p is None or p.busy:
-                return (f"GET: lease {lease_id} is unknown, released, expired, or already being "
-                        f"sent (lease TTL {s.cfg.lease_ttl} s)")
-            p.busy = True
-            views = [s.arena.view(o.offset, o.nbytes) for o in p.objs]
+    def _get(self, conn, session: bytes, lease_id: int):
+        t = self.service.begin_get(lease_id, session, lambda: _shutdown(conn))
+        if t.error:
+            return t.error
+        ok = False
         try:
-            conn.sendall(REPLY.pack(MAGIC, 0, sum(v.nbytes for v in views), 0))
-            for v in views:
-                conn.sendall(v)
+            deadline = time.monotonic() + self.cfg.transfer_timeout
+            self._send(conn, memoryview(REPLY.pack(MAGIC, OK, sum(v.nbytes for v in t.views), 0)),
+                       deadline)
+            for v in t.views:
+                self._send(conn, memoryview(v).cast("B"), deadline)
+            ok = True
         finally:
-            with s.lock:
-                p.busy = False
-                s.release(lease_id)
+            self.service.finish_get(lease_id, ok)
         return None
+
+    def _timeout(self, deadline: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferCut(f"transfer took longer than --transfer-timeout "
+                              f"{self.cfg.transfer_timeout} s")
+        return min(self.cfg.transfer_idle_timeout, left)
+
+    def _recv_into(self, conn: socket.socket, buf, deadline: float) -> None:
+        view, pos = memoryview(buf).cast("B"), 0
+        while pos < len(view):
+            conn.settimeout(self._timeout(deadline))
+            try:
+                n = conn.recv_into(view[pos:])
+            except TimeoutError:
+                raise TransferCut(f"PUT made no progress for {self.cfg.transfer_idle_timeout} s "
+                                  f"(--transfer-idle-timeout)") from None
+            if not n:
+                raise TransferCut("peer closed the data connection mid-PUT (or the store "
+                                  "expired and the transfer was cut)")
+            pos += n
+
+    def _send(self, conn: socket.socket, view: memoryview, deadline: float) -> None:
+        pos = 0
+        while pos < len(view):
+            conn.settimeout(self._timeout(deadline))
+            try:
+                pos += conn.send(view[pos:])
+            except TimeoutError:
+                raise TransferCut(f"GET made no progress for {self.cfg.transfer_idle_timeout} s "
+                                  f"(--transfer-idle-timeout)") from None
+
+
+LINGER_S = 1.0  # after an error reply: how long to swallow what the peer still sends
+
+
+def _send_error(conn: socket.socket, code: str, message: str, linger: bool = True) -> None:
+    """Send an error reply, then close gently: closing a socket with unread input sends a
+    RST, which can destroy the reply before the peer reads it (e.g. a client still sending a
+    PUT the server refused). So: stop sending, swallow the peer's bytes for LINGER_S."""
+    msg = f"{code}: {message}".encode()
+    try:
+        conn.sendall(REPLY.pack(MAGIC, FAILED, 0, len(msg)) + msg)
+        if not linger:
+            return
+        conn.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + LINGER_S
+        sink = bytearray(1 << 16)
+        while (left := deadline - time.monotonic()) > 0:
+            conn.settimeout(left)
+            if not conn.recv_into(sink):
+                break
+    except OSError:
+        pass  # the peer is gone or slow; nothing more to tell
+
+
+def _shutdown(conn: socket.socket) -> None:
+    """Make a thread blocked in recv/send on `conn` return (safe from any thread)."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

@@ -12,6 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kvedit.auth import SECRET_ENV, SECRET_FILE_ENV
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -25,8 +27,11 @@ class ServerProcess:
     Its output goes to `.log_path` (kept when the server did not stop cleanly)."""
 
     def __init__(self, args: list[str], host: str, port: int, http_port: int, shm_name: str,
-                 startup_timeout: float = 30.0):
+                 startup_timeout: float = 30.0, secret_file: str | None = None,
+                 env: dict[str, str] | None = None):
         self._args, self._startup_timeout = args, startup_timeout
+        self.secret_file = secret_file   # what a client passes as secret_file=
+        self._env = env
         self.host, self.port, self.http_port, self.shm_name = host, port, http_port, shm_name
         self.url = f"tcp://{host}:{port}"
         self.http_url = f"http://{host}:{http_port}"
@@ -45,14 +50,14 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "kvedit.server.cli", *self._args]
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL, env=self._env)
         deadline = time.monotonic() + self._startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvedit server exited with {self.proc.returncode} at start:"
                                    f"\n{self.log()}")
             try:
-                with urllib.request.urlopen(self.http_url + "/health", timeout=1) as r:
+                with urllib.request.urlopen(self.http_url + "/health", timeout=1) as r:  # open
                     if json.load(r).get("status") == "ok":
                         return
             except OSError:
@@ -102,7 +107,11 @@ class ServerProcess:
 def start_server(l1_size_gb: float = 1.0, *, chunk_size: int = 256, shm: bool = True,
                  eviction: str = "LRU", lazy: bool = True, host: str = "127.0.0.1",
                  port: int | None = None, http_port: int | None = None,
+                 secret_file: str | os.PathLike | None = None, secret: str | None = None,
                  extra_args=()) -> ServerProcess:
+    """A server on free ports. `secret_file` (or `secret`, passed through $KVEDIT_SECRET so it
+    is not on the command line) turns authentication on; without either the child does not
+    inherit $KVEDIT_SECRET/$KVEDIT_SECRET_FILE from this process by accident."""
     port = port or free_port()
     http_port = http_port or free_port()
     while http_port == port:
@@ -112,4 +121,12 @@ def start_server(l1_size_gb: float = 1.0, *, chunk_size: int = 256, shm: bool = 
             "--eviction-policy", eviction, "--host", host, "--port", str(port),
             "--http-port", str(http_port), "--shm-name", shm_name,
             "--l1-use-lazy" if lazy else "--no-l1-use-lazy", *extra_args]
-    return ServerProcess(args, host, port, http_port, shm_name)
+    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
+    if secret_file is not None:
+        args += ["--secret-file", os.fspath(secret_file)]
+    elif secret is not None:
+        env[SECRET_ENV] = secret
+    server = ServerProcess(args, host, port, http_port, shm_name, env=env,
+                           secret_file=secret_file and os.fspath(secret_file))
+    server.secret = secret
+    return server

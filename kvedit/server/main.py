@@ -8,14 +8,17 @@ import socket
 
 import zmq
 
-from kvedit.server.config import ServerConfig
+from kvedit.server.config import ServerConfig, is_loopback
 from kvedit.server.pool import Arena, PoolError
 
 log = logging.getLogger("kvedit.server")
 
 
-def serve(cfg: ServerConfig) -> int:
-    """Blocks until SIGINT/SIGTERM. Returns the process exit code."""
+def serve(cfg: ServerConfig, secret: bytes | None = None) -> int:
+    """Blocks until SIGINT/SIGTERM. Returns the process exit code.
+
+    `secret` (kvedit.auth.load_secret) turns on CurveZMQ, the data-link handshake check and
+    HTTP bearer tokens; cfg.authenticated must say whether it is set."""
     from kvedit.server.http import HttpApi
     from kvedit.server.service import Service
 
@@ -32,10 +35,11 @@ def serve(cfg: ServerConfig) -> int:
         return 1
     service = http = None
     try:
-        service = Service(cfg, arena, instance)
-        http = HttpApi(service, cfg.host, cfg.http_port)
+        service = Service(cfg, arena, instance, secret)
+        http = HttpApi(service, cfg.host, cfg.http_port, secret=secret)
     except (zmq.ZMQError, OSError) as e:
-        log.error("cannot start: %s (ZMQ port %d, HTTP port %d)", e, cfg.port, cfg.http_port)
+        log.error("cannot start: %s (ZMQ port %d, HTTP port %d, data port %d)", e, cfg.port,
+                  cfg.http_port, cfg.data_port)
         if service is not None:
             service.close()
         arena.close()
@@ -57,11 +61,17 @@ def serve(cfg: ServerConfig) -> int:
     mode = (f"shm (segment /dev/shm/{cfg.shm_name}; data link for clients that cannot map it)"
             if cfg.shm_name else "socket only (no shared memory: --shm-name ''), data link")
     log.info("kvedit server %s: ZMQ tcp://%s:%d, HTTP http://%s:%d, data link port %d, "
-             "pool %.2f GiB (%s), eviction %s, chunk %d tokens, transfer mode: %s",
+             "pool %.2f GiB (%s), eviction %s, chunk %d tokens, transfer mode: %s, auth: %s",
              hex(instance), cfg.host, cfg.port,
              cfg.host, cfg.http_port, service.data.port, cfg.pool_bytes / 2**30,
              "lazy" if cfg.l1_use_lazy else "pre-faulted", cfg.eviction_policy,
-             cfg.chunk_size, mode)
+             cfg.chunk_size, mode,
+             f"shared secret ({cfg.secret_file or 'environment'}): CurveZMQ, data-link HMAC, "
+             f"HTTP bearer" if secret else "none (loopback only unless --insecure)")
+    if secret is None and not is_loopback(cfg.host):
+        log.warning("--insecure: listening on %s without a secret; anyone who reaches ports "
+                    "%d, %d and %d can read, change and delete every tenant's KV", cfg.host,
+                    cfg.port, service.data.port, cfg.http_port)
     for note in arena.notes:
         log.info("note: %s", note)
     try:

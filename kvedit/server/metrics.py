@@ -1,24 +1,75 @@
-"""Prometheus metrics of the server (own registry, served by GET /metrics)."""
+"""Prometheus metrics of the server (own registry, served by GET /metrics).
+
+Two kinds, kept apart so that nothing can drift:
+- state the index already counts (objects, pool bytes, evictions, expirations, quarantine)
+  is read from Service.snapshot() at scrape time by a custom collector: /metrics and /status
+  read the same numbers, no mirrored counter to forget to increment;
+- events only the service sees (requests by type, errors by code, hits/misses, bytes,
+  latencies) are ordinary counters incremented where they happen.
+No key or model name appears in any label (/metrics stays open when a secret is set).
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
 
 
+class _SnapshotCollector:
+    """Reads the service's snapshot (O(1)) once per scrape."""
+
+    def __init__(self, snapshot: Callable[[], dict]):
+        self._snapshot = snapshot
+
+    def describe(self):
+        return []  # unknown until a scrape; keeps registration from calling collect()
+
+    def collect(self):
+        s = self._snapshot()
+        objects = GaugeMetricFamily("kvedit_objects", "objects by state", labels=["state"])
+        for k in ("ready", "writing", "leased"):
+            objects.add_metric([k], s[k])
+        yield objects
+        pool = GaugeMetricFamily("kvedit_pool_bytes", "pool bytes by use", labels=["use"])
+        for use, k in (("used", "pool_used"), ("free", "pool_free"), ("total", "pool_bytes"),
+                       ("quarantined", "quarantined_bytes")):
+            pool.add_metric([use], s[k])
+        yield pool
+        yield GaugeMetricFamily("kvedit_models", "registered model layouts", value=s["models"])
+        yield GaugeMetricFamily("kvedit_leases", "open read leases", value=s["leases"])
+        yield GaugeMetricFamily("kvedit_pending_stores", "prepared, uncommitted stores",
+                                value=s["pending_stores"])
+        yield GaugeMetricFamily("kvedit_waiting_lookups", "parked lookups",
+                                value=s["waiting_lookups"])
+        yield GaugeMetricFamily("kvedit_data_connections", "open data-link connections",
+                                value=s["data_conns"])
+        yield GaugeMetricFamily("kvedit_zmq_connections", "open ZMQ control connections",
+                                value=s["zmq_conns"])
+        yield GaugeMetricFamily("kvedit_quarantined_objects",
+                                "slots of expired leases/stores not yet reusable",
+                                value=s["quarantined_objects"])
+        yield CounterMetricFamily("kvedit_evictions", "objects evicted to make room",
+                                  value=s["evictions"])
+        yield CounterMetricFamily("kvedit_transfers_cut", "data-link transfers cut by their "
+                                  "deadline (index)", value=s["cut_transfers"])
+        expired = CounterMetricFamily("kvedit_expired", "leases and stores expired by TTL",
+                                      labels=["kind"])
+        expired.add_metric(["lease"], s["expired_leases"])
+        expired.add_metric(["store"], s["expired_stores"])
+        yield expired
+
+
 class Metrics:
-    def __init__(self, state: Callable[[], dict]):
-        """`state()` returns the current counts (called at scrape time, under the lock)."""
+    def __init__(self, snapshot: Callable[[], dict]):
+        """`snapshot()` returns the current counts; it takes the service lock itself."""
         r = self.registry = CollectorRegistry()
         self.hits = Counter("kvedit_hits", "keys found ready (lookup and retrieve)", registry=r)
         self.misses = Counter("kvedit_misses", "keys asked for but not ready", registry=r)
-        self.evictions = Counter("kvedit_evictions", "objects evicted to make room", registry=r)
-        self.expired = Counter("kvedit_expired", "leases and stores expired by TTL",
-                               ["kind"], registry=r)
-        self.errors = Counter("kvedit_errors", "requests answered with an error",
-                              ["code"], registry=r)
+        self.errors = Counter("kvedit_errors", "requests answered with an error (ZMQ control "
+                              "and data link)", ["code"], registry=r)
         self.store_bytes = Counter("kvedit_store_bytes", "bytes committed", registry=r)
         self.retrieve_bytes = Counter("kvedit_retrieve_bytes", "bytes leased to readers",
                                       registry=r)
@@ -29,17 +80,10 @@ class Metrics:
             "kvedit_retrieve_seconds", "retrieve to release (or data sent), per lease",
             registry=r, buckets=_LATENCY_BUCKETS)
         self.requests = Counter("kvedit_requests", "requests handled", ["type"], registry=r)
-        self._objects = Gauge("kvedit_objects", "objects by state", ["state"], registry=r)
-        self._bytes = Gauge("kvedit_pool_bytes", "pool bytes by use", ["use"], registry=r)
-        self._models = Gauge("kvedit_models", "registered model layouts", registry=r)
-        self._state = state
+        self.transfers_failed = Counter("kvedit_transfers_failed", "data-link transfers that "
+                                        "did not complete (peer gone, idle timeout, cut)",
+                                        ["op"], registry=r)
+        r.register(_SnapshotCollector(snapshot))
 
     def render(self) -> bytes:
-        s = self._state()
-        for k in ("ready", "writing", "leased"):
-            self._objects.labels(k).set(s[k])
-        self._bytes.labels("used").set(s["pool_used"])
-        self._bytes.labels("free").set(s["pool_free"])
-        self._bytes.labels("total").set(s["pool_bytes"])
-        self._models.set(s["models"])
         return generate_latest(self.registry)

@@ -12,25 +12,20 @@ import fcntl
 import logging
 import mmap
 import os
-import struct
+from bisect import bisect_left, insort
 
 import numpy as np
+
+from kvedit.wire import HEADER_BYTES, SEGMENT_MAGIC as MAGIC, read_header, write_header  # noqa: F401
 
 log = logging.getLogger("kvedit.server")
 
 ALIGN = 4096
-HEADER_BYTES = 4096
-MAGIC = b"KVEDIT01"
-_HEADER = struct.Struct("<8sQQQ")  # magic, instance, pool_offset, pool_bytes
 SHM_DIR = "/dev/shm"
 
 
 class PoolError(RuntimeError):
     """The pool cannot be set up as configured (message says why and what to do)."""
-
-
-def read_header(buf) -> tuple[bytes, int, int, int]:
-    return _HEADER.unpack_from(buf, 0)
 
 
 class Arena:
@@ -53,7 +48,7 @@ class Arena:
         if not lazy:
             # Touch every page now so that first-touch faults never land on a transfer.
             self.buf[::mmap.PAGESIZE] = 0
-        _HEADER.pack_into(self.mm, 0, MAGIC, instance, self.pool_offset, pool_bytes)
+        write_header(self.mm, instance, self.pool_offset, pool_bytes)
 
     def _create_segment(self, lazy: bool) -> int:
         path = self.path
@@ -121,61 +116,115 @@ class Arena:
 
 
 class Allocator:
-    """First-fit allocator of page-aligned byte ranges with coalescing on free.
+    """Best-fit allocator of page-aligned byte ranges, coalescing on free.
 
-    Several object sizes (several model layouts) share one pool. An exact-size bucket makes
-    the common case (one size, freed and reused) O(1).
+    Free ranges are kept by start (to coalesce with neighbours on free) and segregated by size:
+    one bucket of starts per distinct free-range size, plus the sorted list of those sizes.
+    `alloc` bisects that list for the smallest size >= the request (best fit) and takes any
+    range of that bucket, so its cost does not grow with the number of free holes: O(log d)
+    for d distinct free sizes, plus an insort/del in that list when a size appears or goes
+    (d is small: the sizes of d distinct page-multiple holes add up to at most the pool, so
+    d <= sqrt(2 * pool pages), and in practice it is a few sizes per model layout).
+
+    Several object sizes (several model layouts) share one pool. Best fit is the choice for
+    that mix: a small object goes into the smallest hole that takes it (an exact-size hole
+    first), so it does not split a hole that a large object fits into, and large holes stay
+    whole for large objects. `alloc` returns None only when no free range of the requested
+    size exists (the index evicts only then).
     """
 
     def __init__(self, start: int, size: int):
         self.capacity = size
         self.used = 0
-        self._free: dict[int, int] = {}     # start -> size
-        self._ends: dict[int, int] = {}     # end -> start
-        self._by_size: dict[int, set[int]] = {}
-        self._add(start, size)
+        self._free: dict[int, int] = {}      # start -> size
+        self._ends: dict[int, int] = {}      # end -> start
+        self._by_size: dict[int, dict[int, None]] = {}   # size -> starts (an ordered set)
+        self._sizes: list[int] = []          # the keys of _by_size, ascending
+        if size > 0:
+            self._add(start, size)
 
     @staticmethod
     def rounded(nbytes: int) -> int:
         return -(-nbytes // ALIGN) * ALIGN
 
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used
+
+    @property
+    def holes(self) -> int:
+        """Number of free ranges (after coalescing)."""
+        return len(self._free)
+
+    def largest_free(self) -> int:
+        return self._sizes[-1] if self._sizes else 0
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The free ranges (start, size) by address: for tests and debugging (O(n log n))."""
+        return sorted(self._free.items())
+
     def _add(self, start: int, size: int) -> None:
         self._free[start] = size
         self._ends[start + size] = start
-        self._by_size.setdefault(size, set()).add(start)
+        bucket = self._by_size.get(size)
+        if bucket is None:
+            bucket = self._by_size[size] = {}
+            insort(self._sizes, size)
+        bucket[start] = None
 
     def _remove(self, start: int) -> int:
         size = self._free.pop(start)
         del self._ends[start + size]
         bucket = self._by_size[size]
-        bucket.discard(start)
+        del bucket[start]
         if not bucket:
-            del self._by_size[size]
+            self._drop_size(size)
         return size
 
+    def _drop_size(self, size: int) -> None:
+        del self._by_size[size]
+        del self._sizes[bisect_left(self._sizes, size)]
+
     def alloc(self, nbytes: int) -> int | None:
+        """The start of a free range of `nbytes` (rounded up to pages), or None if none fits."""
+        got = self.alloc_many(nbytes, 1)
+        return got[0] if got else None
+
+    def alloc_many(self, nbytes: int, count: int) -> list[int]:
+        """Up to `count` slots of `nbytes`; fewer only when no free range fits one more.
+
+        Best fit per range: the smallest range that takes a slot gives as many slots as it
+        holds (one split per range, not one per slot: a large store carves its slots from
+        one big range in one step)."""
         n = self.rounded(nbytes)
-        bucket = self._by_size.get(n)
-        if bucket:
-            start = next(iter(bucket))
-            self._remove(start)
-        else:
-            start = next((s for s, size in self._free.items() if size >= n), None)
-            if start is None:
-                return None
-            size = self._remove(start)
-            self._add(start + n, size - n)
-        self.used += n
-        return start
+        out: list[int] = []
+        sizes = self._sizes
+        while len(out) < count:
+            i = bisect_left(sizes, n)
+            if i == len(sizes):
+                break
+            size = sizes[i]
+            bucket = self._by_size[size]
+            start, _ = bucket.popitem()   # LIFO within a size: O(1), the most recently freed
+            if not bucket:
+                self._drop_size(size)
+            del self._free[start]
+            del self._ends[start + size]
+            k = min(size // n, count - len(out))
+            out.extend(range(start, start + k * n, n))
+            if size > k * n:
+                self._add(start + k * n, size - k * n)
+        self.used += len(out) * n
+        return out
 
     def free(self, start: int, nbytes: int) -> None:
         n = self.rounded(nbytes)
         self.used -= n
         end = start + n
-        if end in self._free:           # merge with the next block
+        if end in self._free:           # merge with the next range
             n += self._remove(end)
         prev = self._ends.get(start)
-        if prev is not None:            # merge with the previous block
+        if prev is not None:            # merge with the previous range
             n += self._remove(prev)
             start = prev
         self._add(start, n)

@@ -3,66 +3,110 @@
 It never blocks on a client: replies go out with NOBLOCK semantics of ROUTER (a vanished
 peer's reply is dropped), a lookup that waits is parked and answered by the commit that
 completes it or by its deadline, and socket-mode bytes move on the data link's own threads.
+Work per message is bounded (keys per request, message size, models), so one large request
+cannot hold the loop for long; docs/protocol.md lists the limits and their error codes.
+
+The data link and HTTP call only the narrow methods at the bottom (begin_put/finish_put,
+begin_get/finish_get, snapshot, page, clear, count_error); each takes the lock itself.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 
-from kvedit import __version__
+from kvedit import __version__, auth
 from kvedit import protocol as P
 from kvedit.layout import ModelLayout
 from kvedit.server.config import ServerConfig
 from kvedit.server.datalink import DataLink
-from kvedit.server.index import Index, PoolFull
+from kvedit.server.index import Index, Refused
 from kvedit.server.metrics import Metrics
+from kvedit.server.peers import Peers, holder_of
 from kvedit.server.pool import Allocator, Arena
-from kvedit.server.waiters import Waiter, Waiters
+from kvedit.server.waiters import TooManyWaits, Waiter, Waiters
 
 log = logging.getLogger("kvedit.server")
-MAX_WAIT = 3600.0  # longest server-side lookup wait, seconds
+MAX_LISTED_MODELS = 20    # an unknown_model error names at most this many
+MAX_QUOTED_NAME = 80      # characters of a client-given name quoted back in an error
+BURST = 256               # messages handled before housekeeping runs again
+FREEZE_MIN_OBJECTS = 50_000  # below this a full GC pass is cheap enough (< ~10 ms)
+FREEZE_GROWTH = 1.1       # freeze again when the index grew by this factor
 
 
 class Fail(Exception):
     """Raised by a handler: becomes an Error(code, message) reply."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: P.ErrorCode, message: str):
         super().__init__(message)
         self.code, self.message = code, message
 
 
+@dataclass(slots=True)
+class Transfer:
+    """What begin_put/begin_get give the data link: the slots' views, or why not."""
+    views: list = field(default_factory=list)
+    error: tuple[P.ErrorCode, str] | None = None
+
+
+def quoted(name: str) -> str:
+    return repr(name if len(name) <= MAX_QUOTED_NAME else name[:MAX_QUOTED_NAME] + "...")
+
+
 class Service:
-    def __init__(self, cfg: ServerConfig, arena: Arena, instance: int):
+    def __init__(self, cfg: ServerConfig, arena: Arena, instance: int,
+                 secret: bytes | None = None):
         self.cfg, self.arena, self.instance = cfg, arena, instance
         self.index = Index(Allocator(arena.pool_offset, arena.pool_bytes), cfg.eviction_policy,
-                           cfg.lease_ttl, cfg.write_ttl)
+                           cfg.lease_ttl, cfg.write_ttl, quarantine_ttl=cfg.quarantine_seconds,
+                           transfer_timeout=cfg.transfer_timeout)
         self.layouts: dict[tuple[str, int], ModelLayout] = {}
-        self.lock = threading.Lock()        # shared with the HTTP threads
-        self.metrics = Metrics(self.state)
+        self.lock = threading.Lock()        # shared with the data-link and HTTP threads
+        self.metrics = Metrics(self.snapshot)
         self.started = time.time()
-        self.waiters = Waiters()
-        self._expired = (0, 0)
+        self.waiters = Waiters(cfg.max_waits_per_client, cfg.max_waits_total,
+                               max_keys=cfg.max_parked_keys)
+        self._cuts: dict[int, Callable[[], None]] = {}  # store/lease id -> cut its transfer
         self.stop_requested = False
+        self._frozen_objects = 0            # index size at the last gc.freeze()
         self.ctx = zmq.Context()
+        self.authenticator = None
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(f"tcp://{cfg.host}:{cfg.port}")
-        self.data = DataLink(self, cfg.host)
+        # libzmq drops the connection of a peer whose message is larger (no reply possible):
+        # the client checks ServerInfo.max_message_bytes before sending.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+        if secret is not None:
+            # the ZAP handler must run before the bind, or libzmq admits every CURVE client
+            self.authenticator = auth.start_authenticator(self.ctx, secret)
+            auth.curve_server(self.sock, secret)
+        try:
+            self.sock.bind(f"tcp://{cfg.host}:{cfg.port}")
+            self.peers = Peers(self.sock)
+            self.data = DataLink(self, cfg, secret)
+        except BaseException:
+            self._close_zmq()
+            raise
         self.info = P.ServerInfo(
             version=__version__, instance=instance, chunk_size=cfg.chunk_size,
             shm_name=cfg.shm_name, data_port=self.data.port, segment_bytes=arena.size,
             pool_offset=arena.pool_offset,
             pool_bytes=arena.pool_bytes, lazy=cfg.l1_use_lazy, eviction=cfg.eviction_policy,
-            lease_ttl=cfg.lease_ttl, write_ttl=cfg.write_ttl)
+            lease_ttl=cfg.lease_ttl, write_ttl=cfg.write_ttl,
+            max_keys_per_request=cfg.max_keys_per_request,
+            max_message_bytes=cfg.max_message_bytes)
 
     # ---- loop -------------------------------------------------------------------------
     def run(self, wakeup_fd: int | None = None) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.peers.monitor, zmq.POLLIN)
         if wakeup_fd is not None:   # a signal writes here, so poll returns at once
             poller.register(wakeup_fd, zmq.POLLIN)
         while not self.stop_requested:
@@ -70,18 +114,32 @@ class Service:
                 timeout = self._timeout_ms()
             events = dict(poller.poll(timeout))
             if self.sock in events:
-                for _ in range(256):  # drain a burst, then do housekeeping
+                for _ in range(BURST):  # drain a burst, then do housekeeping
                     try:
                         frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
                     self._on_message(frames)
-            with self.lock:
-                self._housekeeping(time.monotonic())
+            try:
+                gone = self.peers.poll()
+                with self.lock:
+                    for holder in gone:
+                        self._session_gone(holder)
+                    self._housekeeping(time.monotonic())
+            except Exception:  # a bug must not take the server (and its data) down
+                log.exception("internal error in housekeeping")
 
     def close(self) -> None:
         self.data.close()
+        self._close_zmq()
+
+    def _close_zmq(self) -> None:
+        if getattr(self, "peers", None) is not None:
+            self.sock.disable_monitor()
+            self.peers.close()
         self.sock.close(linger=0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
         self.ctx.term()
 
     def _timeout_ms(self) -> int:
@@ -93,44 +151,74 @@ class Service:
         return max(1, int(t * 1000))
 
     def _housekeeping(self, now: float) -> None:
-        self.index.expire(now)
-        el, es = self.index.expired_leases, self.index.expired_stores
-        if (el, es) != self._expired:
-            self.metrics.expired.labels("lease").inc(el - self._expired[0])
-            self.metrics.expired.labels("store").inc(es - self._expired[1])
-            self._expired = (el, es)
+        for pid in self.index.expire(now).cut:  # in flight on the data link: cut the socket
+            cut = self._cuts.pop(pid, None)
+            if cut is not None:
+                cut()
         for w in self.waiters.expired(now):
             self._answer_waiter(w)
+        self._freeze_gc()
+
+    def _freeze_gc(self) -> None:
+        """Keep full GC passes off the index. CPython runs a gen-2 pass whenever long-lived
+        objects grew by 25%, and at 1M objects that pass holds the GIL (loop and HTTP) for
+        ~0.2-0.5 s. The index's objects form no cycles (freed by refcount), so moving them to
+        the permanent generation loses nothing; a pass then scans only what came after."""
+        n = self.index.counters.objects
+        if n >= FREEZE_MIN_OBJECTS and n >= self._frozen_objects * FREEZE_GROWTH:
+            gc.collect(1)   # young cyclic garbage is not frozen with them (cheap: gens 0-1)
+            gc.freeze()
+            self._frozen_objects = n
+
+    def _session_gone(self, holder: bytes) -> None:
+        """The holder's last socket disconnected: let go of what only it could use."""
+        self.waiters.drop_client(holder)
+        self.index.session_gone(holder)
 
     # ---- messages ---------------------------------------------------------------------
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
+        try:
+            gone = self.peers.seen(ident, frames[-1])
+        except Exception:  # tracking is an optimisation: deadlines still bound everything
+            log.exception("internal error tracking a peer")
+            gone = []
         if len(frames) < 3:
-            return self._send(ident, b"", P.Error(
-                code="malformed", message=f"expected frames [request id, message], got "
-                                          f"{len(frames) - 1} frame(s)"))
-        rid = frames[1].bytes
-        if len(rid) > P.MAX_RID_BYTES:
-            return self._send(ident, b"", P.Error(
-                code="malformed", message=f"request id is {len(rid)} bytes, expected at most "
-                                          f"{P.MAX_RID_BYTES}"))
-        with self.lock:
-            try:
-                req = P.request_decoder.decode(frames[2].buffer)
-                self.metrics.requests.labels(type(req).__name__).inc()
-                out = self._handle(ident, rid, req, frames[3:])
-            except msgspec.DecodeError as e:
-                out = self._error("malformed", f"cannot decode the message frame as a kvedit "
-                                               f"request (msgpack map tagged by 't'): {e}")
-            except Fail as e:
-                out = self._error(e.code, e.message)
-            except Exception as e:  # a bug must not take the server (and its data) down
-                log.exception("internal error handling a request")
-                out = self._error("internal", f"{type(e).__name__}: {e}")
+            out, rid = self._error("malformed", f"expected frames [request id, message], got "
+                                                f"{len(frames) - 1} frame(s)"), b""
+        elif len(frames[1]) > P.MAX_RID_BYTES:
+            out, rid = self._error("malformed", f"request id is {len(frames[1])} bytes, "
+                                                f"expected at most {P.MAX_RID_BYTES}"), b""
+        else:
+            rid = frames[1].bytes
+            with self.lock:
+                out = self._dispatch(ident, rid, frames)
         if out is not None:
             self._send(ident, rid, out)
+        if gone:
+            with self.lock:
+                for holder in gone:
+                    try:
+                        self._session_gone(holder)
+                    except Exception:
+                        log.exception("internal error letting go of a session")
 
-    def _error(self, code: str, message: str):
+    def _dispatch(self, ident: bytes, rid: bytes, frames: list[zmq.Frame]):
+        try:
+            req = P.request_decoder.decode(frames[2].buffer)
+            self.metrics.requests.labels(type(req).__name__).inc()
+            return self._handle(ident, rid, req, frames[3:])
+        except msgspec.DecodeError as e:
+            return self._error("malformed", f"cannot decode the message frame as a kvedit "
+                                            f"request (msgpack map tagged by 't'): "
+                                            f"{str(e)[:200]}")
+        except (Fail, Refused, TooManyWaits) as e:  # each carries its ErrorCode
+            return self._error(e.code, e.message)
+        except Exception as e:  # a bug must not take the server (and its data) down
+            log.exception("internal error handling a request")
+            return self._error("internal", f"{type(e).__name__}: {e}")
+
+    def _error(self, code: P.ErrorCode, message: str) -> P.Error:
         self.metrics.errors.labels(code).inc()
         return P.Error(code=code, message=message)
 
@@ -142,66 +230,77 @@ class Service:
             raise Fail("malformed", f"{type(req).__name__} came with {len(data)} extra frame(s);"
                                     f" expected [request id, message] (chunk bytes go through "
                                     f"shared memory or the data link)")
+        holder = holder_of(ident)
         match req:
             case P.Hello():
                 return self.info
             case P.Register(model=model, layout=layout):
                 return self._register(model, layout)
+            case P.Unregister(model=model, tp_rank=tp):
+                self._layout(model, tp)
+                n = self.index.drop_model(model, tp)  # Refused("busy") while leased/in flight
+                del self.layouts[(model, tp)]
+                log.info("unregistered model %s tp_rank %d (%d object(s) deleted)",
+                         quoted(model), tp, n)
+                return P.Count(n=n)
             case P.GetLayout(model=model, tp_rank=tp):
                 return P.LayoutReply(layout=self.layouts.get((model, tp)))
             case P.ListModels():
                 models: dict[str, list[ModelLayout]] = {}
-                for (m, _), lay in sorted(self.layouts.items()):
+                for (m, _), lay in sorted(self.layouts.items()):  # at most --max-models
                     models.setdefault(m, []).append(lay)
                 return P.Models(models=models)
             case P.Lookup():
-                return self._lookup(ident, rid, req)
+                return self._lookup(ident, holder, rid, req)
             case P.PrepareStore(model=model, keys=keys, tp_rank=tp):
-                return self._prepare(model, tp, keys)
+                return self._prepare(model, tp, keys, holder)
             case P.Commit(store_id=sid):
-                return self._commit(sid)
+                return self._commit(sid, holder)
             case P.Abort(store_id=sid):
-                p = self.index.stores.get(sid)
-                if p is None:
-                    raise Fail("unknown_store", self.unknown_store(sid))
-                if p.busy:  # its slots are being written by the data link right now
-                    raise Fail("busy", f"store {sid} is receiving data on the data link")
-                self.index.abort(sid)
+                self.index.abort(sid, holder)
                 return P.Ok()
             case P.Retrieve():
-                return self._retrieve(req)
+                return self._retrieve(req, holder)
             case P.Release(lease_id=lid):
-                p = self.index.leases.get(lid)
-                if p is None:
-                    raise Fail("unknown_lease", f"lease {lid} is unknown, already released, or "
-                                                f"expired (lease TTL {self.cfg.lease_ttl} s)")
-                if p.busy:  # the data link is sending from it and releases it when done
-                    raise Fail("busy", f"lease {lid} is being sent on the data link")
-                self.release(lid)
+                p = self.index.release(lid, holder)  # lease_expired/not_holder/busy: Refused
+                self.metrics.retrieve_latency.observe(time.monotonic() - p.started)
                 return P.Ok()
             case P.Delete(model=model, keys=keys, tp_rank=tp):
                 self._layout(model, tp, keys)
                 return P.Count(n=self.index.delete(model, tp, keys))
             case P.Stats():
-                return P.StatsReply(stats=self.state())
+                return P.StatsReply(stats=self._snapshot())
         raise Fail("unknown_type", f"unhandled message type {type(req).__name__}")
 
     # ---- handlers ---------------------------------------------------------------------
     def _layout(self, model: str, tp: int, keys: list[bytes] = ()) -> ModelLayout:
+        if len(keys) > self.cfg.max_keys_per_request:
+            raise Fail("too_many_keys", f"{len(keys)} keys in one request, at most "
+                                        f"{self.cfg.max_keys_per_request} "
+                                        f"(--max-keys-per-request): split the request")
         for i, k in enumerate(keys):
             if not 0 < len(k) <= P.MAX_KEY_BYTES:
                 raise Fail("bad_key", f"key {i} is {len(k)} bytes, expected 1..{P.MAX_KEY_BYTES}"
                                       f" (kvedit.keys makes 16-byte keys)")
         lay = self.layouts.get((model, tp))
         if lay is None:
+            # bounded: at most MAX_LISTED_MODELS names (each cut short), then a count
             known = sorted(f"{m}[tp_rank {r}]" for m, r in self.layouts)
-            raise Fail("unknown_model", f"model {model!r} (tp_rank {tp}) is not registered; "
-                                        f"registered: {known or 'none'}")
+            listed = "none"
+            if known:
+                listed = "[" + ", ".join(quoted(k) for k in known[:MAX_LISTED_MODELS]) + "]"
+            if len(known) > MAX_LISTED_MODELS:
+                listed += f" and {len(known) - MAX_LISTED_MODELS} more"
+            raise Fail("unknown_model", f"model {quoted(model)} (tp_rank {tp}) is not registered;"
+                                        f" registered: {listed}")
         return lay
 
     def _register(self, model: str, layout: ModelLayout):
         if not model:
             raise Fail("bad_layout", "model name must be a non-empty string")
+        if len(model.encode()) > self.cfg.max_model_name:
+            raise Fail("name_too_long", f"model name is {len(model.encode())} bytes, at most "
+                                        f"{self.cfg.max_model_name} (--max-model-name)")
         try:
             layout.validate()
         except ValueError as e:
@@ -214,25 +313,31 @@ class Service:
                                     f"larger than the whole pool ({self.arena.pool_bytes} bytes)")
         old = self.layouts.get((model, layout.tp_rank))
         if old is not None and old != layout:
-            raise Fail("layout_conflict", f"model {model!r} tp_rank {layout.tp_rank} is already "
-                                          f"registered with {old}, not {layout}")
+            raise Fail("layout_conflict", f"model {quoted(model)} tp_rank {layout.tp_rank} is "
+                                          f"already registered with {old}, not {layout}")
         if old is None:
+            if len(self.layouts) >= self.cfg.max_models:
+                raise Fail("too_many_models", f"{len(self.layouts)} model layouts are registered"
+                                              f", at most {self.cfg.max_models} (--max-models);"
+                                              f" unregister one first")
             self.layouts[(model, layout.tp_rank)] = layout
-            log.info("registered model %r tp_rank %d: chunk %s %s (%d bytes)", model,
+            log.info("registered model %s tp_rank %d: chunk %s %s (%d bytes)", quoted(model),
                      layout.tp_rank, layout.chunk_shape, layout.dtype, layout.chunk_bytes)
         return P.Ok()
 
-    def _lookup(self, ident: bytes, rid: bytes, req: P.Lookup):
+    def _lookup(self, ident: bytes, holder: bytes, rid: bytes, req: P.Lookup):
         self._layout(req.model, req.tp_rank, req.keys)
-        if not 0 <= req.wait_timeout <= MAX_WAIT:  # also refuses NaN
+        cfg = self.cfg
+        if not 0 <= req.wait_timeout <= cfg.max_wait_seconds:  # also refuses NaN
             raise Fail("bad_wait", f"wait_timeout {req.wait_timeout} must be between 0 and "
-                                   f"{MAX_WAIT} seconds")
+                                   f"{cfg.max_wait_seconds} seconds (--max-wait-seconds)")
         n = self.index.leading_ready(req.model, req.tp_rank, req.keys)
         if n == len(req.keys) or req.wait_timeout <= 0:
             self.metrics.hits.inc(n)
             self.metrics.misses.inc(len(req.keys) - n)
             return P.Count(n=n)
-        self.waiters.add(Waiter(ident, rid, req, time.monotonic() + req.wait_timeout), n)
+        w = Waiter(ident, rid, req, time.monotonic() + req.wait_timeout, holder=holder)
+        self.waiters.add(w, n)  # TooManyWaits past the per-client, total or keys bound
         return None  # answered later by a commit or the deadline
 
     def _answer_waiter(self, w: Waiter) -> None:
@@ -250,66 +355,112 @@ class Service:
                 else:
                     self.waiters.park(w, n)
 
-    def _prepare(self, model: str, tp: int, keys: list[bytes]):
+    def _prepare(self, model: str, tp: int, keys: list[bytes], holder: bytes):
         lay = self._layout(model, tp, keys)
         need = len(set(keys)) * lay.chunk_bytes
         if need > self.arena.pool_bytes:
             raise Fail("too_large", f"store of {len(keys)} chunk(s) x {lay.chunk_bytes} bytes = "
                                     f"{need} bytes is larger than the pool "
                                     f"({self.arena.pool_bytes} bytes, --l1-size-gb)")
-        try:
-            sid, missing, offsets, present = self.index.prepare(model, tp, keys, lay.chunk_bytes)
-        except PoolFull as e:
-            raise Fail("pool_full", str(e)) from None
-        return P.StoreSlots(store_id=sid, missing=missing, offsets=offsets, present=present,
-                            layout=lay, instance=self.instance)
+        r = self.index.prepare(model, tp, keys, lay.chunk_bytes, holder)  # Refused: pool_full
+        return P.StoreSlots(store_id=r.store_id, missing=r.missing, offsets=r.offsets,
+                            present=r.present, layout=lay, instance=self.instance)
 
-    def unknown_store(self, sid: int) -> str:
-        return (f"store {sid} is unknown, already committed/aborted, or expired "
-                f"(write TTL {self.cfg.write_ttl} s)")
-
-    def _commit(self, sid: int):
-        p = self.index.stores.get(sid)
-        if p is None:
-            raise Fail("unknown_store", self.unknown_store(sid))
-        if p.busy:
-            raise Fail("busy", f"store {sid} is still receiving its data on the data link")
-        self.index.commit(sid)
-        nbytes = sum(o.nbytes for o in p.objs)
-        self.metrics.store_bytes.inc(nbytes)
+    def _commit(self, sid: int, holder: bytes):
+        p = self.index.commit(sid, holder)
+        self.metrics.store_bytes.inc(p.nbytes)
         self.metrics.store_latency.observe(time.monotonic() - p.started)
         self._wake(o.ident for o in p.objs)
         return P.Committed(stored=len(p.objs))
 
-    def _retrieve(self, req: P.Retrieve):
+    def _retrieve(self, req: P.Retrieve, holder: bytes):
         lay = self._layout(req.model, req.tp_rank, req.keys)
-        lid, objs = self.index.lease(req.model, req.tp_rank, req.keys)
-        self.metrics.hits.inc(len(objs))
-        self.metrics.misses.inc(len(req.keys) - len(objs))
-        self.metrics.retrieve_bytes.inc(sum(o.nbytes for o in objs))
+        r = self.index.lease(req.model, req.tp_rank, req.keys, holder)
+        self.metrics.hits.inc(len(r.objs))
+        self.metrics.misses.inc(len(req.keys) - len(r.objs))
+        self.metrics.retrieve_bytes.inc(r.nbytes)
         # with_data: the client GETs the bytes on the data link, which then releases the lease
-        reply = P.Leased(lease_id=lid, count=len(objs), layout=lay, instance=self.instance,
-                         offsets=[] if req.with_data else [o.offset for o in objs])
-        if req.with_data and not objs:
-            self.release(lid)
+        reply = P.Leased(lease_id=r.lease_id, count=len(r.objs), layout=lay,
+                         instance=self.instance, offsets=[] if req.with_data else r.offsets)
+        if req.with_data and not r.objs:
+            self.index.release(r.lease_id, holder)
         return reply
 
-    def release(self, lid: int) -> None:
-        try:
-            p = self.index.release(lid)
-        except KeyError:  # expired meanwhile
-            return
-        self.metrics.retrieve_latency.observe(time.monotonic() - p.started)
+    # ---- narrow operations for the data link (each takes the lock) ---------------------
+    def begin_put(self, store_id: int, holder: bytes, nbytes: int, cut) -> Transfer:
+        """The slots a PUT of `nbytes` may write, if `holder` holds that store."""
+        with self.lock:
+            try:
+                t = self.index.begin_put(store_id, holder)
+            except Refused as e:
+                return Transfer(error=(e.code, f"PUT: {e.message}"))
+            if nbytes != t.nbytes:
+                self.index.finish_put(store_id, False)
+                return Transfer(error=("malformed", f"PUT of store {store_id} announces {nbytes} "
+                                                    f"bytes, expected {t.nbytes} "
+                                                    f"({len(t.slots)} missing chunk(s) of the "
+                                                    f"layout); the store is void"))
+            self._cuts[store_id] = cut
+            return Transfer(views=[self.arena.view(x.offset, x.nbytes) for x in t.slots])
 
-    # ---- introspection (also used by HTTP, under the lock) ----------------------------
-    def state(self) -> dict:
-        a = self.index.alloc
-        return self.index.counts() | {
-            "pool_bytes": a.capacity, "pool_used": a.used, "pool_free": a.capacity - a.used,
+    def finish_put(self, store_id: int, ok: bool) -> tuple[P.ErrorCode, str] | None:
+        """The PUT ended; None when its bytes count (the store may be committed)."""
+        with self.lock:
+            self._cuts.pop(store_id, None)
+            if not ok:
+                self.metrics.transfers_failed.labels("put").inc()
+            if not self.index.finish_put(store_id, ok) and ok:  # cut as the last bytes came in
+                return "store_expired", (f"PUT: store {store_id} passed its deadline during the "
+                                         f"transfer and was dropped; store again")
+        return None
+
+    def begin_get(self, lease_id: int, holder: bytes, cut) -> Transfer:
+        """The slots a GET sends, if `holder` holds that lease."""
+        with self.lock:
+            try:
+                t = self.index.begin_get(lease_id, holder)
+            except Refused as e:
+                return Transfer(error=(e.code, f"GET: {e.message}"))
+            self._cuts[lease_id] = cut
+            return Transfer(views=[self.arena.view(x.offset, x.nbytes) for x in t.slots])
+
+    def finish_get(self, lease_id: int, ok: bool) -> None:
+        """The GET ended (sent, or cut): the lease is released either way."""
+        with self.lock:
+            self._cuts.pop(lease_id, None)
+            if not ok:
+                self.metrics.transfers_failed.labels("get").inc()
+            released = self.index.finish_get(lease_id, ok)
+            if ok and released is not None:
+                self.metrics.retrieve_latency.observe(time.monotonic() - released.started)
+
+    def count_error(self, code: P.ErrorCode) -> None:
+        self.metrics.errors.labels(code).inc()
+
+    # ---- introspection for HTTP and the metrics collector (each takes the lock) --------
+    def snapshot(self) -> dict:
+        """O(1): what /status, Stats and /metrics show."""
+        with self.lock:
+            return self._snapshot()
+
+    def _snapshot(self) -> dict:
+        return self.index.snapshot() | {
             "models": len(self.layouts), "waiting_lookups": len(self.waiters),
-            "evictions": self.index.evictions,
-            "expired_leases": self.index.expired_leases,
-            "expired_stores": self.index.expired_stores,
+            "parked_keys": self.waiters.keys, "data_conns": self.data.connections(),
+            "zmq_conns": self.peers.connected(),
             "transfer_mode": "shm" if self.cfg.shm_name else "socket",
             "uptime_s": round(time.time() - self.started, 3),
         }
+
+    def page(self, model: str | None, after: int | None, limit: int):
+        """O(limit): one page of ready objects for GET /cache (see Index.page)."""
+        with self.lock:
+            return self.index.page(model, after, limit)
+
+    def clear(self, model: str | None) -> int:
+        """DELETE /cache: delete every ready object (of one model) -> how many.
+        Raises LookupError for a model that is not registered."""
+        with self.lock:
+            if model is not None and not any(m == model for m, _ in self.layouts):
+                raise LookupError(f"model {quoted(model)} is not registered")
+            return self.index.clear(model)

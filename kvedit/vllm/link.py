@@ -22,8 +22,11 @@ UNAVAILABLE = (ServerUnavailable, ConnectionError, TimeoutError, OSError)
 
 class ServerLink:
     def __init__(self, url: str, timeout: float, retry_interval: float,
-                 on_connect: Callable[[KVClient], None], role: str):
+                 on_connect: Callable[[KVClient], None], role: str, *,
+                 secret: bytes | None = None):
+        """`secret`: the server's shared secret; None falls back to $KVEDIT_SECRET(_FILE)."""
         self.url, self.timeout, self.retry_interval = url, timeout, retry_interval
+        self._secret = secret
         self.on_connect, self.role = on_connect, role
         self.client: KVClient | None = None
         self._lock = threading.Lock()
@@ -36,7 +39,8 @@ class ServerLink:
     def _try_connect(self) -> bool:
         client = None
         try:
-            client = KVClient(self.url, timeout=self.timeout)  # says hello: raises if down
+            # says hello: raises if down
+            client = KVClient(self.url, timeout=self.timeout, secret=self._secret)
             self.on_connect(client)
         except BaseException as e:
             if client is not None:

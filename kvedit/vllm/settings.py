@@ -25,6 +25,13 @@ class ConnectorSettings:
     retry_interval: float = 1.0        # seconds between reconnect attempts while unavailable
     rope_is_neox: bool | None = None   # override the GPT-J/NeoX guess from the model type
     pin_shm: bool = True               # GPU: page-lock the server's shared memory for DMA
+    kvedit_secret_file: str = ""       # the server's shared secret; "": $KVEDIT_SECRET(_FILE)
+
+    def secret(self) -> bytes | None:
+        """The shared secret: kvedit_secret_file, else the environment (kvedit.auth)."""
+        from kvedit.auth import load_secret
+
+        return load_secret(secret_file=self.kvedit_secret_file or None)
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ConnectorSettings":

@@ -34,7 +34,7 @@ class WorkerSide:
         self.load_errors: set[int] = set()
         self.failed_from: dict[str, int] = {}  # req -> first token a load failed on, this step
         self.link: ServerLink | None = None
-        self.pinned: set[int] = set()  # host allocations already page-locked for the GPU
+        self.copier: PagedCopier | None = None  # built once the layout is known
 
     # ---- start-up -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -44,7 +44,8 @@ class WorkerSide:
         self.paged = PagedKV([kv_caches[n] for n in names], self._paged_kind(names[0], kv_caches),
                              self.vllm_config.model_config.get_head_size(), self.block_size)
         self.link = ServerLink(self.settings.kvedit_url, self.settings.timeout,
-                               self.settings.retry_interval, self._on_connect, "worker")
+                               self.settings.retry_interval, self._on_connect, "worker",
+                               secret=self.settings.secret())
 
     def _paged_kind(self, name: str, kv_caches) -> str:
         """Which paged layout the attention backend writes (paged.py lists them)."""
@@ -74,6 +75,8 @@ class WorkerSide:
                                  f"layers x {layout.hidden}, KV cache has "
                                  f"{self.paged.num_layers} x {self.paged.hidden}")
             self.layout = layout
+            self.copier = PagedCopier(self.paged, layout, self.model, self.tp_rank,
+                                      self.settings.pin_shm)
         client.register(self.model, self.layout)
         http = self.settings.kvedit_http_url
         logger.info("kvedit: registered %s (rank %d) with %s%s: %s", self.model, self.tp_rank,
@@ -87,7 +90,7 @@ class WorkerSide:
             loaded = run.start
             if client is not None:
                 try:
-                    loaded = self._load_run(client, run)
+                    loaded = self.copier.load_run(client, run)
                 except Exception as e:
                     self.link.failed(e)
             if loaded < run.end:  # vLLM must recompute these tokens, not attend to garbage
@@ -96,22 +99,6 @@ class WorkerSide:
                 self.failed_from[run.req_id] = loaded // bs * bs
                 logger.info("kvedit: %s loaded tokens [%d, %d) of [%d, %d); rest recomputed",
                             run.req_id, run.start, loaded, run.start, run.end)
-
-    def _load_run(self, client, run: ChunkRun) -> int:
-        """Copy the run's chunks into the paged blocks; return the first token not loaded."""
-        c = self.layout.chunk_size
-        with client.retrieve(self.model, run.keys[self.tp_rank], tp_rank=self.tp_rank) as got:
-            loaded = run.start
-            if got.tensors:
-                self._pin(client, got.tensors[0])
-            for i, chunk in enumerate(got.tensors):
-                lo = max(run.start, (run.first + i) * c)
-                hi = min(run.end, (run.first + i + 1) * c)
-                src = chunk[:, :, lo - (run.first + i) * c: hi - (run.first + i) * c]
-                self.paged.scatter(self.paged.slots(run.block_ids, lo, hi),
-                                   src.to(self.paged.device))
-                loaded = hi
-        return loaded
 
     def store(self, meta: KVEditMetadata) -> None:
         """Store this step's completed chunks of every request: one prepare/commit pair with
@@ -131,18 +118,61 @@ class WorkerSide:
         if not todo:
             return
         try:
-            self._store_chunks(client, todo)
+            self.copier.store_chunks(client, todo)
         except Exception as e:
             self.link.failed(e)
 
-    def _store_chunks(self, client, todo: dict[bytes, tuple[list[int], int]]) -> None:
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+
+
+class PagedCopier:
+    """The copies between the server's chunks and vLLM's paged blocks for one rank: what a
+    load and a store do per chunk. WorkerSide owns one; `kvedit bench connector --paged`
+    times this same code, so the benchmark measures the connector's real path."""
+
+    def __init__(self, paged: PagedKV, layout: ModelLayout, model: str, tp_rank: int = 0,
+                 pin_shm: bool = True):
+        self.paged, self.layout, self.model, self.tp_rank = paged, layout, model, tp_rank
+        self.pin_shm = pin_shm
+        self.pinned: set[int] = set()  # host allocations already page-locked for the GPU
+
+    def load_run(self, client, run: ChunkRun) -> int:
+        """Copy the run's chunks into the paged blocks; return the first token not loaded."""
         c = self.layout.chunk_size
+        with client.retrieve(self.model, run.keys[self.tp_rank], tp_rank=self.tp_rank) as got:
+            loaded = run.start
+            if got.tensors:
+                self._pin(client, got.tensors[0])
+            for i, chunk in enumerate(got.tensors):
+                lo = max(run.start, (run.first + i) * c)
+                hi = min(run.end, (run.first + i + 1) * c)
+                src = chunk[:, :, lo - (run.first + i) * c: hi - (run.first + i) * c]
+                self.paged.scatter(self.paged.slots(run.block_ids, lo, hi),
+                                   src.to(self.paged.device))
+                loaded = hi
+        return loaded
+
+    def store_chunks(self, client, todo: dict[bytes, tuple[list[int], int]]) -> None:
+        """Store the chunks of `todo`, in requests of at most the server's keys per request."""
         keys = list(todo)
+        step = client.max_keys or len(keys)
+        for i in range(0, len(keys), step):
+            self._store_batch(client, keys[i:i + step], todo)
+
+    def _store_batch(self, client, keys: list[bytes],
+                     todo: dict[bytes, tuple[list[int], int]]) -> None:
+        c = self.layout.chunk_size
         on_host = self.paged.device.type == "cpu"
         with client.prepare_store(self.model, keys, tp_rank=self.tp_rank) as handle:
             if handle.buffers:
                 self._pin(client, handle.buffers[0])
-            for j, buf in zip(handle.missing, handle.buffers):
+            for j, buf in handle.writable():  # refused past the server's write TTL
                 block_ids, chunk = todo[keys[j]]
                 slots = self.paged.slots(block_ids, chunk * c, (chunk + 1) * c)
                 if on_host:  # gather straight into the server's shared memory
@@ -156,8 +186,8 @@ class WorkerSide:
         """On a GPU, page-lock the server's shared-memory segment once (DMA copies run about
         4x faster than from pageable memory; bench connector --paged measures it). This
         populates the whole segment, so it costs RAM and one pause proportional to its size."""
-        if self.paged.device.type != "cuda" or client.transfer_mode != "shm" \
-                or not self.settings.pin_shm:
+        if self.paged.device.type != "cuda" or client.segment() is None \
+                or not self.pin_shm:  # nothing shared to pin over the socket
             return
         ptr = buf.untyped_storage().data_ptr()
         if ptr not in self.pinned:
@@ -167,11 +197,3 @@ class WorkerSide:
             logger.info("kvedit: page-locking the server segment (%.1f GiB) %s in %.1f s",
                         buf.untyped_storage().nbytes() / 2**30, "done" if ok else "FAILED",
                         time.perf_counter() - t0)
-
-    def take_load_errors(self) -> set[int]:
-        errors, self.load_errors = self.load_errors, set()
-        return errors
-
-    def close(self) -> None:
-        if self.link is not None:
-            self.link.close()

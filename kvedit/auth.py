@@ -1,0 +1,226 @@
+"""The shared secret and the three places it is checked: ZMQ control, the data link, HTTP.
+
+One secret (a token of printable ASCII, at least 16 characters) authenticates every door:
+- ZMQ control: CurveZMQ. Both key pairs are derived from the secret (keyed blake2b with a
+  distinct personalisation each), so nothing but the secret has to be distributed; the
+  server's ZAP handler (a ThreadAuthenticator) admits exactly the derived client public key.
+  CURVE also encrypts, which is what makes a non-loopback bind safe.
+- data link: the server sends a random nonce on accept; the client answers with its session
+  id and HMAC-SHA256(secret, nonce + session). A replayed answer fails on a fresh nonce.
+- HTTP: `Authorization: Bearer <secret>` on the endpoints that list, read or change data.
+Without a secret the ZMQ sockets use the NULL mechanism and the handshake still carries the
+session id (unchecked), so holder checks work the same on a loopback-only server.
+This module has no kvedit imports so the server, the client and HTTP can all use it.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets as _secrets
+import socket
+import stat
+
+import zmq
+from zmq.utils import z85
+
+__all__ = ["AuthError", "SECRET_ENV", "SECRET_FILE_ENV", "NONCE_BYTES", "SESSION_BYTES",
+           "MAC_BYTES", "load_secret", "generate_secret", "curve_keys", "curve_server",
+           "start_authenticator", "curve_client", "server_handshake", "client_handshake",
+           "handshake_mac", "http_authorized", "bearer_header"]
+log = logging.getLogger("kvedit.auth")
+
+SECRET_ENV = "KVEDIT_SECRET"            # the secret itself
+SECRET_FILE_ENV = "KVEDIT_SECRET_FILE"  # a file holding it
+MIN_SECRET_CHARS = 16
+MAX_SECRET_CHARS = 4096
+NONCE_BYTES, SESSION_BYTES, MAC_BYTES = 32, 16, 32
+_SERVER_PERSON, _CLIENT_PERSON = b"kvedit-zmq-srv", b"kvedit-zmq-cli"
+
+
+class AuthError(Exception):
+    """A peer failed authentication, or a secret is unusable; the message says which."""
+
+
+# ---- the secret ----------------------------------------------------------------------
+def _check(secret: bytes, where: str) -> bytes:
+    # printable ASCII without spaces: it must survive a file, an env variable and an HTTP header
+    printable = all(33 <= b < 127 for b in secret)
+    if not MIN_SECRET_CHARS <= len(secret) <= MAX_SECRET_CHARS or not printable:
+        raise AuthError(f"the kvedit secret from {where} must be {MIN_SECRET_CHARS}-"
+                        f"{MAX_SECRET_CHARS} printable ASCII characters without spaces "
+                        f"(got {len(secret)} bytes); make one with "
+                        f"`kvedit server --gen-secret PATH`")
+    return secret
+
+
+def _read_file(path: str) -> bytes:
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            data = f.read(MAX_SECRET_CHARS + 2).strip()
+    except OSError as e:
+        raise AuthError(f"cannot read the kvedit secret file {path}: {e.strerror}") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("kvedit secret file %s is readable by group/others (mode %o); chmod 600 it",
+                    path, st.st_mode & 0o777)
+    return _check(data, path)
+
+
+def load_secret(secret: str | bytes | None = None, secret_file: str | os.PathLike | None = None
+                ) -> bytes | None:
+    """The secret from the arguments, else $KVEDIT_SECRET, else $KVEDIT_SECRET_FILE; None if none.
+
+    An explicit argument wins over the environment; a secret given both ways at one level
+    (secret and secret_file) is refused as ambiguous."""
+    if secret is not None and secret_file is not None:
+        raise AuthError("give the kvedit secret or a secret file, not both")
+    if secret is not None:
+        return _check(secret.encode() if isinstance(secret, str) else bytes(secret), "the argument")
+    if secret_file is not None:
+        return _read_file(os.fspath(secret_file))
+    if os.environ.get(SECRET_ENV):
+        return _check(os.environ[SECRET_ENV].strip().encode(), f"${SECRET_ENV}")
+    if os.environ.get(SECRET_FILE_ENV):
+        return _read_file(os.environ[SECRET_FILE_ENV])
+    return None
+
+
+def generate_secret(path: str | os.PathLike) -> bytes:
+    """Write a new random secret (64 hex characters) to `path`, mode 0600, and return it.
+
+    Refuses to overwrite an existing file (O_EXCL): a running deployment's secret is not
+    replaced by accident."""
+    secret = _secrets.token_hex(32).encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise AuthError(f"{os.fspath(path)} exists; remove it first or use it with "
+                        f"--secret-file") from None
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret + b"\n")
+    return secret
+
+
+# ---- ZMQ: CurveZMQ with keys derived from the secret ---------------------------------
+def _derive(secret: bytes, person: bytes) -> bytes:
+    key = secret if len(secret) <= 64 else hashlib.blake2b(secret).digest()  # blake2b key <= 64 B
+    return hashlib.blake2b(b"", key=key, person=person, digest_size=32).digest()
+
+
+def curve_keys(secret: bytes, side: str) -> tuple[bytes, bytes]:
+    """(public, secret) z85 key pair of `side` ("server" or "client"), stable for a secret."""
+    person = {"server": _SERVER_PERSON, "client": _CLIENT_PERSON}[side]
+    sec = z85.encode(_derive(secret, person))
+    return zmq.curve_public(sec), sec
+
+
+def _require_curve() -> None:
+    if not zmq.has("curve"):
+        raise AuthError("this libzmq was built without CURVE support; a secret cannot be used")
+
+
+def curve_server(sock: zmq.Socket, secret: bytes) -> None:
+    """Make `sock` a CURVE server (call before bind). Clients are checked by the authenticator."""
+    _require_curve()
+    pub, sec = curve_keys(secret, "server")
+    sock.curve_secretkey, sock.curve_publickey = sec, pub
+    sock.curve_server = True
+
+
+class _OneKey:
+    """ZAP credentials provider: exactly one client public key is allowed."""
+
+    def __init__(self, public: bytes):
+        self.public = public  # z85, as pyzmq's authenticator hands keys to callback()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return hmac.compare_digest(bytes(key), self.public)
+
+
+def start_authenticator(ctx: zmq.Context, secret: bytes):
+    """Start the ZAP handler that admits only the client key derived from `secret`.
+
+    Start it BEFORE binding the CURVE socket: libzmq lets every CURVE client in when no ZAP
+    handler is running. Returns the authenticator; call .stop() at shutdown."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    _require_curve()
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger("kvedit.auth.zap"))
+    auth.start()
+    client_public = curve_keys(secret, "client")[0]
+    auth.configure_curve_callback("*", credentials_provider=_OneKey(client_public))
+    return auth
+
+
+def curve_client(sock: zmq.Socket, secret: bytes) -> None:
+    """Make `sock` a CURVE client of the server derived from `secret` (call before connect)."""
+    _require_curve()
+    pub, sec = curve_keys(secret, "client")
+    sock.curve_secretkey, sock.curve_publickey = sec, pub
+    sock.curve_serverkey = curve_keys(secret, "server")[0]
+
+
+# ---- data link handshake ---------------------------------------------------------------
+def handshake_mac(secret: bytes | None, nonce: bytes, session: bytes) -> bytes:
+    """HMAC-SHA256(secret, nonce + session); zeros without a secret (the server then skips it)."""
+    if secret is None:
+        return bytes(MAC_BYTES)
+    return hmac.new(secret, nonce + session, hashlib.sha256).digest()
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, pos = memoryview(buf), 0
+    while pos < n:
+        got = conn.recv_into(view[pos:])
+        if not got:
+            raise AuthError(f"peer closed the data connection during the handshake "
+                            f"({pos} of {n} bytes)")
+        pos += got
+    return bytes(buf)
+
+
+def server_handshake(conn: socket.socket, secret: bytes | None) -> bytes:
+    """Send a nonce, read session + MAC, check the MAC when a secret is set -> the session.
+
+    Raises AuthError on a short answer or a wrong MAC (the caller sends its error reply and
+    closes); socket timeouts (OSError) propagate, so set the first-bytes timeout before."""
+    nonce = _secrets.token_bytes(NONCE_BYTES)
+    conn.sendall(nonce)
+    answer = _recv_exact(conn, SESSION_BYTES + MAC_BYTES)
+    session, mac = answer[:SESSION_BYTES], answer[SESSION_BYTES:]
+    if secret is not None and not hmac.compare_digest(mac, handshake_mac(secret, nonce, session)):
+        raise AuthError("data link handshake failed: wrong or missing secret")
+    return session
+
+
+def client_handshake(conn: socket.socket, secret: bytes | None, session: bytes) -> None:
+    """Answer the server's nonce with `session` (16 bytes) and its MAC."""
+    if len(session) != SESSION_BYTES:
+        raise ValueError(f"session is {len(session)} bytes, expected {SESSION_BYTES}")
+    nonce = _recv_exact(conn, NONCE_BYTES)
+    conn.sendall(session + handshake_mac(secret, nonce, session))
+
+
+# ---- HTTP --------------------------------------------------------------------------------
+def http_authorized(authorization_header: str | None, secret: bytes | None) -> bool:
+    """True when no secret is set, or the header is `Bearer <secret>` (constant-time compare)."""
+    if secret is None:
+        return True
+    if not authorization_header:
+        return False
+    scheme, _, token = authorization_header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    try:
+        given = token.strip().encode("ascii")
+    except UnicodeEncodeError:
+        return False
+    return hmac.compare_digest(given, secret)
+
+
+def bearer_header(secret: bytes | None) -> dict[str, str]:
+    """The HTTP header a client sends (empty without a secret)."""
+    return {} if secret is None else {"Authorization": f"Bearer {secret.decode('ascii')}"}

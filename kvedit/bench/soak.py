@@ -1,0 +1,479 @@
+"""`kvedit bench soak`: minutes of mixed, hostile and unlucky load on one loopback server.
+
+Shared-memory and socket clients (separate processes, kvedit/bench/soak_procs.py) store,
+look up, retrieve and delete random keys of a working set larger than the pool, checking
+every chunk they read against bytes derived from its key. Meanwhile: clients SIGKILLed
+mid-store and mid-lease, a writer past its write TTL and a reader past its lease TTL, data-link
+GET and PUT transfers that stall half-way, one oversized request, one server restart, and a
+client sending a small Hello every ~10 ms for the control loop's latency. After every client
+has stopped and the TTLs have passed, the server's /status must show no lease and, once the
+cache is deleted, no slot in use. Then a scaling phase: the latency of a small request while
+/metrics (and /status, /cache pages) are scraped with 1M objects in the index (4 KiB
+chunks, lazy pool, never written), beside the same request with nobody scraping.
+Everything is bounded in time and count and stops every process it started.
+"""
+from __future__ import annotations
+
+import json
+import random
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+TARGETS = {"torn_reads": 0, "leaked_slots": 0, "leaked_leases": 0, "unexpected_errors": 0,
+           "hello_p99_ms": 50.0, "scale_lookup_p99_ms": 50.0}
+RESTART_GRACE_S = 3.0   # errors this long after the restart belong to the restart
+
+
+def register(bsub) -> None:
+    p = bsub.add_parser("soak", help="minutes of mixed, hostile load; leaks, torn reads, "
+                                     "latency", description=__doc__.splitlines()[0])
+    p.add_argument("--minutes", type=float, default=3.0,
+                   help="length of the mixed phase (default 3; fractions are fine)")
+    p.add_argument("--shm-clients", type=int, default=2)
+    p.add_argument("--socket-clients", type=int, default=2)
+    p.add_argument("--pool-mb", type=int, default=16,
+                   help="pool size (default 16 MiB: smaller than the working set)")
+    p.add_argument("--keys", type=int, default=1024,
+                   help="working set in 64 KiB chunks (default 1024 = 64 MiB)")
+    p.add_argument("--ttl", type=float, default=2.0, help="lease and write TTL of the server")
+    p.add_argument("--scale-objects", type=int, default=1_000_000,
+                   help="objects in the index for the scaling phase (0: skip it)")
+    p.add_argument("--scale-seconds", type=float, default=180.0,
+                   help="time budget to fill the index for the scaling phase")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print only the JSON object")
+    p.set_defaults(func=run)
+
+
+class _Procs:
+    """Every child process started, so that all of them are stopped whatever happens.
+
+    A child imports, prints one "ready" line, then waits for its "go" line (see soak_procs)."""
+
+    def __init__(self, logdir: Path, base: dict):
+        self.logdir, self.base = logdir, base
+        self.running: list[tuple[str, subprocess.Popen]] = []
+        self.results: dict[str, list[dict]] = {}
+        self.logs: dict[int, Path] = {}   # pid -> its stderr
+        self.n = 0
+
+    def spawn(self, role: str, **cfg) -> subprocess.Popen:
+        self.n += 1
+        path = self.logdir / f"{role}-{self.n}.log"
+        with open(path, "wb") as err:
+            p = subprocess.Popen([sys.executable, "-m", "kvedit.bench.soak_procs", role,
+                                  json.dumps(self.base | cfg)], stdout=subprocess.PIPE,
+                                 stderr=err, stdin=subprocess.PIPE)
+        self.logs[p.pid] = path
+        self.running.append((role, p))
+        return p
+
+    @staticmethod
+    def line(p: subprocess.Popen, timeout: float) -> dict | None:
+        """The child's next stdout line as JSON, or None after `timeout` s or at its end."""
+        ready, _, _ = select.select([p.stdout], [], [], timeout)
+        raw = p.stdout.readline() if ready else b""
+        return json.loads(raw) if raw.strip() else None
+
+    @staticmethod
+    def go(p: subprocess.Popen, **cfg) -> None:
+        p.stdin.write((json.dumps(cfg) + "\n").encode())
+        p.stdin.flush()
+
+    def forget(self, p: subprocess.Popen) -> None:
+        self.running = [(r, q) for r, q in self.running if q is not p]
+
+    def collect(self, timeout: float) -> None:
+        """Wait for each child (until `timeout` s from now), then SIGKILL the rest."""
+        end = time.monotonic() + timeout
+        for role, p in self.running:
+            try:
+                out, _ = p.communicate(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
+                self.results.setdefault("overran", []).append({"role": role})
+                continue
+            lines = out.decode(errors="replace").strip().splitlines()
+            if p.returncode == 0 and lines:
+                self.results.setdefault(role, []).append(json.loads(lines[-1]))
+            elif p.returncode != -signal.SIGKILL:
+                self.results.setdefault("crashed", []).append(
+                    {"role": role, "rc": p.returncode, "log": self.log(p)})
+        self.running = []
+
+    def log(self, p: subprocess.Popen) -> str:
+        """The end of the child's stderr."""
+        return self.logs[p.pid].read_text(errors="replace")[-500:]
+
+    def kill_one(self, p: subprocess.Popen) -> None:
+        p.kill()
+        p.wait()
+        self.forget(p)
+
+    def kill_all(self) -> None:
+        for _, p in self.running:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        self.running = []
+
+
+def _victim(procs: _Procs, p: subprocess.Popen, rng: random.Random, shm: bool, what: str,
+            deadline: float) -> str:
+    """Let a ready victim take a lease or prepare a store, and SIGKILL it while it holds."""
+    procs.go(p, shm=shm, what=what, seed=rng.randrange(1 << 30), deadline=deadline)
+    held = procs.line(p, 10.0)
+    time.sleep(rng.random() * 0.2)
+    p.kill()
+    p.wait()
+    procs.forget(p)
+    return "killed holding" if held else "killed before it held"
+
+
+def _rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """VmRSS (all resident pages, the pool's shared pages the server touched included) or
+    RssAnon (the server's own heap: what a leak grows)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
+
+
+# the timeline of the mixed phase, as fractions of the run: the restart comes early so that
+# the hostile events after it are all on the server instance whose leaks are measured
+EVENTS = sorted([(0.15, "restart"), (0.30, "stall get"), (0.35, "oversized"),
+                 (0.45, "stall put")] + [(0.05 + 0.9 * k / 12, "victim") for k in range(12)])
+VICTIM_KINDS = [(True, "store"), (False, "store"), (True, "lease"), (False, "lease"),
+                (True, "storing"), (False, "storing")]   # (shared memory?, what it holds)
+
+
+class _MixedRun:
+    """The mixed phase: one server, client processes, the timeline, then the leak check."""
+
+    def __init__(self, args, secret_file: str, logdir: Path):
+        from kvedit.bench.soak_procs import LAYOUT
+        from kvedit.server.launch import start_server
+        self.args, self.ttl, self.run_s = args, args.ttl, args.minutes * 60
+        self.rng = random.Random(args.seed)
+        self.pool_chunks = (args.pool_mb << 20) // LAYOUT.chunk_bytes
+        self.chunk_bytes = LAYOUT.chunk_bytes
+        t = str(args.ttl)
+        self.srv = start_server(args.pool_mb / 1024, extra_args=[
+            "--lease-ttl", t, "--write-ttl", t, "--quarantine-ttl", str(2 * args.ttl),
+            "--transfer-idle-timeout", "2", "--transfer-timeout", "20",
+            "--data-idle-timeout", "10", "--secret-file", secret_file])
+        self.base = {"url": self.srv.url, "secret_file": secret_file, "keys": args.keys,
+                     "ttl": args.ttl, "timeout": 5.0}
+        self.procs = _Procs(logdir, self.base)
+        self.secret_file = secret_file
+        self.victims: list[str] = []
+        self.restart: tuple[float, float] | None = None
+        self.rss_base: tuple[float, float] | None = None
+
+    def run(self) -> dict:
+        try:
+            self._start_clients()
+            self._timeline()
+            time.sleep(max(0.0, self.deadline - time.time()))
+            self.procs.collect(timeout=2 * self.ttl + 30)
+            return self._check() | _summarize(self.procs.results, self.restart) | {
+                "victims": self.victims, "restart": None if self.restart is None else
+                {"seconds": round(self.restart[1] - self.restart[0], 3),
+                 "began_s": round(self.restart[0] - self.t0, 3),
+                 "ended_s": round(self.restart[1] - self.t0, 3)},
+                "started_at": round(self.t0, 3)}
+        finally:
+            self.procs.kill_all()
+            self.server_exit_code = self.srv.stop()
+
+    def _start_clients(self) -> None:
+        procs, rng, run_s = self.procs, self.rng, self.run_s
+        self.steady = [procs.spawn("pinger", max_ops=int(run_s * 150) + 100)]
+        for i in range(self.args.shm_clients + self.args.socket_clients):
+            self.steady.append(procs.spawn("worker", shm=i < self.args.shm_clients,
+                                           seed=rng.randrange(1 << 30),
+                                           max_ops=int(run_s * 4000) + 100))
+        self.steady.append(procs.spawn("laggard", shm=True, seed=rng.randrange(1 << 30),
+                                       max_ops=1000))
+        self.later = {name: procs.spawn(role) for name, role in (
+            ("stall get", "stall"), ("stall put", "stall"), ("oversized", "oversized"))}
+        # victims start importing early (seconds on a busy box): (process, said "ready")
+        self.spares = [(procs.spawn("victim"), False), (procs.spawn("victim"), False)]
+        first = self.spares[0][0]
+        for p in [*self.steady, *self.later.values(), first]:   # imports done: start the clock
+            if procs.line(p, 180.0) is None:
+                raise RuntimeError(f"a soak client did not start: {procs.log(p)}")
+        self.spares[0] = (first, True)
+        self.t0 = time.time()
+        self.deadline = self.t0 + run_s
+        for p in self.steady:
+            procs.go(p, deadline=self.deadline)
+
+    def _timeline(self) -> None:
+        for frac, what in EVENTS:
+            time.sleep(max(0.0, self.t0 + frac * self.run_s - time.time()))
+            if what == "victim":
+                self._victim()
+            elif what.startswith("stall"):
+                self.procs.go(self.later[what], what=what.split()[1],
+                              data_port=_data_port(self.srv, self.base), stall_seconds=8.0,
+                              seed=self.rng.randrange(1 << 30), deadline=self.deadline,
+                              stall_chunks=min(192, self.pool_chunks * 3 // 4))
+            elif what == "oversized":
+                self.procs.go(self.later["oversized"], deadline=self.deadline)
+            elif what == "restart":
+                r0 = time.time()
+                self.srv.restart()
+                self.restart = (r0, time.time())
+                time.sleep(min(5.0, self.run_s * 0.05))
+                self.rss_base = _rss_mb(self.srv.pid), _rss_mb(self.srv.pid, "RssAnon")
+        for p, _ in self.spares:
+            self.procs.kill_one(p)
+
+    def _victim(self) -> None:
+        p, ready = self.spares.pop(0)
+        if not ready and self.procs.line(p, 60.0) is None:
+            self.victims.append("a victim did not start in 60 s")
+            self.procs.kill_one(p)
+        else:
+            shm, kind = VICTIM_KINDS[len(self.victims) % len(VICTIM_KINDS)]
+            self.victims.append(f"{'shm' if shm else 'socket'} {kind}: "
+                                + _victim(self.procs, p, self.rng, shm, kind, self.deadline))
+        self.spares.append((self.procs.spawn("victim"), False))
+
+    def _check(self) -> dict:
+        """Every client is gone: wait out the TTLs and the quarantine, then read /status."""
+        import httpx
+
+        from kvedit import auth
+        headers = auth.bearer_header(auth.load_secret(None, self.secret_file))
+        with httpx.Client(base_url=self.srv.http_url, headers=headers, timeout=30) as http:
+            settle_end = time.monotonic() + 4 * self.ttl + 10
+            while time.monotonic() < settle_end:
+                st = http.get("/status").json()
+                if st["leases"] == 0 and st["pending_stores"] == 0 and not _quarantined(st):
+                    break
+                time.sleep(0.5)
+            st = http.get("/status").json()
+            http.delete("/cache").raise_for_status()
+            after = http.get("/status").json()
+            rss_end = _rss_mb(self.srv.pid), _rss_mb(self.srv.pid, "RssAnon")
+            rss_base = self.rss_base or rss_end
+            keepalive = []
+            for _ in range(200):   # sequential GET /health over one keep-alive connection
+                s0 = time.perf_counter()
+                http.get("/health").raise_for_status()
+                keepalive.append((time.perf_counter() - s0) * 1e3)
+        return {
+            "leaked_leases": st["leases"],
+            # after DELETE /cache nothing may hold a slot; a store still writing would
+            "leaked_slots": after["pool"]["used"] // self.chunk_bytes + st["objects"]["writing"],
+            "status_after_clients": {k: st[k] for k in ("leases", "pending_stores", "objects",
+                                                        "evictions", "counters")},
+            "pool_used_after_delete": after["pool"]["used"],
+            "rss_mb_after_restart": round(rss_base[0], 1), "rss_mb_end": round(rss_end[0], 1),
+            "rss_growth_mb": round(rss_end[0] - rss_base[0], 1),
+            "anon_rss_growth_mb": round(rss_end[1] - rss_base[1], 1),
+            "http_keepalive_p50_ms": _pct(keepalive, 0.5),
+            "http_keepalive_p99_ms": _pct(keepalive, 0.99),
+        }
+
+
+def mixed_phase(args, secret_file: str, logdir: Path) -> dict:
+    run = _MixedRun(args, secret_file, logdir)
+    out = run.run()
+    return out | {"server_exit_code": run.server_exit_code}
+
+
+def _quarantined(st: dict) -> bool:
+    return any(v for k, v in st.get("counters", {}).items() if k.startswith("quarantine"))
+
+
+def _data_port(srv, base: dict) -> int:
+    from kvedit import protocol as P
+    from kvedit.bench.soak_procs import RawPeer
+    peer = RawPeer(base | {"url": srv.url})
+    info = peer.call(P.Hello())
+    peer.close()
+    return info.data_port
+
+
+def _summarize(results: dict, restart) -> dict:
+    def in_restart(t: float) -> bool:
+        return restart is not None and restart[0] - 0.5 <= t <= restart[1] + RESTART_GRACE_S
+
+    ops, torn, stale, checked = 0, 0, 0, 0
+    errors: dict[str, int] = {}
+    unexpected, examples, during_restart = 0, [], 0
+    for role in ("worker", "laggard"):
+        for r in results.get(role, []):
+            ops += r["ops"]
+            torn += r["torn_reads"]
+            stale += r["stale_detected"]
+            checked += r["chunks_checked"]
+            for code, n in r["errors"].items():
+                errors[code] = errors.get(code, 0) + n
+            restart_odd = sum(in_restart(t) for t, _, _ in r["odd"])
+            during_restart += restart_odd
+            unexpected += r["odd_count"] - restart_odd
+            examples += [o for o in r["odd"] if not in_restart(o[0])][:5]
+    late: dict = {}
+    for r in results.get("laggard", []):
+        for k, v in r["notes"].items():
+            late[k] = late.get(k, 0) + v if isinstance(v, int) else v
+    # the fence: a late commit must be refused; every stalled transfer must be cut
+    unexpected += late.get("late_commits_accepted", 0)
+    stalls = results.get("stall", [])
+    for s in stalls:
+        ok = s.get("server_closed_it") and s.get("late_reply") in (
+            "store_expired", "lease_expired", "unknown_store", "unknown_lease")
+        if not ok:
+            unexpected += 1
+            examples.append(["stall", s])
+    over = results.get("oversized", [{}])[0]
+    if over.get("too_many_keys") != "too_many_keys" or over.get("hello_after") != "ServerInfo":
+        unexpected += 1
+        examples.append(["oversized", over])
+    for bad in ("crashed", "overran"):
+        unexpected += len(results.get(bad, []))
+        examples += [[bad, x] for x in results.get(bad, [])][:3]
+    hello = [ms for r in results.get("pinger", []) for t, ms in r["samples"] if not in_restart(t)]
+    fails = [t for r in results.get("pinger", []) for t in r["failures"] if not in_restart(t)]
+    unexpected += len(fails)
+    if fails:
+        examples.append(["hello without a reply within 1 s, sent at", fails[:5]])
+    per_worker = [{"transport": r["notes"].get("transport"), "ops": r["ops"],
+                   "by_kind": r["by_kind"], "errors": r["errors"],
+                   "chunks_checked": r["chunks_checked"]} for r in results.get("worker", [])]
+    return {"ops": ops, "chunks_checked": checked, "per_worker": per_worker,
+            "errors_by_code": errors,
+            "unexpected_errors": unexpected, "unexpected_examples": examples[:10],
+            "errors_during_restart": during_restart, "torn_reads": torn,
+            "stale_reads_refused_by_fence": stale, "late_writer_reader": late,
+            "stalls": stalls, "oversized": over,
+            "hello_count": len(hello), "hello_failures": len(fails),
+            "hello_p50_ms": _pct(hello, 0.5), "hello_p99_ms": _pct(hello, 0.99),
+            "hello_max_ms": _pct(hello, 1.0)}
+
+
+def scaling_phase(args, secret_file: str) -> dict:
+    """Fill the index with up to --scale-objects 4 KiB objects (prepared and committed, never
+    written: a lazy pool then costs no memory), then time a one-key lookup with nobody
+    scraping (5 s), and while /metrics, /status and /cache pages are scraped back to back."""
+    from kvedit.client import KVClient
+    from kvedit.layout import ModelLayout
+    from kvedit.server.launch import start_server
+
+    tiny = ModelLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16",
+                       chunk_size=256)          # 2 x 1 x 256 x 4 x 2 bytes = 4 KiB
+    n = args.scale_objects
+    pool_gb = (n * tiny.chunk_bytes * 1.02 + (64 << 20)) / 2**30
+    out: dict = {"objects_asked": n, "chunk_bytes": tiny.chunk_bytes}
+    with start_server(pool_gb, lazy=True, extra_args=["--secret-file", secret_file]) as srv, \
+            KVClient(srv.url, secret_file=secret_file, timeout=120) as c:
+        c.register("scale", tiny)
+        t0 = time.monotonic()
+        filled, batch = 0, 8192
+        while filled < n and time.monotonic() - t0 < args.scale_seconds:
+            keys = [i.to_bytes(16, "little") for i in range(filled, min(n, filled + batch))]
+            c.prepare_store("scale", keys).commit()
+            filled += len(keys)
+        out |= {"objects": filled, "fill_s": round(time.monotonic() - t0, 1)}
+        out |= _probe(srv, secret_file)
+        out["server_rss_mb"] = round(_rss_mb(srv.pid), 1)
+    return out
+
+
+def _probe(srv, secret_file: str, idle_s: float = 5.0, busy_s: float = 10.0) -> dict:
+    import httpx
+
+    from kvedit import auth
+    from kvedit import protocol as P
+    from kvedit.bench.soak_procs import RawPeer
+
+    headers = auth.bearer_header(auth.load_secret(None, secret_file))
+    http = httpx.Client(base_url=srv.http_url, headers=headers, timeout=60)
+    ready = http.get("/status").json()["objects"]["ready"]
+    peer = RawPeer({"url": srv.url, "secret_file": secret_file})
+    probe = P.Lookup(model="scale", keys=[(7).to_bytes(16, "little")])
+
+    def lookups(seconds: float) -> list[float]:
+        lat, end = [], time.monotonic() + seconds
+        while time.monotonic() < end:
+            s0 = time.perf_counter()
+            r = peer.call(probe, 5.0)
+            lat.append((time.perf_counter() - s0) * 1e3 if r is not None else 5000.0)
+            time.sleep(0.01)
+        return lat
+
+    idle = lookups(idle_s)   # the same-run baseline: nobody scraping
+    stop = threading.Event()
+    scrapes: dict[str, list[float]] = {"/metrics": [], "/status": [], "/cache": []}
+
+    def scrape():
+        for i in range(30_000):   # bounded; the event stops it long before
+            if stop.is_set():
+                return
+            path = "/metrics" if i % 3 != 2 else ("/status", "/cache")[i // 3 % 2]
+            s0 = time.perf_counter()
+            http.get(path, params={"limit": 1000} if path == "/cache" else None
+                     ).raise_for_status()
+            scrapes[path].append((time.perf_counter() - s0) * 1e3)
+
+    th = threading.Thread(target=scrape, daemon=True)
+    th.start()
+    busy = lookups(busy_s)
+    stop.set()
+    th.join(60)
+    peer.close()
+    http.close()
+    return {"ready_in_status": ready, "lookups": len(busy),
+            "scale_lookup_p50_ms": _pct(busy, 0.5), "scale_lookup_p99_ms": _pct(busy, 0.99),
+            "scale_lookup_max_ms": _pct(busy, 1.0),
+            "idle_lookup_p50_ms": _pct(idle, 0.5), "idle_lookup_p99_ms": _pct(idle, 0.99),
+            "idle_lookup_max_ms": _pct(idle, 1.0),
+            "scrapes": {p: {"n": len(v), "p50_ms": _pct(v, 0.5), "max_ms": _pct(v, 1.0)}
+                        for p, v in scrapes.items()}}
+
+
+def measure(args) -> dict:
+    from kvedit import auth
+    with tempfile.TemporaryDirectory(prefix="kvedit-soak-") as tmp:
+        secret_file = str(Path(tmp) / "secret")
+        auth.generate_secret(secret_file)
+        logdir = Path(tmp) / "logs"
+        logdir.mkdir()
+        t0 = time.time()
+        res = {"minutes": args.minutes, "shm_clients": args.shm_clients,
+               "socket_clients": args.socket_clients, "pool_mb": args.pool_mb,
+               "working_set_mb": args.keys * 64 // 1024, "ttl_s": args.ttl}
+        res |= mixed_phase(args, secret_file, logdir)
+        if args.scale_objects:
+            res["scaling"] = scaling_phase(args, secret_file)
+        res["wall_s"] = round(time.time() - t0, 1)
+    got = res | {"scale_lookup_p99_ms": res.get("scaling", {}).get("scale_lookup_p99_ms")}
+    res["targets"] = TARGETS
+    res["targets_not_measured"] = [k for k in TARGETS if got.get(k) is None]
+    res["targets_missed"] = [k for k, v in TARGETS.items()
+                             if got.get(k) is not None and got[k] > v]
+    return res
+
+
+def run(args) -> int:
+    res = measure(args)
+    print(json.dumps(res) if args.json else json.dumps(res, indent=2))
+    return 0

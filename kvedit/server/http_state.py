@@ -1,0 +1,97 @@
+"""What the HTTP API reads from and does to the service, in one place.
+
+Each function is one narrow call on the service, which takes its lock itself for an O(1)
+snapshot, an O(page) page or a clear; the routes never touch the index, the arena or the
+lock. The only thing read here under the lock is the registered layouts (at most
+--max-models of them) for /status.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kvedit.server.service import Service
+
+
+class UnknownModel(LookupError):
+    """GET or DELETE /cache?model=M for a model that is not registered."""
+
+
+@dataclass(slots=True)
+class CacheItem:
+    key: str          # hex
+    model: str
+    tp_rank: int
+    bytes: int
+    age_s: float
+    leases: int
+
+
+@dataclass(slots=True)
+class CachePage:
+    items: list[CacheItem]
+    next_after: int | None   # cursor for the next page; None on the last page
+    total: int               # ready objects (of the model, when one was asked for)
+
+
+def status(s: Service) -> dict:
+    snap = s.snapshot()
+    return {
+        "version": s.info.version, "instance": s.instance,
+        "transfer_mode": snap["transfer_mode"],
+        "shm_name": s.cfg.shm_name, "shm_path": s.arena.path or None,
+        "lazy": s.cfg.l1_use_lazy, "eviction_policy": s.cfg.eviction_policy,
+        "chunk_size": s.cfg.chunk_size,
+        "pool": {"bytes": snap["pool_bytes"], "used": snap["pool_used"],
+                 "free": snap["pool_free"]},
+        "objects": {k: snap[k] for k in ("ready", "writing", "leased")},
+        "leases": snap["leases"], "pending_stores": snap["pending_stores"],
+        "evictions": snap["evictions"], "uptime_s": snap["uptime_s"],
+        # everything else the service counts (expirations, quarantine, waits, ...) as is
+        "counters": {k: v for k, v in snap.items()
+                     if isinstance(v, int | float) and not isinstance(v, bool)},
+        "models": _models(s), "notes": list(s.arena.notes),
+    }
+
+
+def config(s: Service) -> dict:
+    return s.cfg.to_dict()
+
+
+def metrics(s: Service) -> bytes:
+    return s.metrics.render()   # its collector reads s.snapshot(), which takes the lock
+
+
+def model_names(s: Service) -> list[str]:
+    with s.lock:
+        return sorted({m for m, _ in s.layouts})
+
+
+def page(s: Service, model: str | None, after: int | None, limit: int) -> CachePage:
+    if model is not None and model not in model_names(s):
+        raise UnknownModel(model)
+    p = s.page(model, after, limit)
+    now = time.time()
+    items = [CacheItem(e.key.hex(), e.model, e.tp_rank, e.nbytes, round(now - e.created, 3),
+                       e.leases) for e in p.items]
+    return CachePage(items, p.next_after, p.total)
+
+
+def clear(s: Service, model: str | None) -> int:
+    try:
+        return s.clear(model)
+    except LookupError:
+        raise UnknownModel(model) from None
+
+
+def _models(s: Service) -> dict[str, list[dict]]:
+    with s.lock:
+        layouts = sorted(s.layouts.items())
+    models: dict[str, list[dict]] = {}
+    for (m, _), lay in layouts:
+        d = {f: getattr(lay, f) for f in lay.__struct_fields__ if f != "rope"}
+        d["rope"] = None if lay.rope is None else {
+            f: getattr(lay.rope, f) for f in lay.rope.__struct_fields__}
+        d["chunk_bytes"] = lay.chunk_bytes
+        models.setdefault(m, []).append(d)
+    return models

@@ -1,0 +1,103 @@
+"""Which client sessions are still connected to the ROUTER, so what they hold can be let go.
+
+A client session (the holder of its stores, leases and parked lookups) is the first 16 bytes
+of the ZMQ routing id its sockets set (kvedit.client: session + thread number, 20 bytes); a
+socket with another routing id is its own holder. When the last socket of a holder
+disconnects, the service drops its parked lookups and releases its quarantined slots.
+
+Why a socket monitor and not ZMQ_ROUTER_NOTIFY: ROUTER_NOTIFY is a draft API that the libzmq
+bundled with pyzmq does not enable. The monitor reports ACCEPTED/DISCONNECTED per file
+descriptor, and every received frame carries the descriptor it came from (ZMQ_SRCFD), which
+ties a descriptor to a routing id. Descriptors are reused by the kernel, so the order
+matters: the monitor is drained after each message is received (the I/O thread queued the
+events of that descriptor before it queued the message) and a message that arrives on a
+descriptor already reported closed marks its sender gone at once.
+"""
+from __future__ import annotations
+
+import logging
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+log = logging.getLogger("kvedit.server")
+
+SESSION_BYTES = 16
+ROUTING_ID_BYTES = SESSION_BYTES + 4
+
+
+def holder_of(ident: bytes) -> bytes:
+    """The session a ROUTER identity belongs to (see the module docstring)."""
+    return ident[:SESSION_BYTES] if len(ident) == ROUTING_ID_BYTES else ident
+
+
+class Peers:
+    def __init__(self, router: zmq.Socket):
+        self.monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._fd_ident: dict[int, bytes] = {}
+        self._ident_fd: dict[bytes, int] = {}
+        self._open: set[int] = set()
+        self._holder_idents: dict[bytes, set[bytes]] = {}
+
+    def seen(self, ident: bytes, frame: zmq.Frame) -> list[bytes]:
+        """A message from `ident` arrived on `frame`'s descriptor -> the holders now gone."""
+        gone = self.poll()
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except zmq.ZMQError:  # no descriptor (not TCP): nothing to track
+            return gone
+        if self._ident_fd.get(ident) != fd:
+            self._forget_ident(ident)
+            self._holder_idents.setdefault(holder_of(ident), set()).add(ident)
+            old = self._fd_ident.get(fd)
+            if old is not None:  # the descriptor's previous ident left unnoticed
+                gone += self._drop_ident(old)
+            self._fd_ident[fd], self._ident_fd[ident] = ident, fd
+        if fd not in self._open:  # its DISCONNECTED came before the message was read
+            gone += self._close(fd)
+        return gone
+
+    def poll(self) -> list[bytes]:
+        """Apply queued monitor events -> the holders whose last socket disconnected."""
+        gone: list[bytes] = []
+        while True:
+            try:
+                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return gone
+            ev = parse_monitor_message(frames)
+            fd = int(ev["value"])
+            if ev["event"] == zmq.EVENT_ACCEPTED:
+                self._open.add(fd)
+                old = self._fd_ident.get(fd)
+                if old is not None:  # a reused descriptor: its old ident left unnoticed
+                    gone += self._drop_ident(old)
+            elif ev["event"] == zmq.EVENT_DISCONNECTED:
+                gone += self._close(fd)
+
+    def _close(self, fd: int) -> list[bytes]:
+        self._open.discard(fd)
+        ident = self._fd_ident.get(fd)
+        return self._drop_ident(ident) if ident is not None else []
+
+    def _drop_ident(self, ident: bytes) -> list[bytes]:
+        holder = holder_of(ident)
+        self._forget_ident(ident)
+        if self._holder_idents.get(holder):
+            return []
+        self._holder_idents.pop(holder, None)
+        return [holder]
+
+    def _forget_ident(self, ident: bytes) -> None:
+        fd = self._ident_fd.pop(ident, None)
+        if fd is not None and self._fd_ident.get(fd) == ident:
+            del self._fd_ident[fd]
+        idents = self._holder_idents.get(holder_of(ident))
+        if idents is not None:
+            idents.discard(ident)
+
+    def connected(self) -> int:
+        return len(self._open)
+
+    def close(self) -> None:
+        self.monitor.close(linger=0)
