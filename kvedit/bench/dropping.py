@@ -45,6 +45,12 @@ def register(bsub) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="baseline/dropped rounds per configuration (medians reported)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--l1-size-gb", type=float, default=1.0,
+                   help="memory of the kvedit server we start (default %(default)s; an 8B-shaped "
+                        "model needs tens of GB at scale)")
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for the vLLM we start, repeatable; e.g. "
+                        "--vllm-arg=--load-format --vllm-arg=dummy (random weights from config.json)")
     p.set_defaults(func=_main)
 
 
@@ -153,7 +159,8 @@ def _main(args) -> int:
     longest = max(w.prompt_len + w.max_tokens for _, w in workloads)
     t0 = time.perf_counter()
     with engines(model=args.model, dtype=args.dtype, kv_tokens=capacity,
-                 max_model_len=longest + 256, log=log) as eng:
+                 max_model_len=longest + 256, l1_size_gb=args.l1_size_gb,
+                 vllm_args=args.vllm_arg, log=log) as eng:
         ctx = kvedit.connect(eng.url, eng.http_url, eng.model, timeout=120)
         completion = kvedit.openai_completion(eng.vllm_url, eng.model)
         try:

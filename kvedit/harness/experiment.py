@@ -74,9 +74,10 @@ def engines(*, server_url: str | None = None, server_http_url: str | None = None
             vllm_url: str | None = None, model: str | None = None,
             served_model_name: str = "tiny-qwen3", dtype: str = "bfloat16",
             kv_tokens: int | None = None, max_model_len: int = 4096, chunk_size: int = 256,
-            l1_size_gb: float = 1.0, log=print):
+            l1_size_gb: float = 1.0, vllm_args: tuple[str, ...] | list[str] = (), log=print):
     """Yield Engines, starting a kvedit server and/or vLLM when no URL is given; everything
-    started here is stopped on exit, also on error or Ctrl-C."""
+    started here is stopped on exit, also on error or Ctrl-C. `vllm_args` go to the vLLM we
+    start as they are (e.g. `--load-format dummy` for random weights at any size on a GPU)."""
     if vllm_url and not server_url:
         raise ValueError("an existing vLLM (--vllm-url) needs the kvedit server its connector "
                          "uses (--server-url and --server-http-url)")
@@ -107,7 +108,8 @@ def engines(*, server_url: str | None = None, server_http_url: str | None = None
             f"{kv_tokens or 'default'} tokens) ...")
         vp = stack.enter_context(start_vllm(
             model_dir, server=(url, http_url), served_model_name=served_model_name, dtype=dtype,
-            max_model_len=max_model_len, chunk_size=chunk_size, extra_args=extra))
+            max_model_len=max_model_len, chunk_size=chunk_size,
+            extra_args=[*extra, *vllm_args]))
         yield Engines(url, http_url, vp.base_url, served_model_name, kv_tokens)
 
 
