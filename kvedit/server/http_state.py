@@ -1,9 +1,8 @@
 """What the HTTP API reads from and does to the service, in one place.
 
 Each function is one narrow call on the service, which takes its lock itself for an O(1)
-snapshot, an O(page) page or a clear; the routes never touch the index, the arena or the
-lock. The only thing read here under the lock is the registered layouts (at most
---max-models of them) for /status.
+snapshot, the registered layouts (at most --max-models), an O(page) page or a clear; the
+routes never touch the index, the arena or the lock.
 """
 from __future__ import annotations
 
@@ -63,8 +62,7 @@ def metrics(s: Service) -> bytes:
 
 
 def model_names(s: Service) -> list[str]:
-    with s.lock:
-        return sorted({m for m, _ in s.layouts})
+    return list(s.models())
 
 
 def page(s: Service, model: str | None, after: int | None, limit: int) -> CachePage:
@@ -85,13 +83,12 @@ def clear(s: Service, model: str | None) -> int:
 
 
 def _models(s: Service) -> dict[str, list[dict]]:
-    with s.lock:
-        layouts = sorted(s.layouts.items())
-    models: dict[str, list[dict]] = {}
-    for (m, _), lay in layouts:
-        d = {f: getattr(lay, f) for f in lay.__struct_fields__ if f != "rope"}
-        d["rope"] = None if lay.rope is None else {
-            f: getattr(lay.rope, f) for f in lay.rope.__struct_fields__}
-        d["chunk_bytes"] = lay.chunk_bytes
-        models.setdefault(m, []).append(d)
-    return models
+    return {m: [_layout_dict(lay) for lay in lays] for m, lays in s.models().items()}
+
+
+def _layout_dict(lay) -> dict:
+    d = {f: getattr(lay, f) for f in lay.__struct_fields__ if f != "rope"}
+    d["rope"] = None if lay.rope is None else {
+        f: getattr(lay.rope, f) for f in lay.rope.__struct_fields__}
+    d["chunk_bytes"] = lay.chunk_bytes
+    return d

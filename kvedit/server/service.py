@@ -246,10 +246,7 @@ class Service:
             case P.GetLayout(model=model, tp_rank=tp):
                 return P.LayoutReply(layout=self.layouts.get((model, tp)))
             case P.ListModels():
-                models: dict[str, list[ModelLayout]] = {}
-                for (m, _), lay in sorted(self.layouts.items()):  # at most --max-models
-                    models.setdefault(m, []).append(lay)
-                return P.Models(models=models)
+                return P.Models(models=self._models())
             case P.Lookup():
                 return self._lookup(ident, holder, rid, req)
             case P.PrepareStore(model=model, keys=keys, tp_rank=tp):
@@ -451,6 +448,17 @@ class Service:
             "transfer_mode": "shm" if self.cfg.shm_name else "socket",
             "uptime_s": round(time.time() - self.started, 3),
         }
+
+    def models(self) -> dict[str, list[ModelLayout]]:
+        """The registered layouts by model name (at most --max-models): ListModels, /status."""
+        with self.lock:
+            return self._models()
+
+    def _models(self) -> dict[str, list[ModelLayout]]:
+        models: dict[str, list[ModelLayout]] = {}
+        for (m, _), lay in sorted(self.layouts.items()):
+            models.setdefault(m, []).append(lay)
+        return models
 
     def page(self, model: str | None, after: int | None, limit: int):
         """O(limit): one page of ready objects for GET /cache (see Index.page)."""
