@@ -52,3 +52,19 @@ def request_keys(model: str, layout: ModelLayout, tokens: Sequence[int] | np.nda
                  cache_salt: str = "") -> list[bytes]:
     """The keys the connector stores `tokens` under (and the SDK looks them up with)."""
     return chunk_keys(tokens, layout.chunk_size, namespace(model, layout, cache_salt))
+
+
+def query_key(ns: bytes, prompt_tokens: Sequence[int] | np.ndarray, window: int) -> bytes:
+    """Key of the captured queries of the last `window` tokens of a whole prompt (not only its
+    full chunks: the window may end in the partial last chunk). Shares the namespace with the
+    chunk keys (model, salt, layout, TP rank) but can never equal one: a chunk key hashes
+    prev-key || tokens, this one a fixed tag first."""
+    arr = np.asarray(prompt_tokens, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+        raise ValueError("token ids must be in [0, 2**32)")
+    if window <= 0:
+        raise ValueError(f"query window must be a positive number of tokens, got {window}")
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    h.update(b"kvedit-queries\0" + ns + int(window).to_bytes(4, "little")
+             + len(arr).to_bytes(8, "little") + arr.astype("<u4").tobytes())
+    return h.digest()
