@@ -295,7 +295,10 @@ def accuracy_chart(s: dict, path: Path) -> None:
 
     a = [s["accuracy"]["baseline"], s["accuracy"]["dropped"]]
     vals = [x["accuracy"] for x in a]
-    err = [[v - x["ci"][0] for v, x in zip(vals, a)], [x["ci"][1] - v for v, x in zip(vals, a)]]
+    # max(0, ...): at 0/N or N/N the Wilson bound can land a rounding step past the value,
+    # and matplotlib refuses a negative error bar (seen with random weights on the GPU).
+    err = [[max(0.0, v - x["ci"][0]) for v, x in zip(vals, a)],
+           [max(0.0, x["ci"][1] - v) for v, x in zip(vals, a)]]
     fig, ax = plt.subplots(figsize=(5.5, 4), dpi=120)
     bars = ax.bar(["baseline", f"{s['policy']} {s['ratio']:g}"], vals, yerr=err, capsize=6,
                   color=["#8c8c8c", "#2a7ab9"], width=0.55)
