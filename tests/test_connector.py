@@ -99,7 +99,64 @@ def test_stores_full_chunks_under_expected_keys(vllm_server, client, tiny_model)
     ref = hf_kv(tiny_model, prompt[: 3 * CHUNK])
     with client.retrieve(MODEL, keys) as got:
         stored = torch.cat([t.clone() for t in got.tensors], dim=2)
-    torch.testing.assert_close(stored, ref, atol=2e-3, rtol=2e-3)
+    assert_matches_reference_kv(stored, ref)
+
+
+def assert_matches_reference_kv(stored: torch.Tensor, ref: torch.Tensor) -> None:
+    """Stored float32 chunks [2, L, T, D] against transformers' float32 KV on the CPU.
+
+    vLLM on the CPU (CI): every layer within 2e-3, element-wise.
+    CUDA vLLM: layer 0 within the same 2e-3 (its K/V are projections of the embeddings and need
+    no attention; on the H200 they matched to 5e-6), layers > 0 within a relative (Frobenius)
+    error of 5e-3. float32 attention on CUDA runs in vLLM's Triton backend (FlashAttention has
+    no float32), and Triton computes float32 dots in TF32 (10-bit mantissa, ~3e-4 per op);
+    each later layer's K/V come from the attention output of the layers below, so the error
+    compounds with depth: measured 1.0e-3 to 1.5e-3 relative at layers 1-3 (docs/gpu.md),
+    up to 0.011 absolute on 2.9% of elements, which the element-wise 2e-3 rejects. A layout
+    or store bug (wrong token, head or K/V order) gives relative errors near 1 at every
+    layer, layer 0 included, so both checks still catch it.
+    """
+    if not _vllm_runs_on_cuda():
+        torch.testing.assert_close(stored, ref, atol=2e-3, rtol=2e-3)
+        return
+    torch.testing.assert_close(stored[:, 0], ref[:, 0], atol=2e-3, rtol=2e-3)
+    rel = [[float((stored[kv, layer] - ref[kv, layer]).norm() / ref[kv, layer].norm())
+            for layer in range(stored.shape[1])] for kv in (0, 1)]
+    assert max(max(r) for r in rel) < 5e-3, f"relative error per layer (K, V): {rel}"
+
+
+def _vllm_runs_on_cuda() -> bool:
+    """Whether the vLLM these tests start runs on a GPU: a CUDA build with a GPU present."""
+    from kvedit.harness.vllm_launch import _is_cpu_build
+
+    return not _is_cpu_build() and torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("on_cuda", [False, True])
+def test_reference_kv_tolerance(monkeypatch, on_cuda):
+    """The check above, on synthetic KV: the CPU path stays element-wise strict; the CUDA path
+    takes TF32-sized error in layers > 0 only; a swapped head fails on both."""
+    monkeypatch.setattr(f"{__name__}._vllm_runs_on_cuda", lambda: on_cuda)
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(2, 4, 64, 128, generator=g) * 3
+    assert_matches_reference_kv(ref + 1e-4 * torch.randn(ref.shape, generator=g), ref)
+    tf32 = ref.clone()
+    tf32[:, 1:] += 2e-3 * ref.std() * torch.randn(tf32[:, 1:].shape, generator=g)
+    rel = float((tf32[0, 3] - ref[0, 3]).norm() / ref[0, 3].norm())
+    assert 1e-3 < rel < 5e-3  # the size measured on the H200
+    if on_cuda:
+        assert_matches_reference_kv(tf32, ref)
+    else:
+        with pytest.raises(AssertionError):
+            assert_matches_reference_kv(tf32, ref)
+    deeper_only = ref.clone()
+    deeper_only[:, 0] += 0.05  # layer 0 needs no attention: stays strict on CUDA too
+    with pytest.raises(AssertionError):
+        assert_matches_reference_kv(deeper_only, ref)
+    swapped = ref.clone()
+    swapped[:, 2, :, :64], swapped[:, 2, :, 64:] = ref[:, 2, :, 64:], ref[:, 2, :, :64]
+    with pytest.raises(AssertionError):
+        assert_matches_reference_kv(swapped, ref)
 
 
 @pytest.mark.vllm

@@ -101,6 +101,13 @@ def _one(name, w, capacity, ctx, completion, eng, args, log) -> dict:
         drop = run_arm(ctx, completion, prompts, fn=DropMiddle(w.ratio), label=f"{name}-drop",
                        **common)
         pairs.append((base, drop))
+        # One line per round, so a run cut short still leaves its figures in the log.
+        log(f"[{name}] round {rep + 1}: decode {base['decode']['output_tput']:.1f} -> "
+            f"{drop['decode']['output_tput']:.1f} tok/s in {base['decode']['duration']:.1f} + "
+            f"{drop['decode']['duration']:.1f} s, gain "
+            f"{drop['decode']['output_tput'] / base['decode']['output_tput']:.3f} "
+            f"(bound {w.bound(capacity):.3f}); prefill {base['prefill']['duration']:.1f} s, "
+            f"modify {drop['modify']['duration']:.1f} s")
     base, drop = pairs[-1]
     b_tput = _median([b["decode"]["output_tput"] for b, _ in pairs])
     d_tput = _median([d["decode"]["output_tput"] for _, d in pairs])

@@ -43,6 +43,10 @@ def register(sub) -> None:
                         "dropped batch needs at once, so the unedited decode is "
                         "KV-memory-bound; 0: vLLM's own default)")
     g.add_argument("--l1-gb", type=float, default=1.0, help="kvedit server memory we start")
+    g.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for the vLLM we start, repeatable; on a GPU e.g. "
+                        "--vllm-arg=--load-format --vllm-arg=dummy (random weights at any "
+                        "size: the throughput chart means something, the accuracy does not)")
     w = p.add_argument_group("workload")
     w.add_argument("--policy", default="keydiff",
                    help="a name of kvedit.edits.POLICIES (default %(default)s)")
@@ -122,7 +126,8 @@ def run_demo(args) -> tuple[dict, Path]:
     with engines(server_url=args.server_url, server_http_url=args.server_http_url,
                  vllm_url=args.vllm_url, model=str(model_dir), served_model_name=served,
                  dtype=args.dtype, kv_tokens=kv_tokens, l1_size_gb=args.l1_gb, chunk_size=CHUNK,
-                 max_model_len=max(map(len, token_ids)) + w.max_tokens + 256) as eng:
+                 max_model_len=max(map(len, token_ids)) + w.max_tokens + 256,
+                 vllm_args=args.vllm_arg) as eng:
         ctx = kvedit.connect(eng.url, eng.http_url, eng.model, timeout=120)
         completion = kvedit.openai_completion(eng.vllm_url, eng.model)
         try:
@@ -290,7 +295,10 @@ def accuracy_chart(s: dict, path: Path) -> None:
 
     a = [s["accuracy"]["baseline"], s["accuracy"]["dropped"]]
     vals = [x["accuracy"] for x in a]
-    err = [[v - x["ci"][0] for v, x in zip(vals, a)], [x["ci"][1] - v for v, x in zip(vals, a)]]
+    # max(0, ...): at 0/N or N/N the Wilson bound can land a rounding step past the value,
+    # and matplotlib refuses a negative error bar (seen with random weights on the GPU).
+    err = [[max(0.0, v - x["ci"][0]) for v, x in zip(vals, a)],
+           [max(0.0, x["ci"][1] - v) for v, x in zip(vals, a)]]
     fig, ax = plt.subplots(figsize=(5.5, 4), dpi=120)
     bars = ax.bar(["baseline", f"{s['policy']} {s['ratio']:g}"], vals, yerr=err, capsize=6,
                   color=["#8c8c8c", "#2a7ab9"], width=0.55)

@@ -143,6 +143,21 @@ class PagedKV:
                                           self._split(src[kv, lo:hi], kv))
 
 
+def wait_for_device(device: torch.device) -> None:
+    """Wait for every stream on `device` (nothing on the CPU).
+
+    vLLM runs its forward on a stream of its own (vllm.utils.torch_utils.current_stream, a
+    non-blocking stream that does not order against the legacy default stream), and which
+    stream is current for the connector's code is vLLM's business. So the connector orders
+    its copies against the forward by waiting for the whole device: before gathering a step's
+    freshly written KV, and after scattering loaded KV (before the forward reads it and
+    before the server's lease on the source is released). On the first H200 run of the GPU
+    suite, without this, 5 of 40 tests saw all-zero stored chunks or wrong loaded KV; a
+    second run on the same machine passed all 40 (a race)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _same_run(layers: list[torch.Tensor], start: int, end: int) -> bool:
     """Does layer `end` continue the uniform-stride run of layers[start:end] in one storage?"""
     a, b = layers[start], layers[end]

@@ -16,7 +16,7 @@ import torch
 from kvedit.layout import ModelLayout
 from kvedit.vllm.link import ServerLink
 from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
-from kvedit.vllm.paged import PagedKV, pin_host
+from kvedit.vllm.paged import PagedKV, pin_host, wait_for_device
 from kvedit.vllm.settings import ConnectorSettings, model_layout
 
 logger = logging.getLogger("vllm.kvedit")
@@ -149,18 +149,22 @@ class PagedCopier:
             loaded = run.start
             if got.tensors:
                 self._pin(client, got.tensors[0])
-            for i, chunk in enumerate(got.tensors):
-                lo = max(run.start, (run.first + i) * c)
-                hi = min(run.end, (run.first + i + 1) * c)
-                src = chunk[:, :, lo - (run.first + i) * c: hi - (run.first + i) * c]
-                self.paged.scatter(self.paged.slots(run.block_ids, lo, hi),
-                                   src.to(self.paged.device))
-                loaded = hi
+            try:
+                for i, chunk in enumerate(got.tensors):
+                    lo = max(run.start, (run.first + i) * c)
+                    hi = min(run.end, (run.first + i + 1) * c)
+                    src = chunk[:, :, lo - (run.first + i) * c: hi - (run.first + i) * c]
+                    self.paged.scatter(self.paged.slots(run.block_ids, lo, hi),
+                                       src.to(self.paged.device, non_blocking=True))
+                    loaded = hi
+            finally:  # copies done before the forward reads them and the lease is released
+                wait_for_device(self.paged.device)
         return loaded
 
     def store_chunks(self, client, todo: dict[bytes, tuple[list[int], int]]) -> None:
         """Store the chunks of `todo`, in requests of at most the server's keys per request."""
         keys = list(todo)
+        wait_for_device(self.paged.device)  # the forward's KV writes, on vLLM's stream
         step = client.max_keys or len(keys)
         for i in range(0, len(keys), step):
             self._store_batch(client, keys[i:i + step], todo)
@@ -172,15 +176,21 @@ class PagedCopier:
         with client.prepare_store(self.model, keys, tp_rank=self.tp_rank) as handle:
             if handle.buffers:
                 self._pin(client, handle.buffers[0])
-            for j, buf in handle.writable():  # refused past the server's write TTL
-                block_ids, chunk = todo[keys[j]]
-                slots = self.paged.slots(block_ids, chunk * c, (chunk + 1) * c)
-                if on_host:  # gather straight into the server's shared memory
-                    self.paged.gather(slots, buf)
-                else:
-                    staged = torch.empty(buf.shape, dtype=buf.dtype, device=self.paged.device)
-                    self.paged.gather(slots, staged)
-                    buf.copy_(staged)
+            try:
+                for j, buf in handle.writable():  # refused past the server's write TTL
+                    block_ids, chunk = todo[keys[j]]
+                    slots = self.paged.slots(block_ids, chunk * c, (chunk + 1) * c)
+                    if on_host:  # gather straight into the server's shared memory
+                        self.paged.gather(slots, buf)
+                    else:
+                        staged = torch.empty(buf.shape, dtype=buf.dtype,
+                                             device=self.paged.device)
+                        self.paged.gather(slots, staged)
+                        # Queued, not waited for: the next chunk's slots and gather are set
+                        # up while this copy runs (staged is reused only on this stream).
+                        buf.copy_(staged, non_blocking=True)
+            finally:  # every copy landed before the commit (or the abort frees the slots)
+                wait_for_device(self.paged.device)
 
     def _pin(self, client, buf: torch.Tensor) -> None:
         """On a GPU, page-lock the server's shared-memory segment once (DMA copies run about
