@@ -117,6 +117,7 @@ class L2Tier:
         self._queue: collections.deque[_Write] = collections.deque()
         self._queued_bytes = 0
         self._queued: dict[int, _Write] = {}   # id(obj) -> its queued write (slot reads)
+        self._writing = 0                        # 1 while the writer sends one
         self._probes: queue.SimpleQueue[Probe | None] = queue.SimpleQueue()
         self._probes_queued = 0
         self._events: queue.SimpleQueue = queue.SimpleQueue()
@@ -210,7 +211,8 @@ class L2Tier:
         with self._lock:
             d = {f"l2_{k}": v for k, v in asdict(self.counters).items()}
             d |= {"l2_up": int(self.up), "l2_queue_depth": len(self._queue),
-                  "l2_queue_bytes": self._queued_bytes, "l2_probes_queued": self._probes_queued}
+                  "l2_queue_bytes": self._queued_bytes, "l2_probes_queued": self._probes_queued,
+                  "l2_writing": self._writing}
         return d
 
     # ---- write-behind -------------------------------------------------------------------
@@ -238,6 +240,7 @@ class L2Tier:
                 if not self.up:
                     return None            # the caller pings (with backoff) first
                 if self._queue:
+                    self._writing = 1
                     return self._take(self._queue.popleft())
                 self._cv.wait()
         return None
@@ -263,8 +266,11 @@ class L2Tier:
                 continue
             try:
                 self._write(w)
+                with self._lock:
+                    self._writing = 0
             except ERRORS as e:
                 with self._cv:            # back at the front: it is the oldest
+                    self._writing = 0
                     self._queue.appendleft(w)
                     self._queued_bytes += w.nbytes
                     self._queued[id(w.obj)] = w
@@ -273,6 +279,8 @@ class L2Tier:
                         self.counters.write_dropped += 1
                 self._went_down(e)
             except Exception:               # a bug must not stop the tier
+                with self._lock:
+                    self._writing = 0
                 log.exception("internal error in the L2 writer")
 
     def _write(self, w: _Write) -> None:

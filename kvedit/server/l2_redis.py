@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgspec
@@ -30,6 +31,7 @@ META = struct.Struct("<8sQI")        # format tag, payload bytes, crc32
 META_TAG = b"kvedit.1"
 META_SUFFIX = b":m"
 ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)   # Redis down or slow
+_CRC = ThreadPoolExecutor(1, thread_name_prefix="kvedit-l2-crc")   # overlaps CRC and send
 
 
 class L2ProtocolError(redis.ConnectionError):
@@ -85,15 +87,30 @@ class RedisChunks:
         self.client.ping()
 
     def put(self, rkey: bytes, view) -> int:
-        """Write one chunk (payload from `view`, a buffer over its slot) and its meta
-        atomically -> its crc."""
-        crc = checksum(view)
-        with self.client.pipeline(transaction=True) as p:
-            p.set(rkey, memoryview(view).cast("B"), ex=self.ttl)
-            p.set(rkey + META_SUFFIX, pack_meta(len(memoryview(view).cast("B")), crc),
-                  ex=self.ttl)
-            p.execute()
-        return crc
+        """Write one chunk (payload from `view`, a buffer over its slot) and its meta in one
+        MULTI/EXEC -> its crc. The CRC is computed on another thread while the payload is
+        being sent (both release the GIL), so it costs little beyond the SET itself; the
+        meta that carries it goes last, before EXEC."""
+        mv = memoryview(view).cast("B")
+        crc = _CRC.submit(checksum, mv)
+        ex = ("EX", self.ttl) if self.ttl else ()
+        conn = self.pool.get_connection()
+        try:
+            conn.send_command("MULTI")
+            conn.send_command("SET", rkey, mv, *ex)
+            conn.send_command("SET", rkey + META_SUFFIX, pack_meta(len(mv), crc.result()), *ex)
+            conn.send_command("EXEC")
+            replies = [conn.read_response() for _ in range(4)]
+        except BaseException:
+            conn.disconnect()      # the transaction is discarded with the connection
+            raise
+        finally:
+            if not crc.done():
+                crc.result()       # never leave the CRC reading a slot after we return
+            self.pool.release(conn)
+        if not isinstance(replies[-1], list) or len(replies[-1]) != 2:
+            raise L2ProtocolError(f"MULTI/EXEC of a chunk answered {replies!r:.200}")
+        return crc.result()
 
     def delete(self, rkey: bytes) -> None:
         self.client.delete(rkey, rkey + META_SUFFIX)
