@@ -312,3 +312,22 @@ def test_bad_l2_flags_are_refused_at_start(flags, message):
                         "--http-port", str(free_port()), *flags],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and message in p.stderr
+
+
+def test_layout_with_rope_parameters_round_trips(redis_srv):
+    """Registered layouts carry RoPE parameters (a dict inside): keys are still named."""
+    from kvedit.layout import RopeParams
+    lay = SMALL.__class__(num_layers=2, num_kv_heads=1, head_dim=64, dtype="float32",
+                          chunk_size=256, rope=RopeParams(theta=1e6, rotary_dim=64,
+                                                          rope_type="llama3",
+                                                          scaling={"factor": 8.0}))
+    keys = [key(i, "rope") for i in range(2)]
+    with l2_server(redis_srv.url) as a, l2_server(redis_srv.url) as b, \
+            KVClient(a.url) as ca, KVClient(b.url) as cb:
+        ca.register("r", lay)
+        ca.store("r", keys, [chunk_for(k, lay) for k in keys])
+        wait_for(a, lambda c: c["l2_writes"] == 2)
+        cb.register("r", lay)
+        assert cb.lookup("r", keys) == 2
+        with cb.retrieve("r", keys) as got:
+            assert [matches(k, t, lay) for k, t in zip(keys, got.tensors)] == [True, True]

@@ -212,7 +212,9 @@ def write_modes(redis_proc, n: int) -> dict:
 
 
 def ttft_two_engines(url: str, tokens: int = 4096, rounds: int = 4) -> dict:
-    """A prompt prefilled on engine A is served to engine B from L2, vs recomputed on B."""
+    """Prompts prefilled on engine A (server A) are served to engine B (server B, empty
+    memory) from L2, vs fresh prompts recomputed on B, in alternation. One vLLM at a time
+    (A stops before B starts): the hand-off goes through Redis alone."""
     import random
 
     from kvedit.bench.connector import _complete
@@ -227,26 +229,28 @@ def ttft_two_engines(url: str, tokens: int = 4096, rounds: int = 4) -> dict:
     def fresh() -> list[int]:
         return [rng.randrange(10, 8000) for _ in range(tokens)]
 
-    kw = dict(max_model_len=max(8192, tokens + 16), dtype="float32", dev_mode=True)
+    kw = dict(max_model_len=max(8192, tokens + 16), dtype="float32", dev_mode=True,
+              kv_cache_gib=0.5)
     args = ["--l2-url", url, "--l2-lookup-wait", "1.5"]
+    prompts = [fresh() for _ in range(rounds)]
     hit, recompute, cached = [], [], []
     with start_server(1.0, extra_args=args) as sa, start_server(1.0, extra_args=args) as sb, \
-            KVClient(sa.url) as ca, start_vllm(model, server=sa, **kw) as va, \
-            start_vllm(model, server=sb, **kw) as vb:
-        print("kvedit bench l2: two vLLMs up, measuring", file=sys.stderr)
-        for vp in (va, vb):
-            _complete(vp, fresh())                 # warm-up
-        for _ in range(rounds):
-            p = fresh()
-            before = ca.stats()["l2_writes"]
-            _complete(va, p)                       # prefill on A: stored, written behind
-            _wait_counter(ca, "l2_writes", before + tokens // 256)
-            recompute.append(_complete(vb, fresh())[0])
-            dt, usage = _complete(vb, p)           # B has never seen p: its chunks from L2
-            hit.append(dt)
-            cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+            KVClient(sa.url) as ca, KVClient(sb.url) as cb:
+        with start_vllm(model, server=sa, **kw) as va:
+            for p in prompts:                      # prefill on A: stored, written behind
+                _complete(va, p)
+            _wait_counter(ca, "l2_writes", rounds * (tokens // 256))
+        with start_vllm(model, server=sb, **kw) as vb:
+            print("kvedit bench l2: engine B up, measuring", file=sys.stderr)
+            _complete(vb, fresh())                 # warm-up
+            for p in prompts:
+                recompute.append(_complete(vb, fresh())[0])
+                dt, usage = _complete(vb, p)       # B has never seen p: its chunks from L2
+                hit.append(dt)
+                cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+            promoted = cb.stats()["l2_hits"]
     med = statistics.median
     return {"ttft_prompt_tokens": tokens, "ttft_model": "tiny-qwen3 (float32, CPU)",
             "l2_hit_ttft_median_s": med(hit), "recompute_ttft_median_s": med(recompute),
-            "l2_hit_cached_tokens": min(cached),
+            "l2_hit_cached_tokens": min(cached), "l2_chunks_promoted_on_b": promoted,
             "l2_hit_ttft_vs_recompute": med(h / r for h, r in zip(hit, recompute))}

@@ -92,7 +92,7 @@ def _l2(s: Service, snap: dict) -> dict:
             **{k: snap["l2_" + k] for k in ("hits", "misses", "corrupt", "writes",
                                             "write_dropped", "write_skipped", "errors",
                                             "outages")},
-            "promotions_queued": snap["l2_probes_queued"]}
+            "writing": snap["l2_writing"], "promotions_queued": snap["l2_probes_queued"]}
 
 
 def _models(s: Service) -> dict[str, list[dict]]:

@@ -31,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
+import msgspec
+
 from kvedit.layout import ModelLayout
 from kvedit.server.config import redacted
 from kvedit.server.l2_redis import ERRORS, RedisChunks, layout_tag, redis_key
@@ -121,7 +123,7 @@ class L2Tier:
         self._probes: queue.SimpleQueue[Probe | None] = queue.SimpleQueue()
         self._probes_queued = 0
         self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self._tags: dict[ModelLayout, str] = {}
+        self._tags: dict[bytes, str] = {}   # encoded layout -> tag (layouts hold dicts: no hash)
         self._stop = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -169,9 +171,12 @@ class L2Tier:
                 return out
 
     def rkey(self, model: str, tp_rank: int, layout: ModelLayout, key: bytes) -> bytes:
-        tag = self._tags.get(layout)
+        enc = msgspec.msgpack.encode(layout)
+        tag = self._tags.get(enc)
         if tag is None:
-            tag = self._tags[layout] = layout_tag(layout)
+            if len(self._tags) > 4096:   # layouts come and go with registrations: stay bounded
+                self._tags.clear()
+            tag = self._tags[enc] = layout_tag(layout)
         return redis_key(self.prefix, model, tag, tp_rank, key)
 
     def write_behind(self, objs: list, layout: ModelLayout) -> None:
