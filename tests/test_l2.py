@@ -214,6 +214,12 @@ def test_redis_sigkilled_mid_run_then_restarted_catches_up(redis_srv):
         assert st["counters"]["l2_errors"] >= 1 and st["counters"]["l2_write_dropped"] == 0
         # caught up: what was stored during the outage is in the new Redis
         assert in_redis(redis_srv.url, [k for b in batches[4:] for k in b]) == [True] * 16
+        # and reads work again on the reader's connection: drop from L1, promote from Redis
+        hits = st["counters"]["l2_hits"]
+        assert c.delete(MODEL, batches[5]) == 2
+        assert c.lookup(MODEL, batches[5]) == 2
+        assert retrieved_match(c, batches[5]) == [True, True]
+        assert status(s)["counters"]["l2_hits"] == hits + 2
         assert "unreachable" in s.log() and "reachable again" in s.log()
 
 
