@@ -30,7 +30,8 @@ MIB = 1 << 20
 
 def register(bsub) -> None:
     p = bsub.add_parser("l2", help="Redis second tier: write-behind / promotion vs redis-py, "
-                        "write on commit vs evict, L2-hit TTFT", description=__doc__.splitlines()[0])
+                        "write on commit vs evict, L2-hit TTFT",
+                        description=__doc__.splitlines()[0])
     p.add_argument("--chunks", type=int, default=16,
                    help="36 MiB chunks per round (default 16 = one 4096-token prompt)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per path; the best counts")

@@ -49,7 +49,7 @@ class ServerConfig:
     authenticated: bool = False       # a secret is in use (the secret itself is never here)
     insecure: bool = False            # allow a non-loopback host without a secret
     # ---- second tier on Redis (issue 12; docs/l2.md) ----
-    l2_url: str = ""                  # redis://[user:pass@]host:port/db, rediss://, unix://; "" = off
+    l2_url: str = ""                  # redis://[user:pass@]host:port/db, rediss://, unix://
     l2_prefix: str = "kvedit"         # first part of every Redis key
     l2_ttl: float = 0.0               # seconds a chunk lives in Redis (EX); 0 = no expiry
     l2_write_on: str = "commit"       # write behind on commit (default) or on eviction from L1

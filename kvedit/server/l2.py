@@ -10,7 +10,7 @@ Two threads, each with its own Redis connection, so the ZMQ loop never waits on 
 - the reader answers probes: a lookup whose leading keys miss L1 is parked by the service and
   handed here; the reader MGETs their metas, and for each leading hit allocates an L1 slot
   (a WRITING store of the service's own), reads the payload straight into it, checks the
-  CRC and commits (publish). The commit wakes parked lookups through the service's waiter
+  checksum and commits (publish). The commit wakes parked lookups through the service's waiter
   mechanism; when the probe ends the service answers the lookup that asked for it.
 
 Degrades, never breaks: a Redis error marks the tier down (logged once per outage, counted);
@@ -97,7 +97,7 @@ class L2Counters:
     hits: int = 0             # chunks found in L2 and promoted into L1
     misses: int = 0           # probes that stopped at a key L2 does not hold
     promoted_bytes: int = 0
-    corrupt: int = 0          # records whose length or CRC did not match: treated as misses
+    corrupt: int = 0          # records whose length or checksum did not match: treated as misses
     writes: int = 0           # chunks written to L2
     write_bytes: int = 0
     write_dropped: int = 0    # dropped from the full write-behind queue (oldest first)

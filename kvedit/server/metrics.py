@@ -75,7 +75,7 @@ def _l2_families(s: dict):
             ("hits", "l2_hits", "chunks found in L2 and promoted into L1"),
             ("misses", "l2_misses", "L2 probes that stopped at a chunk L2 does not hold"),
             ("promoted_bytes", "l2_promoted_bytes", "bytes promoted from L2 into L1"),
-            ("corrupt", "l2_corrupt", "L2 records with a wrong length or CRC (served as misses)"),
+            ("corrupt", "l2_corrupt", "L2 records with a wrong length or checksum (misses)"),
             ("writes", "l2_writes", "chunks written to L2"),
             ("write_bytes", "l2_write_bytes", "bytes written to L2"),
             ("write_dropped", "l2_write_dropped", "writes dropped from the full write-behind "
