@@ -292,13 +292,15 @@ def test_status_metrics_and_config(redis_srv):
         cb.register(MODEL, SMALL)
         assert cb.lookup(MODEL, keys + [key(7, "met")]) == 3
         st = status(b)
-        assert {k: st["l2"][k] for k in ("up", "hits", "misses", "writes", "errors")} == \
-            {"up": True, "hits": 3, "misses": 1, "writes": 0, "errors": 0}
+        assert {k: st["l2"][k] for k in ("up", "probes", "hits", "misses", "writes",
+                                         "errors")} == \
+            {"up": True, "probes": 1, "hits": 3, "misses": 1, "writes": 0, "errors": 0}
         with urllib.request.urlopen(b.http_url + "/metrics", timeout=10) as r:
             text = r.read().decode()
         values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
                   if line.startswith("kvedit_l2_")}
         assert values["kvedit_l2_hits_total"] == 3 and values["kvedit_l2_misses_total"] == 1
+        assert values["kvedit_l2_probes_total"] == 1
         assert values["kvedit_l2_up"] == 1 and values["kvedit_l2_queue_depth"] == 0
     with start_server(0.05, extra_args=["--l2-url", secret_url, "--l2-timeout", "1"]) as s:
         with urllib.request.urlopen(s.http_url + "/config", timeout=10) as r:

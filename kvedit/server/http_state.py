@@ -89,7 +89,7 @@ def _l2(s: Service, snap: dict) -> dict:
     return {"url": redacted(c.l2_url), "up": bool(snap["l2_up"]), "write_on": c.l2_write_on,
             "queue": {"depth": snap["l2_queue_depth"], "bytes": snap["l2_queue_bytes"],
                       "max_bytes": int(c.l2_write_queue_mb * (1 << 20))},
-            **{k: snap["l2_" + k] for k in ("hits", "misses", "corrupt", "writes",
+            **{k: snap["l2_" + k] for k in ("probes", "hits", "misses", "corrupt", "writes",
                                             "write_dropped", "write_skipped", "errors",
                                             "outages")},
             "writing": snap["l2_writing"], "promotions_queued": snap["l2_probes_queued"]}

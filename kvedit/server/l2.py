@@ -94,7 +94,8 @@ class ProbeDone:
 @dataclass(slots=True)
 class L2Counters:
     """What /status and /metrics show about the tier (one owner: this module)."""
-    hits: int = 0             # chunks found in L2 and promoted into L1
+    probes: int = 0           # lookups that fell through to L2 (one MGET each)
+    hits: int = 0             # chunks found in L2 and promoted into L1 (= promotions)
     misses: int = 0           # probes that stopped at a key L2 does not hold
     promoted_bytes: int = 0
     corrupt: int = 0          # records whose length or checksum did not match: treated as misses
@@ -325,6 +326,8 @@ class L2Tier:
         redis_ = self._reader_redis
         rkeys = [self.rkey(p.model, p.tp_rank, p.layout, k) for k in p.keys]
         metas = redis_.probe(rkeys)
+        with self._lock:
+            self.counters.probes += 1
         nbytes = p.layout.chunk_bytes
         for key, rkey, meta in zip(p.keys, rkeys, metas):
             if time.monotonic() > p.deadline:

@@ -72,7 +72,8 @@ def _l2_families(s: dict):
     yield GaugeMetricFamily("kvedit_l2_queue_bytes", "bytes waiting to be written to L2",
                             value=s["l2_queue_bytes"])
     for name, key, doc in (
-            ("hits", "l2_hits", "chunks found in L2 and promoted into L1"),
+            ("probes", "l2_probes", "lookups that fell through to L2"),
+            ("hits", "l2_hits", "chunks found in L2 and promoted into L1 (promotions)"),
             ("misses", "l2_misses", "L2 probes that stopped at a chunk L2 does not hold"),
             ("promoted_bytes", "l2_promoted_bytes", "bytes promoted from L2 into L1"),
             ("corrupt", "l2_corrupt", "L2 records with a wrong length or checksum (misses)"),
