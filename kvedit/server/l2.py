@@ -101,6 +101,7 @@ class L2Counters:
     corrupt: int = 0          # records whose length or checksum did not match: treated as misses
     writes: int = 0           # chunks written to L2
     write_bytes: int = 0
+    write_seconds: float = 0.0   # the writer's time in writes (checks, hash, MULTI/EXEC)
     write_dropped: int = 0    # dropped from the full write-behind queue (oldest first)
     write_skipped: int = 0    # evicted/deleted before (or while) being written
     errors: int = 0           # Redis operations that failed (down, timeout, protocol)
@@ -290,6 +291,14 @@ class L2Tier:
                 log.exception("internal error in the L2 writer")
 
     def _write(self, w: _Write) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._write_one(w)
+        finally:
+            with self._lock:
+                self.counters.write_seconds += time.perf_counter() - t0
+
+    def _write_one(self, w: _Write) -> None:
         if w.data is None and not self.host.l2_is_live(w.obj):
             with self._lock:
                 self.counters.write_skipped += 1

@@ -79,6 +79,7 @@ def _l2_families(s: dict):
             ("corrupt", "l2_corrupt", "L2 records with a wrong length or checksum (misses)"),
             ("writes", "l2_writes", "chunks written to L2"),
             ("write_bytes", "l2_write_bytes", "bytes written to L2"),
+            ("write_seconds", "l2_write_seconds", "the writer's time spent writing to L2"),
             ("write_dropped", "l2_write_dropped", "writes dropped from the full write-behind "
                                                   "queue (oldest first)"),
             ("write_skipped", "l2_write_skipped", "writes skipped: evicted or deleted first"),
