@@ -72,14 +72,15 @@ def _chunks(layout, n: int):
                           dtype=torch.int16).view(torch.bfloat16) for _ in range(n)]
 
 
-def _wait_counter(client, name: str, value: int, timeout: float = 300.0) -> None:
-    """Until the server's stats show counter `name` >= value (ZMQ Stats: a cheap O(1) call,
-    every 2 ms; the write-behind thread does the work meanwhile)."""
+def _wait_counter(client, name: str, value: int, timeout: float = 300.0,
+                  poll: float = 0.02) -> None:
+    """Until the server's stats show counter `name` >= value (ZMQ Stats, an O(1) call, every
+    `poll` s: rarely, as each one takes the server's GIL and lock from the writer thread)."""
     deadline = time.monotonic() + timeout
     while client.stats()[name] < value:
         if time.monotonic() > deadline:
             raise RuntimeError(f"bench l2: {name} stayed below {value}: {client.stats()}")
-        time.sleep(0.002)
+        time.sleep(poll)
 
 
 def throughput(url: str, n: int, rounds: int) -> dict:
