@@ -223,6 +223,28 @@ def test_redis_sigkilled_mid_run_then_restarted_catches_up(redis_srv):
         assert "unreachable" in s.log() and "reachable again" in s.log()
 
 
+def test_hung_redis_times_out_and_lookups_answer_from_l1(redis_srv):
+    """SIGSTOP: Redis accepts nothing and answers nothing (a slow Redis). Lookups that would
+    fall through are answered within --l2-timeout (no error), stores go on, and once Redis
+    runs again the queued writes land."""
+    keys = [key(i, "hung") for i in range(4)]
+    with l2_server(redis_srv.url, 0.05, "--l2-timeout", "1", "--l2-lookup-wait", "1") as s, \
+            KVClient(s.url, timeout=10) as c:
+        store(c, keys[:2])
+        wait_for(s, lambda x: x["l2_writes"] == 2)
+        redis_srv.pause()
+        try:
+            assert c.lookup(MODEL, keys) == 2           # the probe hangs; L1 answers
+            c.store(MODEL, keys[2:], [chunk_for(k) for k in keys[2:]])
+            assert c.lookup(MODEL, keys) == 4
+            st = wait_for(s, lambda x: x["l2_up"] == 0)
+            assert st["counters"]["l2_errors"] >= 1
+        finally:
+            redis_srv.resume()
+        wait_for(s, lambda x: x["l2_up"] == 1 and x["l2_writes"] == 4)
+    assert in_redis(redis_srv.url, keys) == [True] * 4
+
+
 def test_write_behind_queue_is_bounded_and_drops_the_oldest(redis_srv):
     keys = [key(i, "bound") for i in range(10)]
     redis_srv.kill()

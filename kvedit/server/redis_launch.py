@@ -4,6 +4,7 @@ crashed cache would be. Stopped by its PID, never by name."""
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -74,10 +75,18 @@ class RedisProcess:
             self.proc.wait()
         self.proc = None
 
+    def pause(self) -> None:
+        """SIGSTOP: Redis hangs (connections stay open, nothing answers): a slow Redis."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self, timeout: float = 5.0) -> None:
         if self.proc is None:
             return
         if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)   # a paused one cannot act on SIGTERM
             self.proc.terminate()
             try:
                 self.proc.wait(timeout)
