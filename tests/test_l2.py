@@ -138,6 +138,19 @@ def test_parked_lookup_answered_when_chunks_arrive_from_l2(redis_srv):
         assert retrieved_match(cb, keys) == [True] * 5
 
 
+def test_lookup_wait_zero_promotes_in_the_background(redis_srv):
+    keys = [key(i, "bg") for i in range(3)]
+    with l2_server(redis_srv.url) as a, KVClient(a.url) as ca:
+        store(ca, keys)
+        wait_for(a, lambda c: c["l2_writes"] == 3)
+    with l2_server(redis_srv.url, 0.05, "--l2-lookup-wait", "0") as b, KVClient(b.url) as cb:
+        cb.register(MODEL, SMALL)
+        assert cb.lookup(MODEL, keys) == 0          # answered from L1 at once
+        wait_for(b, lambda c: c["l2_hits"] == 3)    # ... while the chunks are promoted
+        assert cb.lookup(MODEL, keys) == 3
+        assert retrieved_match(cb, keys) == [True] * 3
+
+
 def test_corrupt_or_truncated_records_are_misses(redis_srv):
     import redis
     keys = [key(i, "bad") for i in range(4)]

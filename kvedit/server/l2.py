@@ -40,6 +40,8 @@ from kvedit.server.l2_redis import ERRORS, RedisChunks, layout_tag, redis_key
 log = logging.getLogger("kvedit.server")
 BACKOFF_MIN, BACKOFF_MAX = 0.2, 5.0   # seconds between pings while Redis is unreachable
 MAX_PROBES = 256                      # probes queued for the reader; beyond, L1 answers alone
+PROMOTE_FOR = 60.0                    # seconds a probe keeps promoting, even after its lookup
+                                      # was answered (the next lookup then hits L1)
 
 
 # ---- what the tier needs from the service ----------------------------------------------
@@ -77,7 +79,7 @@ class Probe:
     tp_rank: int
     layout: ModelLayout
     keys: list[bytes]         # the leading keys that missed L1, in order
-    deadline: float           # monotonic: stop promoting past it (the lookup was answered)
+    deadline: float           # monotonic: stop promoting past it (a stale probe)
     waiter: Any = None        # the parked lookup to answer when done
 
 

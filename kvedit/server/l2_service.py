@@ -14,7 +14,7 @@ import time
 
 from kvedit import protocol as P
 from kvedit.server.index import PoolFull, Refused
-from kvedit.server.l2 import Fill, FillRefusal, L2Tier, Probe, ProbeDone, Promoted
+from kvedit.server.l2 import PROMOTE_FOR, Fill, FillRefusal, L2Tier, Probe, ProbeDone, Promoted
 from kvedit.server.waiters import TooManyWaits, Waiter
 
 log = logging.getLogger("kvedit.server")
@@ -44,7 +44,7 @@ class L2Methods:
         no_wait = req.wait_timeout <= 0
         wait = self.cfg.l2_lookup_wait if no_wait else req.wait_timeout
         lay = self.layouts[(req.model, req.tp_rank)]
-        probe = Probe(req.model, req.tp_rank, lay, req.keys[n:], now + wait)
+        probe = Probe(req.model, req.tp_rank, lay, req.keys[n:], now + max(wait, PROMOTE_FOR))
         if no_wait and wait <= 0:   # promote in the background; this lookup answers now
             self.l2.probe(probe)
             return self._l2_count(req, n)
