@@ -149,7 +149,7 @@ class L2Tier:
             self._cv.notify_all()
         self._probes.put(None)
         for t in self._threads:
-            t.join(5)
+            t.join(2)   # daemon threads: a hung Redis must not hold up shutdown
         self._writer_redis.close()
         self._reader_redis.close()
         self._wake_r.close()

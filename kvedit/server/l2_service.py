@@ -69,7 +69,13 @@ class L2Methods:
 
     def _l2_events(self) -> None:
         """Handle what the L2 threads posted (under the lock, on the loop thread)."""
-        for ev in self.l2.events():
+        try:
+            self._l2_handle(self.l2.events())
+        except Exception:   # a bug must not take the server (and its data) down
+            log.exception("internal error handling L2 events")
+
+    def _l2_handle(self, events: list) -> None:
+        for ev in events:
             if isinstance(ev, Promoted):
                 self._wake(ev.idents)
             elif isinstance(ev, ProbeDone) and ev.waiter is not None:
