@@ -258,6 +258,40 @@ def test_hung_redis_times_out_and_lookups_answer_from_l1(redis_srv):
     assert in_redis(redis_srv.url, keys) == [True] * 4
 
 
+def test_server_stops_cleanly_while_redis_hangs(redis_srv):
+    keys = [key(i, "stop") for i in range(2)]
+    s = l2_server(redis_srv.url, 0.05, "--l2-timeout", "3")
+    try:
+        with KVClient(s.url) as c:
+            store(c, keys[:1])
+            wait_for(s, lambda x: x["l2_writes"] == 1)
+            redis_srv.pause()
+            c.store(MODEL, keys[1:], [chunk_for(keys[1])])   # its write hangs in the writer
+            assert c.lookup(MODEL, [key(9, "stop")]) == 0    # so does this probe
+    finally:
+        rc = s.stop(timeout=10)   # SIGTERM; SIGKILL after 10 s would give -9
+        redis_srv.resume()
+    assert rc == 0
+
+
+def test_redis_password_auth(tmp_path):
+    keys = [key(i, "auth") for i in range(2)]
+    with RedisProcess(password="s3cret-pw") as r:
+        with l2_server(r.url) as a, KVClient(a.url) as ca:
+            store(ca, keys)
+            wait_for(a, lambda c: c["l2_writes"] == 2)
+            assert "s3cret-pw" not in json.dumps(status(a)) and "s3cret-pw" not in a.log()
+        wrong = r.url.replace("s3cret-pw", "wrong")
+        with l2_server(wrong, 0.05, "--l2-timeout", "1") as b, KVClient(b.url) as cb:
+            cb.register(MODEL, SMALL)
+            assert cb.lookup(MODEL, keys) == 0            # refused by Redis: a miss, no error
+            st = wait_for(b, lambda c: c["l2_up"] == 0)
+            assert st["counters"]["l2_errors"] >= 1
+        with l2_server(r.url) as b, KVClient(b.url) as cb:
+            cb.register(MODEL, SMALL)
+            assert cb.lookup(MODEL, keys) == 2
+
+
 def test_write_behind_queue_is_bounded_and_drops_the_oldest(redis_srv):
     keys = [key(i, "bound") for i in range(10)]
     redis_srv.kill()

@@ -25,13 +25,15 @@ class RedisProcess:
     same port, `.stop()` (SIGTERM, then SIGKILL)."""
 
     def __init__(self, port: int | None = None, maxmemory_mb: int = 0,
-                 startup_timeout: float = 10.0):
+                 startup_timeout: float = 10.0, password: str | None = None):
         exe = redis_server_path()
         if exe is None:
             raise RuntimeError(INSTALL_HINT)
         self.exe, self.port = exe, port or free_port()
         self.maxmemory_mb = maxmemory_mb
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.password = password
+        auth = f":{password}@" if password else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
         self.startup_timeout = startup_timeout
         self.log_path = Path(tempfile.mkstemp(prefix=f"redis-{self.port}-", suffix=".log")[1])
@@ -41,13 +43,16 @@ class RedisProcess:
         args = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no",
                 "--logfile", str(self.log_path)]
+        if self.password:
+            args += ["--requirepass", self.password]
         if self.maxmemory_mb:
             args += ["--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", "allkeys-lru"]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.STDOUT)
         import redis
         deadline = time.monotonic() + self.startup_timeout
-        client = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1)
+        client = redis.Redis(port=self.port, password=self.password, socket_timeout=1,
+                             socket_connect_timeout=1)
         try:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
