@@ -274,6 +274,20 @@ def test_server_stops_cleanly_while_redis_hangs(redis_srv):
     assert rc == 0
 
 
+def test_full_redis_refusing_writes_is_counted_not_fatal():
+    """maxmemory 1 MiB with noeviction: Redis answers OOM to the writes (it is up). They are
+    dropped and counted, logged once; the server keeps serving from L1."""
+    keys = [key(i, "oom") for i in range(8)]
+    with RedisProcess(maxmemory_mb=1, maxmemory_policy="noeviction") as r, \
+            l2_server(r.url) as s, KVClient(s.url) as c:
+        store(c, keys)
+        st = wait_for(s, lambda x: x["l2_writes"] + x["l2_write_dropped"] == 8)
+        assert st["counters"]["l2_write_dropped"] >= 4 and st["counters"]["l2_up"] == 1
+        assert st["counters"]["l2_errors"] == st["counters"]["l2_write_dropped"]
+        assert retrieved_match(c, keys) == [True] * 8
+        assert s.log().count("refused a write") == 1
+
+
 def test_redis_password_auth(tmp_path):
     keys = [key(i, "auth") for i in range(2)]
     with RedisProcess(password="s3cret-pw") as r:

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
 import msgspec
+import redis
 
 from kvedit.layout import ModelLayout
 from kvedit.server.config import redacted
@@ -129,6 +130,7 @@ class L2Tier:
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._tags: dict[bytes, str] = {}   # encoded layout -> tag (layouts hold dicts: no hash)
         self._stop = False
+        self._logged: set[str] = set()           # kinds of Redis refusals already logged
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -287,6 +289,11 @@ class L2Tier:
                         self._take(self._queue.popleft())   # still bounded: oldest first
                         self.counters.write_dropped += 1
                 self._went_down(e)
+            except redis.RedisError as e:   # Redis refused this write (OOM, ACL, ...): dropped
+                with self._lock:
+                    self._writing = 0
+                    self.counters.write_dropped += 1
+                self._refused("write", e)
             except Exception:               # a bug must not stop the tier
                 with self._lock:
                     self._writing = 0
@@ -326,6 +333,8 @@ class L2Tier:
                     self._promote(p)
             except ERRORS as e:
                 self._went_down(e)
+            except redis.RedisError as e:   # Redis refused the probe or read: a miss
+                self._refused("read", e)
             except Exception:
                 log.exception("internal error in the L2 reader")
             finally:
@@ -395,6 +404,18 @@ class L2Tier:
             self._cv.notify_all()
         log.info("L2 Redis %s reachable again after %.1f s; catching up on %d queued write(s)",
                  redacted(self.url), down, depth)
+
+    def _refused(self, op: str, e: Exception) -> None:
+        """Redis answered with an error (it is up): count it; log each kind once."""
+        kind = f"{op}:{str(e).split(' ', 1)[0][:40]}"
+        with self._lock:
+            self.counters.errors += 1
+            first = kind not in self._logged and len(self._logged) < 64
+            if first:
+                self._logged.add(kind)
+        if first:
+            log.warning("L2 Redis %s refused a %s (%s: %s); counted in l2_errors, logged once",
+                        redacted(self.url), op, type(e).__name__, str(e)[:200])
 
     def _post(self, event) -> None:
         self._events.put(event)

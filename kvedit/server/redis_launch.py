@@ -25,13 +25,15 @@ class RedisProcess:
     same port, `.stop()` (SIGTERM, then SIGKILL)."""
 
     def __init__(self, port: int | None = None, maxmemory_mb: int = 0,
-                 startup_timeout: float = 10.0, password: str | None = None):
+                 startup_timeout: float = 10.0, password: str | None = None,
+                 maxmemory_policy: str = "allkeys-lru"):
         exe = redis_server_path()
         if exe is None:
             raise RuntimeError(INSTALL_HINT)
         self.exe, self.port = exe, port or free_port()
         self.maxmemory_mb = maxmemory_mb
         self.password = password
+        self.maxmemory_policy = maxmemory_policy
         auth = f":{password}@" if password else ""
         self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
@@ -46,7 +48,8 @@ class RedisProcess:
         if self.password:
             args += ["--requirepass", self.password]
         if self.maxmemory_mb:
-            args += ["--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", "allkeys-lru"]
+            args += ["--maxmemory", f"{self.maxmemory_mb}mb",
+                     "--maxmemory-policy", self.maxmemory_policy]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.STDOUT)
         import redis
