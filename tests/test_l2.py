@@ -189,6 +189,25 @@ def test_models_and_layouts_do_not_collide(redis_srv):
         assert cb.lookup(MODEL, keys) == 2
 
 
+def test_ttl_and_prefix_flags(redis_srv):
+    import redis
+    keys = [key(i, "ttl") for i in range(2)]
+    with l2_server(redis_srv.url, 0.05, "--l2-ttl", "100", "--l2-prefix", "team7") as a, \
+            KVClient(a.url) as ca:
+        store(ca, keys)
+        wait_for(a, lambda c: c["l2_writes"] == 2)
+    r = redis.Redis.from_url(redis_srv.url)
+    try:
+        rk = redis_key("team7", MODEL, layout_tag(SMALL), 0, keys[0])
+        assert 0 < r.ttl(rk) <= 100 and 0 < r.ttl(rk + b":m") <= 100
+        assert sorted(r.keys("*")) == sorted(
+            k for kk in keys for k in (redis_key("team7", MODEL, layout_tag(SMALL), 0, kk),
+                                       redis_key("team7", MODEL, layout_tag(SMALL), 0, kk)
+                                       + b":m"))
+    finally:
+        r.close()
+
+
 # ---- degradation -------------------------------------------------------------------------
 def test_redis_sigkilled_mid_run_then_restarted_catches_up(redis_srv):
     batches = [[key(i, f"kill{b}") for i in range(2)] for b in range(12)]
