@@ -415,6 +415,8 @@ def test_status_metrics_and_config(redis_srv):
     (["--l2-url", "http://127.0.0.1:1"], "--l2-url"),
     (["--l2-url", "redis://127.0.0.1:1", "--l2-write-queue-mb", "0"], "--l2-write-queue-mb"),
     (["--l2-url", "redis://127.0.0.1:1", "--l2-prefix", "a:b"], "--l2-prefix"),
+    (["--l2-url", "redis://127.0.0.1:1", "--l2-ttl", "0.5"], "--l2-ttl"),
+    (["--l2-url", "redis://127.0.0.1:1", "--l2-write-on", "never"], "--l2-write-on"),
 ])
 def test_bad_l2_flags_are_refused_at_start(flags, message):
     p = subprocess.run([sys.executable, "-m", "kvedit.server.cli", "--l1-size-gb", "0.01",

@@ -118,6 +118,9 @@ class ServerConfig:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 seconds, got "
                                  f"{getattr(self, name)}")
+        if 0 < self.l2_ttl < 1:
+            raise ValueError(f"--l2-ttl is whole seconds (Redis EX): 0 (no expiry) or >= 1, "
+                             f"got {self.l2_ttl}")
         if not self.l2_timeout > 0:
             raise ValueError(f"--l2-timeout must be > 0 seconds, got {self.l2_timeout}")
         if not self.l2_prefix or ":" in self.l2_prefix:
