@@ -176,22 +176,26 @@ class L2Tier:
             except queue.Empty:
                 return out
 
-    def rkey(self, model: str, tp_rank: int, layout: ModelLayout, key: bytes) -> bytes:
+    def rkeys(self, model: str, tp_rank: int, layout: ModelLayout,
+              keys: list[bytes]) -> list[bytes]:
+        """The Redis keys of chunk keys of one model/rank/layout (the tag is looked up once)."""
         enc = msgspec.msgpack.encode(layout)
         tag = self._tags.get(enc)
         if tag is None:
             if len(self._tags) > 4096:   # layouts come and go with registrations: stay bounded
                 self._tags.clear()
             tag = self._tags[enc] = layout_tag(layout)
-        return redis_key(self.prefix, model, tag, tp_rank, key)
+        return [redis_key(self.prefix, model, tag, tp_rank, k) for k in keys]
 
     def write_behind(self, objs: list, layout: ModelLayout) -> None:
         """Queue committed objects for writing (O(1) each; never blocks on Redis)."""
-        if self.write_on != "commit":
+        if self.write_on != "commit" or not objs:
             return
+        o = objs[0]   # one store: one model and rank
+        rkeys = self.rkeys(o.model, o.tp_rank, layout, [x.key for x in objs])
         with self._cv:
-            for o in objs:
-                self._enqueue(_Write(o, self.rkey(o.model, o.tp_rank, layout, o.key), o.nbytes))
+            for o, rk in zip(objs, rkeys):
+                self._enqueue(_Write(o, rk, o.nbytes))
             self._cv.notify()
 
     def evicting(self, obj, layout: ModelLayout, view) -> None:
@@ -205,8 +209,8 @@ class L2Tier:
                     w.data = bytes(view)
                 return
             if self.write_on == "evict":
-                self._enqueue(_Write(obj, self.rkey(obj.model, obj.tp_rank, layout, obj.key),
-                                     obj.nbytes, bytes(view)))
+                rk = self.rkeys(obj.model, obj.tp_rank, layout, [obj.key])[0]
+                self._enqueue(_Write(obj, rk, obj.nbytes, bytes(view)))
                 self._cv.notify()
 
     def can_probe(self) -> bool:
@@ -344,7 +348,7 @@ class L2Tier:
 
     def _promote(self, p: Probe) -> None:
         redis_ = self._reader_redis
-        rkeys = [self.rkey(p.model, p.tp_rank, p.layout, k) for k in p.keys]
+        rkeys = self.rkeys(p.model, p.tp_rank, p.layout, p.keys)
         metas = redis_.probe(rkeys)
         with self._lock:
             self.counters.probes += 1
