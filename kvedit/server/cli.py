@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from kvedit.server.config import EVICTION_POLICIES, ServerConfig
+from kvedit.server.config import EVICTION_POLICIES, L2_WRITE_ON, ServerConfig
 
 _D = ServerConfig(l1_size_gb=1.0)  # the defaults, shown in --help
 
@@ -70,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             ("transfer_timeout", "data link: cut a single PUT/GET that takes longer")):
         g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(_D, name),
                        help=f"seconds: {hlp} (default {getattr(_D, name)})")
+    add_l2_arguments(p)
     a = p.add_argument_group("authentication (one shared secret for ZMQ, data link and HTTP)")
     a.add_argument("--secret-file", default=None,
                    help="file holding the shared secret (else $KVEDIT_SECRET, then "
@@ -83,13 +84,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ports can read and change every tenant's KV)")
 
 
+def add_l2_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("second tier on Redis (docs/l2.md)")
+    g.add_argument("--l2-url", default=_D.l2_url,
+                   help="Redis/Valkey holding chunks under the pool: redis://[user:pass@]host:"
+                        "port/db, rediss:// (TLS) or unix://path (default: off)")
+    g.add_argument("--l2-prefix", default=_D.l2_prefix,
+                   help=f"first part of every Redis key (default {_D.l2_prefix!r})")
+    g.add_argument("--l2-ttl", type=float, default=_D.l2_ttl,
+                   help="seconds a chunk lives in Redis (whole seconds; 0 = no expiry, let "
+                        "Redis's maxmemory policy bound it)")
+    g.add_argument("--l2-write-on", choices=L2_WRITE_ON, default=_D.l2_write_on,
+                   help="write chunks behind when committed (default; other servers see them "
+                        "at once) or only when L1 evicts them")
+    g.add_argument("--l2-write-queue-mb", type=float, default=_D.l2_write_queue_mb,
+                   help=f"bound of the write-behind backlog in MiB; beyond it the oldest writes "
+                        f"are dropped and counted (default {_D.l2_write_queue_mb:g})")
+    g.add_argument("--l2-lookup-wait", type=float, default=_D.l2_lookup_wait,
+                   help=f"seconds a lookup without wait_timeout waits for chunks promoted from "
+                        f"Redis (0: answer from L1 and promote in the background; default "
+                        f"{_D.l2_lookup_wait:g}; keep it under the connector's timeout)")
+    g.add_argument("--l2-timeout", type=float, default=_D.l2_timeout,
+                   help=f"Redis socket timeout in seconds; past it Redis counts as down "
+                        f"(default {_D.l2_timeout:g})")
+
+
 def config_from_args(args) -> ServerConfig:
     names = ("host", "port", "http_port", "data_port", "chunk_size", "eviction_policy",
              "shm_name", "l1_use_lazy", "lease_ttl", "write_ttl", "quarantine_ttl",
              "max_models", "max_model_name", "max_keys_per_request", "max_message_bytes",
              "max_waits_per_client", "max_waits_total", "max_parked_keys", "max_wait_seconds",
              "max_data_conns", "data_idle_timeout", "handshake_timeout",
-             "transfer_idle_timeout", "transfer_timeout", "insecure")
+             "transfer_idle_timeout", "transfer_timeout", "insecure",
+             "l2_url", "l2_prefix", "l2_ttl", "l2_write_on", "l2_write_queue_mb",
+             "l2_lookup_wait", "l2_timeout")
     return ServerConfig(l1_size_gb=args.l1_size_gb, **{n: getattr(args, n) for n in names})
 
 

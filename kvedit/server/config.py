@@ -10,6 +10,8 @@ import ipaddress
 from dataclasses import asdict, dataclass
 
 EVICTION_POLICIES = ("LRU", "FIFO", "none")
+L2_WRITE_ON = ("commit", "evict")
+L2_SCHEMES = ("redis", "rediss", "unix")
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -46,6 +48,14 @@ class ServerConfig:
     secret_file: str = ""             # where the shared secret came from ("" = none / env)
     authenticated: bool = False       # a secret is in use (the secret itself is never here)
     insecure: bool = False            # allow a non-loopback host without a secret
+    # ---- second tier on Redis (issue 12; docs/l2.md) ----
+    l2_url: str = ""                  # redis://[user:pass@]host:port/db, rediss://, unix://
+    l2_prefix: str = "kvedit"         # first part of every Redis key
+    l2_ttl: float = 0.0               # seconds a chunk lives in Redis (EX); 0 = no expiry
+    l2_write_on: str = "commit"       # write behind on commit (default) or on eviction from L1
+    l2_write_queue_mb: float = 1024.0  # write-behind backlog bound (MiB); oldest dropped beyond
+    l2_lookup_wait: float = 1.0       # longest a no-wait lookup waits for promotion from L2
+    l2_timeout: float = 5.0           # Redis socket timeout (seconds) before it counts as down
 
     @property
     def pool_bytes(self) -> int:
@@ -87,6 +97,7 @@ class ServerConfig:
                              f"{self.data_port}")
         if "/" in self.shm_name:
             raise ValueError(f"--shm-name {self.shm_name!r} must not contain '/'")
+        self._validate_l2()
         if not self.authenticated and not self.insecure and not is_loopback(self.host):
             raise ValueError(
                 f"--host {self.host} is reachable from other machines but no secret is set: "
@@ -94,9 +105,46 @@ class ServerConfig:
                 f"Give --secret-file PATH (or --gen-secret PATH, or $KVEDIT_SECRET / "
                 f"$KVEDIT_SECRET_FILE), or pass --insecure to accept that")
 
+    def _validate_l2(self) -> None:
+        if self.l2_url and self.l2_url.split("://", 1)[0] not in L2_SCHEMES:
+            raise ValueError(f"--l2-url {redacted(self.l2_url)!r} must start with one of "
+                             f"{[s + '://' for s in L2_SCHEMES]}")
+        if self.l2_write_on not in L2_WRITE_ON:
+            raise ValueError(f"--l2-write-on {self.l2_write_on!r} is not one of "
+                             f"{list(L2_WRITE_ON)}")
+        if not self.l2_write_queue_mb > 0:
+            raise ValueError(f"--l2-write-queue-mb must be > 0, got {self.l2_write_queue_mb}")
+        for name in ("l2_ttl", "l2_lookup_wait"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 seconds, got "
+                                 f"{getattr(self, name)}")
+        if 0 < self.l2_ttl < 1:
+            raise ValueError(f"--l2-ttl is whole seconds (Redis EX): 0 (no expiry) or >= 1, "
+                             f"got {self.l2_ttl}")
+        if not self.l2_timeout > 0:
+            raise ValueError(f"--l2-timeout must be > 0 seconds, got {self.l2_timeout}")
+        if not self.l2_prefix or ":" in self.l2_prefix:
+            raise ValueError(f"--l2-prefix must be non-empty without ':', got "
+                             f"{self.l2_prefix!r}")
+
     def to_dict(self) -> dict:
         return asdict(self) | {"pool_bytes": self.pool_bytes,
-                               "quarantine_seconds": self.quarantine_seconds}
+                               "quarantine_seconds": self.quarantine_seconds,
+                               "l2_url": redacted(self.l2_url)}
+
+
+def redacted(url: str) -> str:
+    """A Redis URL without its password (for /config and logs)."""
+    from urllib.parse import urlsplit, urlunsplit
+    try:
+        u = urlsplit(url)
+        if u.password is None:
+            return url
+        host = u.hostname or ""
+        netloc = f"{u.username or ''}:***@{host}" + (f":{u.port}" if u.port else "")
+        return urlunsplit(u._replace(netloc=netloc))
+    except ValueError:
+        return "<unparsable URL>"
 
 
 def is_loopback(host: str) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from kvedit.server.config import redacted
 from kvedit.server.service import Service
 
 
@@ -50,7 +51,7 @@ def status(s: Service) -> dict:
         "counters": {k: v for k, v in snap.items()
                      if isinstance(v, int | float) and not isinstance(v, bool)},
         "models": _models(s), "notes": list(s.arena.notes),
-    }
+    } | ({"l2": _l2(s, snap)} if s.cfg.l2_url else {})
 
 
 def config(s: Service) -> dict:
@@ -80,6 +81,18 @@ def clear(s: Service, model: str | None) -> int:
         return s.clear(model)
     except LookupError:
         raise UnknownModel(model) from None
+
+
+def _l2(s: Service, snap: dict) -> dict:
+    """The second tier at a glance (its counters are also under "counters" as l2_*)."""
+    c = s.cfg
+    return {"url": redacted(c.l2_url), "up": bool(snap["l2_up"]), "write_on": c.l2_write_on,
+            "queue": {"depth": snap["l2_queue_depth"], "bytes": snap["l2_queue_bytes"],
+                      "max_bytes": int(c.l2_write_queue_mb * (1 << 20))},
+            **{k: snap["l2_" + k] for k in ("probes", "hits", "misses", "corrupt", "writes",
+                                            "write_dropped", "write_skipped", "errors",
+                                            "outages")},
+            "writing": snap["l2_writing"], "promotions_queued": snap["l2_probes_queued"]}
 
 
 def _models(s: Service) -> dict[str, list[dict]]:

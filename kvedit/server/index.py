@@ -88,6 +88,7 @@ class Index:
         self._pages = SortedInts()                        # seqs of ready objects
         self._model_pages: dict[str, SortedInts] = {}
         self._by_seq: dict[int, Obj] = {}
+        self.on_evict = None   # called with an object just before eviction frees it (L2)
 
     # ---- reads ------------------------------------------------------------------------
     def leading_ready(self, model: str, tp_rank: int, keys: list[bytes]) -> int:
@@ -610,7 +611,10 @@ class Index:
             rank = min((self._evict[s].first() for s in sizes), default=None)
             if rank is None:
                 return False
-        self._forget(self._by_rank[rank])
+        o = self._by_rank[rank]
+        if self.on_evict is not None:
+            self.on_evict(o)
+        self._forget(o)
         self.counters.evictions += 1
         return True
 

@@ -8,7 +8,7 @@ import socket
 
 import zmq
 
-from kvedit.server.config import ServerConfig, is_loopback
+from kvedit.server.config import ServerConfig, is_loopback, redacted
 from kvedit.server.pool import Arena, PoolError
 
 log = logging.getLogger("kvedit.server")
@@ -72,6 +72,11 @@ def serve(cfg: ServerConfig, secret: bytes | None = None) -> int:
         log.warning("--insecure: listening on %s without a secret; anyone who reaches ports "
                     "%d, %d and %d can read, change and delete every tenant's KV", cfg.host,
                     cfg.port, service.data.port, cfg.http_port)
+    if cfg.l2_url:
+        log.info("second tier: %s, write-behind on %s (queue bound %g MiB), TTL %s, lookups "
+                 "wait up to %g s for promotion", redacted(cfg.l2_url), cfg.l2_write_on,
+                 cfg.l2_write_queue_mb, f"{cfg.l2_ttl:g} s" if cfg.l2_ttl else "none",
+                 cfg.l2_lookup_wait)
     for note in arena.notes:
         log.info("note: %s", note)
     try:

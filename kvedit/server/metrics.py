@@ -60,6 +60,32 @@ class _SnapshotCollector:
         expired.add_metric(["lease"], s["expired_leases"])
         expired.add_metric(["store"], s["expired_stores"])
         yield expired
+        if "l2_up" in s:   # the second tier is on (--l2-url)
+            yield from _l2_families(s)
+
+
+def _l2_families(s: dict):
+    """The L2 tier's counters (kvedit/server/l2.py counts them; the snapshot carries them)."""
+    yield GaugeMetricFamily("kvedit_l2_up", "1 while the L2 Redis answers", value=s["l2_up"])
+    yield GaugeMetricFamily("kvedit_l2_queue_depth", "chunks waiting to be written to L2",
+                            value=s["l2_queue_depth"])
+    yield GaugeMetricFamily("kvedit_l2_queue_bytes", "bytes waiting to be written to L2",
+                            value=s["l2_queue_bytes"])
+    for name, key, doc in (
+            ("probes", "l2_probes", "lookups that fell through to L2"),
+            ("hits", "l2_hits", "chunks found in L2 and promoted into L1 (promotions)"),
+            ("misses", "l2_misses", "L2 probes that stopped at a chunk L2 does not hold"),
+            ("promoted_bytes", "l2_promoted_bytes", "bytes promoted from L2 into L1"),
+            ("corrupt", "l2_corrupt", "L2 records with a wrong length or checksum (misses)"),
+            ("writes", "l2_writes", "chunks written to L2"),
+            ("write_bytes", "l2_write_bytes", "bytes written to L2"),
+            ("write_seconds", "l2_write_seconds", "the writer's time spent writing to L2"),
+            ("write_dropped", "l2_write_dropped", "writes dropped from the full write-behind "
+                                                  "queue (oldest first)"),
+            ("write_skipped", "l2_write_skipped", "writes skipped: evicted or deleted first"),
+            ("errors", "l2_errors", "failed L2 operations (Redis down, timeout)"),
+            ("outages", "l2_outages", "times L2 became unreachable")):
+        yield CounterMetricFamily(f"kvedit_l2_{name}", doc, value=s[key])
 
 
 class Metrics:

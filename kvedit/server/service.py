@@ -27,6 +27,7 @@ from kvedit.layout import ModelLayout
 from kvedit.server.config import ServerConfig
 from kvedit.server.datalink import DataLink
 from kvedit.server.index import Index, Refused
+from kvedit.server.l2_service import L2Methods
 from kvedit.server.metrics import Metrics
 from kvedit.server.peers import Peers, holder_of
 from kvedit.server.pool import Allocator, Arena
@@ -59,7 +60,7 @@ def quoted(name: str) -> str:
     return repr(name if len(name) <= MAX_QUOTED_NAME else name[:MAX_QUOTED_NAME] + "...")
 
 
-class Service:
+class Service(L2Methods):
     def __init__(self, cfg: ServerConfig, arena: Arena, instance: int,
                  secret: bytes | None = None):
         self.cfg, self.arena, self.instance = cfg, arena, instance
@@ -101,6 +102,7 @@ class Service:
             lease_ttl=cfg.lease_ttl, write_ttl=cfg.write_ttl,
             max_keys_per_request=cfg.max_keys_per_request,
             max_message_bytes=cfg.max_message_bytes)
+        self._l2_init()   # second tier (--l2-url): kvedit/server/l2_service.py
 
     # ---- loop -------------------------------------------------------------------------
     def run(self, wakeup_fd: int | None = None) -> None:
@@ -109,6 +111,9 @@ class Service:
         poller.register(self.peers.monitor, zmq.POLLIN)
         if wakeup_fd is not None:   # a signal writes here, so poll returns at once
             poller.register(wakeup_fd, zmq.POLLIN)
+        if self.l2 is not None:     # the L2 threads post promotions and finished probes
+            self.l2.start()
+            poller.register(self.l2.wake_fd, zmq.POLLIN)
         while not self.stop_requested:
             with self.lock:
                 timeout = self._timeout_ms()
@@ -120,6 +125,9 @@ class Service:
                     except zmq.Again:
                         break
                     self._on_message(frames)
+            if self.l2 is not None and self.l2.wake_fd in events:
+                with self.lock:
+                    self._l2_events()
             try:
                 gone = self.peers.poll()
                 with self.lock:
@@ -130,6 +138,8 @@ class Service:
                 log.exception("internal error in housekeeping")
 
     def close(self) -> None:
+        if self.l2 is not None:   # its threads read pool slots: stop them first
+            self.l2.close()
         self.data.close()
         self._close_zmq()
 
@@ -329,6 +339,8 @@ class Service:
             raise Fail("bad_wait", f"wait_timeout {req.wait_timeout} must be between 0 and "
                                    f"{cfg.max_wait_seconds} seconds (--max-wait-seconds)")
         n = self.index.leading_ready(req.model, req.tp_rank, req.keys)
+        if n < len(req.keys) and self.l2 is not None and self.l2.can_probe():
+            return self._l2_lookup(ident, holder, rid, req, n)   # falls through to L2
         if n == len(req.keys) or req.wait_timeout <= 0:
             self.metrics.hits.inc(n)
             self.metrics.misses.inc(len(req.keys) - n)
@@ -368,6 +380,7 @@ class Service:
         self.metrics.store_bytes.inc(p.nbytes)
         self.metrics.store_latency.observe(time.monotonic() - p.started)
         self._wake(o.ident for o in p.objs)
+        self._l2_committed(p.objs)   # write-behind to L2 (when on)
         return P.Committed(stored=len(p.objs))
 
     def _retrieve(self, req: P.Retrieve, holder: bytes):
@@ -447,7 +460,7 @@ class Service:
             "zmq_conns": self.peers.connected(),
             "transfer_mode": "shm" if self.cfg.shm_name else "socket",
             "uptime_s": round(time.time() - self.started, 3),
-        }
+        } | (self.l2.snapshot() if self.l2 is not None else {})
 
     def models(self) -> dict[str, list[ModelLayout]]:
         """The registered layouts by model name (at most --max-models): ListModels, /status."""

@@ -1,0 +1,133 @@
+"""Two engines, one tier: prefill on engine A, edit the KV, decode on engine B.
+
+Disaggregated prefill and decode with an edit in between. Each vLLM has its own kvedit
+server; the two servers share one Redis as their second tier (`kvedit server --l2-url`):
+
+    vLLM A --connector--> server A --write-behind--> Redis <--promotion-- server B <-- vLLM B
+       prefill              edit (SDK, on A)                                decode
+
+1. vLLM A prefills the prompts; its connector stores every chunk in server A, which writes
+   them behind to Redis.
+2. The SDK edits each stream's KV on server A (here: drop the middle half of the chunks and
+   re-rotate the kept keys); the edited chunks are stored in A and written behind too.
+3. `wait_l2_written(A)`: A's write-behind queue is empty, so the edited chunks are in Redis.
+4. vLLM A stops. vLLM B starts against server B (whose memory holds nothing of this). The
+   streams decode on B: B's connector looks up the edited prefix, server B falls through to
+   Redis and promotes the chunks into its memory, and B loads them instead of computing them
+   (`cached_tokens` in B's usage shows it).
+With --reference the same edit is first decoded on A alone (single engine) and the outputs
+are compared token by token. One vLLM runs at a time, so this fits a small machine; on two
+hosts, run A and B side by side (give both servers the same --l2-url).
+
+    python examples/two_engines/prefill_edit_decode.py --reference          # all local
+    python examples/two_engines/prefill_edit_decode.py --redis-url redis://host:6379/0
+
+By default it builds the tiny random-weight Qwen3 (kvedit tiny-model) and starts its own
+redis-server (`make setup` installs it); --model-dir serves another model.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+
+import kvedit
+from kvedit.edits import DropMiddle
+from kvedit.harness.tiny_model import default_tiny_model
+from kvedit.harness.vllm_launch import start_vllm
+from kvedit.l2_wait import wait_l2_written
+from kvedit.server.launch import start_server
+from kvedit.server.redis_launch import RedisProcess
+
+SERVED = "tiny-qwen3"
+
+
+def _status_l2(server) -> dict:
+    import urllib.request
+    with urllib.request.urlopen(server.http_url + "/status", timeout=10) as r:
+        return json.load(r)["l2"]
+
+
+def _streams(ctx, post, prompts, salt: str) -> kvedit.BatchedStream:
+    batch = kvedit.BatchedStream(max_concurrency=1)   # one request at a time: same batches
+    for i, p in enumerate(prompts):                   # on both engines, so same numerics
+        batch.add(kvedit.create_request(ctx, post, p, cache_salt=salt, name=f"p{i}"))
+    return batch
+
+
+def run(model_dir, prompts: list[list[int]], params: dict, redis_url: str | None,
+        reference: bool, kv_cache_gib: float = 0.25) -> dict:
+    out: dict = {"prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts]}
+    vllm_kw = dict(served_model_name=SERVED, dtype="float32", kv_cache_gib=kv_cache_gib,
+                   max_model_len=4096, dev_mode=True)
+    with contextlib.ExitStack() as stack:
+        if redis_url is None:
+            redis_url = stack.enter_context(RedisProcess()).url
+        l2 = ["--l2-url", redis_url, "--l2-lookup-wait", "1.5"]
+        sa = stack.enter_context(start_server(0.5, extra_args=l2))
+        sb = stack.enter_context(start_server(0.5, extra_args=l2))
+
+        # ---- engine A: prefill and edit (and, with --reference, the single-engine decode)
+        with start_vllm(model_dir, server=sa, **vllm_kw) as va:
+            ctx = stack.enter_context(kvedit.connect(sa.url, sa.http_url, SERVED))
+            post_a = kvedit.openai_completion(va.base_url, SERVED)
+            if reference:
+                ref = _streams(ctx, post_a, prompts, "single-engine")
+                ref.prefill(params)
+                ref.modify(DropMiddle(0.5))
+                ref.decode(params)
+                out["single_engine_outputs"] = [s.output_token_ids for s in ref.streams]
+            batch = _streams(ctx, post_a, prompts, "two-engines")
+            batch.prefill(params)
+            batch.modify(DropMiddle(0.5))
+            out["edited_tokens"] = [len(s.tokens) for s in batch.streams]
+            out["server_a_l2"] = wait_l2_written(sa.http_url)   # the edit is in Redis now
+
+        # ---- engine B: decode the edited KV, loaded through server B from Redis
+        with start_vllm(model_dir, server=sb, **vllm_kw) as vb:
+            post_b = kvedit.openai_completion(vb.base_url, SERVED)
+            for s in batch.streams:
+                s.post_completion = post_b
+            batch.decode(params)
+        out["two_engine_outputs"] = [s.output_token_ids for s in batch.streams]
+        out["decode_cached_tokens"] = [s.generations[-1].cached_tokens for s in batch.streams]
+        out["server_b_l2"] = _status_l2(sb)
+    if reference:
+        out["outputs_equal_single_engine"] = (out["two_engine_outputs"]
+                                              == out["single_engine_outputs"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--redis-url", default=None,
+                    help="shared Redis (default: start a throwaway redis-server here)")
+    ap.add_argument("--model-dir", default=None, help="default: the tiny random Qwen3")
+    ap.add_argument("--num-prompts", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=1100)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--reference", action="store_true",
+                    help="also decode the same edit on engine A alone and compare outputs")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 8000) for _ in range(args.prompt_len)]
+               for _ in range(args.num_prompts)]
+    params = {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.max_tokens}
+    res = run(args.model_dir or default_tiny_model(), prompts, params, args.redis_url,
+              args.reference)
+    if args.json:
+        print(json.dumps(res))
+        return
+    print(f"edited prompts: {res['prompt_tokens']} -> {res['edited_tokens']} tokens")
+    print(f"engine B loaded {res['decode_cached_tokens']} prompt tokens from server B "
+          f"(L2 promotions: {res['server_b_l2']['hits']} chunks)")
+    print(f"engine B output of prompt 0: {res['two_engine_outputs'][0]}")
+    if args.reference:
+        print(f"same as the single-engine decode of the same edit: "
+              f"{res['outputs_equal_single_engine']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Wait until a kvedit server's second tier holds what was committed so far (client side;
+reads GET /status, imports nothing from kvedit.server).
+
+Write-behind is asynchronous: a chunk committed on server A reaches Redis a little later.
+Before another server (engine B) is asked for chunks that A just stored, e.g. the edited KV
+of a prefill-edit-decode hand-off, call `wait_l2_written(A's http_url)`: it returns once A's
+write-behind queue is empty and nothing is being sent, which holds every commit made before
+the call (a write dropped at the queue bound or skipped because L1 evicted it first is
+counted in the returned `l2` object, not waited for).
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+
+class L2NotWritten(TimeoutError):
+    """The server's write-behind did not drain in time (Redis down or slow)."""
+
+
+def wait_l2_written(http_url: str, timeout: float = 60.0, secret: str | None = None,
+                    poll: float = 0.01) -> dict:
+    """Block until the server at `http_url` has written its queued chunks to L2 -> its
+    /status "l2" object. Raises L2NotWritten (with that object) after `timeout` seconds and
+    ValueError when the server runs without --l2-url."""
+    deadline = time.monotonic() + timeout
+    headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+    while True:
+        req = urllib.request.Request(http_url.rstrip("/") + "/status", headers=headers)
+        with urllib.request.urlopen(req, timeout=10) as r:
+            st = json.load(r)
+        l2 = st.get("l2")
+        if l2 is None:
+            raise ValueError(f"the kvedit server at {http_url} has no second tier (start it "
+                             f"with --l2-url redis://...)")
+        if l2["up"] and l2["queue"]["depth"] == 0 and not l2["writing"]:
+            return l2
+        if time.monotonic() > deadline:
+            raise L2NotWritten(f"the kvedit server at {http_url} still had {l2['queue']['depth']}"
+                               f" chunk(s) to write to L2 after {timeout} s (L2 up: "
+                               f"{l2['up']}): {l2}")
+        time.sleep(poll)   # a background thread drains the queue; nothing to be woken by
