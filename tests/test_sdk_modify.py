@@ -22,8 +22,9 @@ MODEL = "sdk-modify-model"
 
 
 class FakeEngine:
-    """post_completion that stores each full chunk of the prompt (like the connector, with
-    data derived from the key so equal keys mean equal data) and yields token 7 per step."""
+    """post_completion that stores each full chunk of the prompt and of the generated tokens
+    (like the connector, with data derived from the key so equal keys mean equal data) and
+    yields token 7 per step."""
 
     def __init__(self, url: str):
         self.client = KVClient(url)
@@ -35,9 +36,12 @@ class FakeEngine:
 
     async def __call__(self, prompt, params, cache_salt):
         self.prompts.append((list(prompt), cache_salt))
-        keys = request_keys(MODEL, LAYOUT, prompt, cache_salt)
+        n = params.get("max_tokens", 1)
+        # like the connector: every full chunk whose KV was computed, the prompt's and the
+        # generated tokens' but the last (its KV is computed by the next request)
+        keys = request_keys(MODEL, LAYOUT, list(prompt) + [7] * (n - 1), cache_salt)
         await asyncio.to_thread(self.client.store, MODEL, keys, [self.data(k) for k in keys])
-        for _ in range(params.get("max_tokens", 1)):
+        for _ in range(n):
             await asyncio.sleep(0)
             yield 7
 

@@ -13,7 +13,7 @@ from kvedit.sdk.batch import BatchedStream
 from kvedit.sdk.context import connect
 from kvedit.sdk.errors import CompletionError, ConnectError
 from kvedit.sdk.metrics import Metrics, percentiles
-from kvedit.sdk.modify import check_result
+from kvedit.sdk.contracts import check_result
 from kvedit.sdk.openai import CompletionServerError, openai_completion, parse_choices
 from kvedit.sdk.stream import create_request
 from kvedit.server.launch import free_port
