@@ -179,3 +179,32 @@ def test_keep_freed_memory_reuses_a_large_freed_block_without_page_faults():
     plain, keep = faults("plain"), faults("keep")
     assert plain > 10 * pages // 4  # fresh memory every time (huge pages may cut the count)
     assert keep < plain / 2 and keep < 5 * pages  # mostly the same touched block again
+
+
+def test_post_completion_bugs_and_bad_items_are_reported_for_what_they_are(registered):
+    """A bug inside post_completion is reported as its exception, never as a bad token; an
+    item that is not a token is reported as such; the salt rule binds three arguments."""
+    from kvedit.sdk.contracts import takes_salt
+
+    async def buggy(prompt, params, cache_salt):
+        yield 5
+        None.token_id  # an AttributeError inside the engine call itself
+
+    async def strings(prompt, params, cache_salt):
+        yield "5"
+
+    def two_args(prompt, params):
+        yield 5
+
+    assert takes_salt(buggy) and not takes_salt(two_args) and takes_salt(lambda *a: iter([5]))
+    with connect(registered.url, None, MODEL, timeout=5) as ctx:
+        for post, pattern in ((buggy, "post_completion raised AttributeError: 'NoneType'"),
+                              (strings, "yielded str '5': neither a token id")):
+            s = create_request(ctx, post, [1, 2, 3])
+            with pytest.raises(CompletionError, match=pattern) as exc:
+                BatchedStream([s], progress=False).prefill({"max_tokens": 3})
+            assert "neither" not in str(exc.value) or post is strings
+            assert s.suffix == [] and s.output_token_ids == []  # nothing half-applied
+        s = create_request(ctx, two_args, [1, 2, 3])
+        BatchedStream([s], progress=False).prefill({"max_tokens": 1})
+        assert s.output_token_ids == [5]
