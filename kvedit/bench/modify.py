@@ -13,11 +13,10 @@ before it, since other work on a shared host makes timings drift; the median of 
 `identity_cold` is the first modify of the process. With write tracking (the default) in shm
 mode, fn's kv is mapped copy-on-write from the stored chunks (kvedit.sdk.chunkmap), so there
 is no retrieve copy; `--no-track-writes` measures the copy path (one copy into the context's
-reused buffers, byte-compare of reused chunks). By default connect() keeps large freed
-blocks in the process for reuse (kvedit.sdk.alloc), which is what lets `drop_half_cat` (fn
-allocates a new tensor each time) reuse touched pages; `--no-keep-freed-memory` measures
-malloc's default (a fresh mmap, so fresh page faults, per allocation). Run the two in
-separate processes: the setting is process-wide and stays once made.
+reused buffers, byte-compare of reused chunks). `--keep-freed-memory` turns on
+kvedit.sdk.alloc (large freed blocks kept for reuse; process-wide): it speeds up the
+main thread's fresh allocations (memcpy_fresh_alloc) but not yet fn's, which run in worker
+threads (see that module).
 """
 from __future__ import annotations
 
@@ -43,9 +42,9 @@ def register(bsub) -> None:
     p.add_argument("--no-track-writes", action="store_true",
                    help="copy the KV out and byte-compare reused chunks instead of "
                         "copy-on-write mapping and tracking")
-    p.add_argument("--no-keep-freed-memory", action="store_true",
-                   help="leave malloc alone (connect(keep_freed_memory=False)): fn's fresh "
-                        "allocations then fault in new pages on every modify")
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="connect(keep_freed_memory=True): keep large freed blocks for reuse "
+                        "(kvedit.sdk.alloc; experimental)")
     p.add_argument("--server-url",
                    help="use this running server (tcp://...) instead of starting one")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
@@ -159,7 +158,7 @@ def run(args) -> int:
             client.register(model, lay)
             with connect(url, http_url, model, timeout=10,
                          track_writes=False if args.no_track_writes else None,
-                         keep_freed_memory=not args.no_keep_freed_memory) as ctx:
+                         keep_freed_memory=args.keep_freed_memory) as ctx:
                 memcpy = _Memcpy(kv_bytes)
                 results, ratios, baselines, seed = {}, {}, [], 0
                 edits = (("identity_cold", _identity, 1), ("identity", _identity, args.repeats),
@@ -177,7 +176,7 @@ def run(args) -> int:
                             results[name] = m
                         client.delete(model, [k for s in batch for k in s.keys])
                 transfer, track = client.transfer_mode, ctx.pool.cow
-                keep_freed = not args.no_keep_freed_memory and keep_freed_memory()
+                keep_freed = args.keep_freed_memory and keep_freed_memory()
                 warm, fresh = statistics.median(baselines), memcpy.fresh()
     finally:
         if server is not None:
