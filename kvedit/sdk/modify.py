@@ -148,6 +148,8 @@ def _fill(h, kv: torch.Tensor) -> None:
 async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False,
                         wait_timeout: float = 60.0) -> ModifyResult:
     """Apply fn to one stream's KV (see the module docstring for the exact semantics)."""
+    if stream.released:
+        raise ModifyError(stream, "the stream was released (arelease); it holds no KV any more")
     region = _region(stream)
     res = ModifyResult(tokens_before=len(region.tokens))
     if region.n == 0:  # shorter than one chunk: nothing is cached, nothing to edit
