@@ -397,3 +397,28 @@ def test_failed_store_leaves_stream_and_kv_unchanged():
             assert len(s.tokens) == 2 * C and s.cache_salt == "" and s.suffix == []
             assert torch.equal(stored(small, s.keys), torch.ones(2, 2, 2 * C, 32))
             small.close()
+
+
+def test_sync_modify_runs_a_sync_fn_in_the_calling_thread_async_in_the_pool(ctx, engine):
+    """kvedit.sdk.loop.in_caller: the thread waiting in batch.modify runs fn (its malloc arena
+    can reuse large freed blocks); the async API has no waiting caller: the pool runs it."""
+    import threading
+
+    seen = []
+
+    def record(kv, tokens):
+        seen.append(threading.current_thread())
+        return kv, tokens
+
+    batch = prefilled(ctx, engine, 2 * C, count=2)
+    batch.modify(record)
+    assert seen == [threading.current_thread()] * 2
+
+    def boom(kv, tokens):
+        raise KeyError("from the caller thread")
+
+    with pytest.raises(BatchError, match="fn raised KeyError"):
+        batch.modify(boom)
+    seen.clear()
+    asyncio.run(batch.amodify(record))
+    assert len(seen) == 2 and threading.current_thread() not in seen

@@ -48,6 +48,7 @@ from kvedit.handles import KVError
 from kvedit.sdk.contracts import Edited, check_result, fn_kwargs, is_async_fn
 from kvedit.sdk.errors import ModifyError
 from kvedit.sdk.geometry import KVGeometry
+from kvedit.sdk.loop import has_caller, in_caller
 from kvedit.sdk.rowcopy import chunk_equal, save_chunk
 from kvedit.sdk.source import KVSource, open_kv, untouched_chunks
 from kvedit.sdk.stream import Stream
@@ -203,6 +204,8 @@ async def _apply(stream: Stream, fn, kv: torch.Tensor, tokens: list[int]) -> Edi
     try:
         if is_async_fn(fn):
             out = await fn(kv, list(tokens), **kwargs)
+        elif has_caller():  # the thread waiting in batch.modify(...) runs it (kvedit.sdk.loop)
+            out = await in_caller(fn, kv, list(tokens), **kwargs)
         else:
             out = await ctx.call(fn, kv, list(tokens), **kwargs)
     except Exception as e:
