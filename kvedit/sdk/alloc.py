@@ -15,9 +15,10 @@ synchronous `batch.modify(...)` runs a synchronous fn in the calling thread
 (kvedit.sdk.loop.in_caller), so fn's torch.cat output reuses the previous one's pages.
 Worker-thread arenas (the async API, where fn runs in the context's thread pool) serve a
 request larger than a thread heap (64 MiB) with a direct mmap whatever M_MMAP_MAX says, so
-there it changes nothing. Measured (`kvedit bench modify --repeats 7`, a loaded 2-core host):
-drop_half_cat 0.43x memcpy (last repeats 0.60-0.65) vs 0.34 without; the process's RSS
-stayed flat over 30 repeated 150 MB allocations.
+there it changes nothing. Measured (`kvedit bench modify --json --repeats 9`, two processes
+back to back): drop_half_cat 0.55x memcpy median (repeats 0.35, 0.43, then 0.50-0.62) vs
+0.35 (0.31-0.36) with --no-keep-freed-memory; the process's RSS stayed flat over 30
+repeated 150 MB allocations.
 """
 from __future__ import annotations
 
