@@ -103,8 +103,11 @@ async def drive(batch, prefill_params, fn, decode_params, budget: Budget, *,
         region = s.kv_tokens // s.ctx.chunk_size * s.ctx.chunk_size
         keep = budget.budget - n - (len(s.prompt) - region)
         with busy, spans["modify"]:
+            # fn in the pool, not the waiting caller: these edits are small and overlap
+            # decoding (in the caller thread they ran ~20x slower in `bench long`)
             r: ModifyResult = await modify_stream(s, fitted(fn, keep), cpu_slots=cpu,
-                                                  keep_old=keep_old, wait_timeout=wait_timeout)
+                                                  keep_old=keep_old, wait_timeout=wait_timeout,
+                                                  fn_in_caller=False)
         add_modify(parts["modify"], r)
         parts["modify"].edit_rounds += 1
         if len(s.prompt) + n > budget.budget:

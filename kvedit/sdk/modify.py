@@ -147,8 +147,10 @@ def _fill(h, kv: torch.Tensor) -> None:
 
 # ---- modify_stream, as its steps ----------------------------------------------------------
 async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False,
-                        wait_timeout: float = 60.0) -> ModifyResult:
-    """Apply fn to one stream's KV (see the module docstring for the exact semantics)."""
+                        wait_timeout: float = 60.0, fn_in_caller: bool = True) -> ModifyResult:
+    """Apply fn to one stream's KV (see the module docstring for the exact semantics).
+    `fn_in_caller`: a synchronous fn runs in the thread waiting in a synchronous SDK call,
+    when there is one (kvedit.sdk.loop.in_caller), else in the context's pool."""
     if stream.released:
         raise ModifyError(stream, "the stream was released (arelease); it holds no KV any more")
     region = _region(stream)
@@ -158,7 +160,7 @@ async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False
         return res
     await _wait_stored(stream, region, wait_timeout)
     async with cpu_slots:
-        new_tokens, stored = await _edit_and_store(stream, fn, region, res)
+        new_tokens, stored = await _edit_and_store(stream, fn, region, res, fn_in_caller)
     old_keys = _swap(stream, region, new_tokens, stored, res)
     await _drop_unused(stream, old_keys, keep_old, res)
     return res
@@ -198,13 +200,14 @@ async def _open(stream: Stream, region: _Region) -> tuple[KVSource, torch.Tensor
         raise ModifyError(stream, f"retrieving its KV failed: {e}") from e
 
 
-async def _apply(stream: Stream, fn, kv: torch.Tensor, tokens: list[int]) -> Edited:
+async def _apply(stream: Stream, fn, kv: torch.Tensor, tokens: list[int],
+                 in_caller_ok: bool) -> Edited:
     ctx = stream.ctx
     kwargs = fn_kwargs(fn, stream, ctx.layout)
     try:
         if is_async_fn(fn):
             out = await fn(kv, list(tokens), **kwargs)
-        elif has_caller():  # the thread waiting in batch.modify(...) runs it (kvedit.sdk.loop)
+        elif in_caller_ok and has_caller():  # the thread waiting in batch.modify(...) runs it
             out = await in_caller(fn, kv, list(tokens), **kwargs)
         else:
             out = await ctx.call(fn, kv, list(tokens), **kwargs)
@@ -216,8 +219,8 @@ async def _apply(stream: Stream, fn, kv: torch.Tensor, tokens: list[int]) -> Edi
         raise ModifyError(stream, f"invalid edit: {e}") from None
 
 
-async def _edit_and_store(stream: Stream, fn, region: _Region,
-                          res: ModifyResult) -> tuple[list[int], Stored]:
+async def _edit_and_store(stream: Stream, fn, region: _Region, res: ModifyResult,
+                          fn_in_caller: bool) -> tuple[list[int], Stored]:
     """Retrieve, fn, store; returns the edited tokens and what was stored."""
     ctx = stream.ctx
     t0 = time.perf_counter()
@@ -227,7 +230,7 @@ async def _edit_and_store(stream: Stream, fn, region: _Region,
         res.bytes_retrieved = kv.numel() * kv.element_size()
         given = KVGeometry.of(kv)  # before fn can touch (or resize) it
         t1 = time.perf_counter()
-        edited = await _apply(stream, fn, kv, region.tokens)
+        edited = await _apply(stream, fn, kv, region.tokens, fn_in_caller)
         kv = None
         t2 = time.perf_counter()
         stored = await _store(stream, source, given, edited, region)
