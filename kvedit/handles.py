@@ -126,8 +126,9 @@ class StoreHandle:
 
 class Retrieved:
     """Tensors of the leading present keys; zero-copy views (shared memory) or receive
-    buffers (socket), valid until release(); `offsets` / `segment` say where the views lie. release() raises KVError("lease_expired") when
-    the server says the lease ran out first: then the bytes read may not be the keys' bytes."""
+    buffers (socket), valid until release(); `offsets` / `segment` say where the views lie.
+    release() raises KVError("lease_expired") when the server says the lease ran out first:
+    then the bytes read may not be the keys' bytes."""
 
     def __init__(self, tensors: list[torch.Tensor], release: Callable[[], None] | None,
                  deadline: float | None, *, offsets: list[int] | None = None,

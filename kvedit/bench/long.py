@@ -18,8 +18,9 @@ footprint over its generated tokens (measured from its requests: baseline ~P + O
 below B). The baseline rarely reaches its own limit (vLLM preempts and recomputes in waves
 as its sequences outgrow the KV), which can put gain_vs_bound above 1; `arm_efficiency`
 shows each arm's tokens per step against its own limit, and `peak_footprint_bound` the
-bound from peak footprints (B vs P+O+1, as `bench dropping` computes it). edit_overhead_fraction: wall time during
-which at least one edit ran / the budget arm's wall time. leaked_objects: objects left in
+bound from peak footprints (B vs P+O+1, as `bench dropping` computes it).
+edit_overhead_fraction: wall time during which at least one edit ran / the budget arm's
+wall time. leaked_objects: objects left in
 the server after every stream released its chunks (all streams of this run, both arms);
 objects_at_end_vs_live compares the server's objects before that release with the distinct
 chunks the streams still referenced.
