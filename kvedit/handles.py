@@ -126,14 +126,21 @@ class StoreHandle:
 
 class Retrieved:
     """Tensors of the leading present keys; zero-copy views (shared memory) or receive
-    buffers (socket), valid until release(). release() raises KVError("lease_expired") when
-    the server says the lease ran out first: then the bytes read may not be the keys' bytes."""
+    buffers (socket), valid until release(); `offsets` / `segment` say where the views lie.
+    release() raises KVError("lease_expired") when the server says the lease ran out first:
+    then the bytes read may not be the keys' bytes."""
 
     def __init__(self, tensors: list[torch.Tensor], release: Callable[[], None] | None,
-                 deadline: float | None):
+                 deadline: float | None, *, offsets: list[int] | None = None,
+                 segment: str | None = None):
         self.tensors = tensors
         self._release = release
         self.deadline = deadline  # monotonic; None: the bytes are ours (no lease to outlive)
+        # Shared memory: each chunk's byte offset in the segment file `segment` (the slot
+        # offsets the server's Leased reply carries), so a caller can map the chunks itself
+        # (kvedit.sdk.chunkmap). None over the socket or when the transport did not say.
+        self.offsets = offsets
+        self.segment = segment
 
     def __len__(self) -> int:
         return len(self.tensors)

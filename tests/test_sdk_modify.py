@@ -22,8 +22,9 @@ MODEL = "sdk-modify-model"
 
 
 class FakeEngine:
-    """post_completion that stores each full chunk of the prompt (like the connector, with
-    data derived from the key so equal keys mean equal data) and yields token 7 per step."""
+    """post_completion that stores each full chunk of the prompt and of the generated tokens
+    (like the connector, with data derived from the key so equal keys mean equal data) and
+    yields token 7 per step."""
 
     def __init__(self, url: str):
         self.client = KVClient(url)
@@ -35,9 +36,12 @@ class FakeEngine:
 
     async def __call__(self, prompt, params, cache_salt):
         self.prompts.append((list(prompt), cache_salt))
-        keys = request_keys(MODEL, LAYOUT, prompt, cache_salt)
+        n = params.get("max_tokens", 1)
+        # like the connector: every full chunk whose KV was computed, the prompt's and the
+        # generated tokens' but the last (its KV is computed by the next request)
+        keys = request_keys(MODEL, LAYOUT, list(prompt) + [7] * (n - 1), cache_salt)
         await asyncio.to_thread(self.client.store, MODEL, keys, [self.data(k) for k in keys])
-        for _ in range(params.get("max_tokens", 1)):
+        for _ in range(n):
             await asyncio.sleep(0)
             yield 7
 
@@ -393,3 +397,28 @@ def test_failed_store_leaves_stream_and_kv_unchanged():
             assert len(s.tokens) == 2 * C and s.cache_salt == "" and s.suffix == []
             assert torch.equal(stored(small, s.keys), torch.ones(2, 2, 2 * C, 32))
             small.close()
+
+
+def test_sync_modify_runs_a_sync_fn_in_the_calling_thread_async_in_the_pool(ctx, engine):
+    """kvedit.sdk.loop.in_caller: the thread waiting in batch.modify runs fn (its malloc arena
+    can reuse large freed blocks); the async API has no waiting caller: the pool runs it."""
+    import threading
+
+    seen = []
+
+    def record(kv, tokens):
+        seen.append(threading.current_thread())
+        return kv, tokens
+
+    batch = prefilled(ctx, engine, 2 * C, count=2)
+    batch.modify(record)
+    assert seen == [threading.current_thread()] * 2
+
+    def boom(kv, tokens):
+        raise KeyError("from the caller thread")
+
+    with pytest.raises(BatchError, match="fn raised KeyError"):
+        batch.modify(boom)
+    seen.clear()
+    asyncio.run(batch.amodify(record))
+    assert len(seen) == 2 and threading.current_thread() not in seen

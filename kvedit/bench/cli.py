@@ -8,6 +8,7 @@ BENCH_MODULES = [
     "kvedit.bench.connector",   # connector: hit TTFT vs recompute, prefill with/without store
     "kvedit.bench.modify",      # SDK: modify vs memcpy
     "kvedit.bench.dropping",    # headline: decode gain of DropMiddle vs its bound
+    "kvedit.bench.long",        # long generations: decode gain of a per-stream KV budget
     "kvedit.bench.soak",        # hardening: minutes of mixed, hostile load; leaks, latency
     "kvedit.bench.index_costs", # server: index/allocator costs vs leased, holes, objects
     "kvedit.bench.loop",        # server: Hello latency while max-size requests run vs idle

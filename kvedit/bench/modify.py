@@ -13,7 +13,11 @@ before it, since other work on a shared host makes timings drift; the median of 
 `identity_cold` is the first modify of the process. With write tracking (the default) in shm
 mode, fn's kv is mapped copy-on-write from the stored chunks (kvedit.sdk.chunkmap), so there
 is no retrieve copy; `--no-track-writes` measures the copy path (one copy into the context's
-reused buffers, byte-compare of reused chunks).
+reused buffers, byte-compare of reused chunks). connect() keeps large freed blocks for
+reuse by default (kvedit.sdk.alloc) and the synchronous modify runs fn in the calling
+thread, so drop_half_cat's torch.cat reuses the previous output's pages after the first
+repeats; `--no-keep-freed-memory` measures malloc's default (process-wide: run the two
+variants in separate processes). Use --repeats 5 or more: the first repeats pay fresh pages.
 """
 from __future__ import annotations
 
@@ -39,6 +43,9 @@ def register(bsub) -> None:
     p.add_argument("--no-track-writes", action="store_true",
                    help="copy the KV out and byte-compare reused chunks instead of "
                         "copy-on-write mapping and tracking")
+    p.add_argument("--no-keep-freed-memory", action="store_true",
+                   help="connect(keep_freed_memory=False): leave malloc alone, so fn's fresh "
+                        "allocations fault in new pages on every modify")
     p.add_argument("--server-url",
                    help="use this running server (tcp://...) instead of starting one")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
@@ -126,6 +133,7 @@ def run(args) -> int:
     import torch
 
     from kvedit.layout import ModelLayout
+    from kvedit.sdk.alloc import keep_freed_memory
     from kvedit.sdk.context import connect
 
     lay = ModelLayout(num_layers=args.layers, num_kv_heads=args.kv_heads,
@@ -150,7 +158,8 @@ def run(args) -> int:
         with KVClient(url) as client:
             client.register(model, lay)
             with connect(url, http_url, model, timeout=10,
-                         track_writes=False if args.no_track_writes else None) as ctx:
+                         track_writes=False if args.no_track_writes else None,
+                         keep_freed_memory=not args.no_keep_freed_memory) as ctx:
                 memcpy = _Memcpy(kv_bytes)
                 results, ratios, baselines, seed = {}, {}, [], 0
                 edits = (("identity_cold", _identity, 1), ("identity", _identity, args.repeats),
@@ -168,6 +177,7 @@ def run(args) -> int:
                             results[name] = m
                         client.delete(model, [k for s in batch for k in s.keys])
                 transfer, track = client.transfer_mode, ctx.pool.cow
+                keep_freed = not args.no_keep_freed_memory and keep_freed_memory()
                 warm, fresh = statistics.median(baselines), memcpy.fresh()
     finally:
         if server is not None:
@@ -178,6 +188,7 @@ def run(args) -> int:
                    "head_dim": lay.head_dim, "dtype": lay.dtype, "chunk_size": lay.chunk_size,
                    "modify_concurrency": args.modify_concurrency, "transfer_mode": transfer,
                    "track_writes": track,
+                   "keep_freed_memory": keep_freed,
                    "torch_threads": torch.get_num_threads(),
                    "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"},
         "kv_bytes": kv_bytes,

@@ -4,9 +4,16 @@ Modules (one concern each):
 - `context`  connect()/close(): a Context = KVClient + model layout + key reference counts.
 - `stream`   Stream (tokens, suffix, salt) and create_request(); one completion request.
 - `batch`    BatchedStream: prefill / modify / decode / pipelined run, sync and async.
+- `driver`   the budgeted run: decode rounds + edits keeping each stream's KV under a budget.
 - `modify`   retrieve → fn → validate → store → swap → delete, and the keys/salt rule.
-- `rowcopy`  memcpy/memcmp between chunk slices of [2, L, T, D] and contiguous chunks.
+- `contracts` the EditFn / PostCompletion protocols, their keyword/salt rules, result checks.
+- `source`   KVSource: where modify's kv comes from (mapped from shm, or copied), chosen once.
+- `chunkmap` MappedKV: stored chunks mapped copy-on-write into one tensor (no copy).
 - `buffers`  reused retrieve buffers; copy-on-write tracking of what fn writes.
+- `geometry` where chunk i's rows lie in a [2, L, T, D] tensor (the one helper).
+- `rowcopy`  memcpy/memcmp between chunk slices of [2, L, T, D] and contiguous chunks.
+- `libc`     libc through ctypes, loaded once (memcpy, memcmp, mmap, munmap, mallopt).
+- `alloc`    experimental: keep large freed blocks for reuse (glibc mallopt).
 - `metrics`  Metrics: counters, throughputs, TTFT/TPOT percentiles, to_dict(), table().
 - `openai`   openai_completion(): post_completion for OpenAI-compatible servers.
 - `loop`     the background event loop behind the synchronous facade.

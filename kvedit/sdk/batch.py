@@ -9,7 +9,6 @@ loop; the `a`-prefixed ones are the async API.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import time
 
@@ -17,53 +16,13 @@ from tqdm.auto import tqdm
 
 from kvedit.sdk.errors import KVEditError, StreamError, raise_batch
 from kvedit.sdk.loop import run_sync
-from kvedit.sdk.metrics import Metrics
-from kvedit.sdk.modify import ModifyResult, modify_stream
+from kvedit.sdk.metrics import Metrics, Span, add_generation, add_modify
+from kvedit.sdk.modify import modify_stream
 from kvedit.sdk.stream import Generation, Stream
 
 
 def _progress_default() -> bool:
     return os.environ.get("KVEDIT_PROGRESS", "1").lower() not in ("0", "false", "no", "off")
-
-
-class _Span:
-    """Wall time from the first start to the last end of a phase across streams."""
-
-    def __init__(self):
-        self.start: float | None = None
-        self.end: float | None = None
-
-    def __enter__(self):
-        now = time.perf_counter()
-        self.start = now if self.start is None else min(self.start, now)
-
-    def __exit__(self, *exc):
-        now = time.perf_counter()
-        self.end = now if self.end is None else max(self.end, now)
-
-    @property
-    def seconds(self) -> float:
-        return 0.0 if self.start is None else (self.end or time.perf_counter()) - self.start
-
-
-def _add_generation(m: Metrics, g: Generation) -> None:
-    m.input_tokens += g.prompt_tokens
-    m.output_tokens += len(g.token_ids)
-    m.add_cached(g.cached_tokens)
-    if g.ttft is not None:
-        m.ttft.append(g.ttft)
-    if g.tpot is not None:
-        m.tpot.append(g.tpot)
-
-
-# ModifyResult (one stream) fields whose batch total in Metrics has another name.
-_TOTAL_NAME = {"salt_changed": "salt_changes", "skipped": "streams_skipped"}
-
-
-def _add_modify(m: Metrics, r: ModifyResult) -> None:
-    for f in dataclasses.fields(r):
-        total = _TOTAL_NAME.get(f.name, f.name)
-        setattr(m, total, getattr(m, total) + getattr(r, f.name))
 
 
 class BatchedStream:
@@ -142,7 +101,7 @@ class BatchedStream:
 
         async def work(s: Stream):
             async with http:
-                _add_generation(m, await s.generate(sampling_params, max_tokens=1))
+                add_generation(m, await s.generate(sampling_params, max_tokens=1))
 
         await self._each("prefill", self.streams, work, m)
         return m
@@ -155,7 +114,7 @@ class BatchedStream:
         wait = self.wait_timeout if wait_timeout is None else wait_timeout
 
         async def work(s: Stream):
-            _add_modify(m, await modify_stream(s, fn, cpu_slots=cpu, keep_old=keep_old,
+            add_modify(m, await modify_stream(s, fn, cpu_slots=cpu, keep_old=keep_old,
                                                wait_timeout=wait))
 
         await self._each("modify", self.streams, work, m)
@@ -169,34 +128,47 @@ class BatchedStream:
 
         async def work(s: Stream):
             async with http:
-                _add_generation(m, await s.generate(sampling_params))
+                add_generation(m, await s.generate(sampling_params))
 
         await self._each("decode", live, work, m)
         return m
 
     async def arun(self, prefill_params, fn, decode_params, *, keep_old: bool = False,
-                   wait_timeout: float | None = None) -> Metrics:
+                   wait_timeout: float | None = None, every: int | None = None,
+                   budget: int | None = None, release: bool = False) -> Metrics:
         """Pipelined prefill → modify → decode: each stream is modified as soon as its own
         prefill is stored and decodes as soon as its own modify is done (no phase barriers).
         Returns Metrics("run") with the end-to-end duration; `parts` holds each phase's
-        counters, their `duration` being the span from its first start to its last end."""
+        counters, their `duration` being the span from its first start to its last end.
+
+        With `every` and `budget`: the budgeted run (kvedit.sdk.driver): each stream decodes
+        in rounds of `every` tokens and is edited with fn between rounds whenever the next
+        round would make the engine hold more than `budget` tokens of its KV; `release`
+        frees a finished stream's chunks."""
+        wait = self.wait_timeout if wait_timeout is None else wait_timeout
+        if every is not None or budget is not None:
+            from kvedit.sdk.driver import Budget, drive
+
+            if every is None or budget is None:
+                raise ValueError("a budgeted run needs both every= and budget=")
+            return await drive(self, prefill_params, fn, decode_params, Budget(every, budget),
+                               keep_old=keep_old, release=release, wait_timeout=wait)
         names = ("prefill", "modify", "decode")
         parts = {p: Metrics(p, num_streams=len(self.streams)) for p in names}
-        spans = {p: _Span() for p in names}
+        spans = {p: Span() for p in names}
         http = asyncio.Semaphore(self.max_concurrency)
         cpu = self._cpu_slots()
-        wait = self.wait_timeout if wait_timeout is None else wait_timeout
 
         async def work(s: Stream):
             async with http:
                 with spans["prefill"]:
-                    _add_generation(parts["prefill"], await s.generate(prefill_params, 1))
+                    add_generation(parts["prefill"], await s.generate(prefill_params, 1))
             with spans["modify"]:
-                _add_modify(parts["modify"], await modify_stream(
+                add_modify(parts["modify"], await modify_stream(
                     s, fn, cpu_slots=cpu, keep_old=keep_old, wait_timeout=wait))
             async with http:
                 with spans["decode"]:
-                    _add_generation(parts["decode"], await s.generate(decode_params))
+                    add_generation(parts["decode"], await s.generate(decode_params))
 
         run = Metrics("run", num_streams=len(self.streams), parts=parts)
         try:
@@ -220,9 +192,18 @@ class BatchedStream:
         return run_sync(self.adecode(sampling_params))
 
     def run(self, prefill_params, fn, decode_params, *, keep_old: bool = False,
-            wait_timeout: float | None = None) -> Metrics:
+            wait_timeout: float | None = None, every: int | None = None,
+            budget: int | None = None, release: bool = False) -> Metrics:
         return run_sync(self.arun(prefill_params, fn, decode_params, keep_old=keep_old,
-                                  wait_timeout=wait_timeout))
+                                  wait_timeout=wait_timeout, every=every, budget=budget,
+                                  release=release))
+
+    async def arelease(self) -> int:
+        """Release every stream's chunks (Stream.arelease); returns the chunks deleted."""
+        return sum([await s.arelease() for s in self.streams])
+
+    def release(self) -> int:
+        return run_sync(self.arelease())
 
 
 LMCacheBatchedStream = BatchedStream  # the LMCache SDK's name, so ported scripts run unchanged

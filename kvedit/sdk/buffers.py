@@ -154,28 +154,3 @@ class BufferPool:
     def clear(self) -> None:
         with self._lock:
             self._bufs.clear()
-
-
-def untouched_chunks(buf: KVBuffer, written: np.ndarray | None, kv_ptr: int,
-                     kv_strides: tuple, elem: int, new_kv: torch.Tensor, idx, c: int) -> set[int]:
-    """The chunks j in idx that new_kv holds exactly where the retrieve put them (new_kv
-    is kv or a prefix slice of it) and that no write has touched since `open()`.
-    kv (ptr, strides) is the contiguous tensor fn was given, starting at buf.view;
-    `written` is buf.written_pages() read after fn."""
-    if written is None or not idx or new_kv.data_ptr() != kv_ptr \
-            or new_kv.stride() != kv_strides or buf.view is None \
-            or buf.view.data_ptr() != kv_ptr:
-        return set()
-    counts = np.concatenate(([0], np.cumsum(written)))
-    page = mmap.PAGESIZE
-    s0, s1, s2 = (s * elem for s in kv_strides[:3])
-    layers = new_kv.shape[1]
-    starts = np.array([k * s0 + layer * s1 for k in range(2) for layer in range(layers)])
-    row = c * s2  # chunk j of one (K/V, layer) row: contiguous, since kv's rows are
-    same = set()
-    for j in idx:
-        lo = (starts + j * row) // page
-        hi = (starts + j * row + row - 1) // page
-        if not (counts[hi + 1] - counts[lo]).any():
-            same.add(j)
-    return same

@@ -7,7 +7,7 @@ MAP_PRIVATE at its place inside one reserved address range, so kv is assembled w
 copying a byte. Pages fn reads are mapped in on first touch (a fault per 16 pages); the
 first write to a page copies it (copy-on-write), so fn can never change a stored chunk, and
 /proc/self/pagemap tells which pages fn wrote, exactly as for the copy path's tracked
-buffers (kvedit.sdk.buffers).
+buffers (kvedit.sdk.buffers). It is one of modify's two KVSources (kvedit.sdk.source).
 
 The chunks must not change while anything uses the mapping: the retrieve's read lease is
 held until the last tensor, view or array of it is gone (the server frees a deleted chunk
@@ -22,15 +22,17 @@ finally released (a warning: the server answered lease_expired).
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 import sys
-import logging
 import weakref
 
 import torch
 
+from kvedit.sdk import libc
 from kvedit.sdk.buffers import written_pages
+from kvedit.sdk.geometry import contiguous_row_offset
 
 MAX_MAPS = 16384  # mappings per kv; vm.max_map_count is 65530 per process by default
 # BufferPool.note_outcome credit for the retrieve copy a mapping spares (per chunk, in
@@ -41,19 +43,9 @@ COPY_SPARED = 1.5
 _MAP_FIXED, _MAP_NORESERVE = 0x10, 0x4000  # Linux values; the mmap module lacks MAP_FIXED
 log = logging.getLogger("kvedit.sdk")
 
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _mmap, _munmap = _libc.mmap, _libc.munmap
-    _mmap.restype, _munmap.restype = ctypes.c_void_p, ctypes.c_int
-    _mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                      ctypes.c_int, ctypes.c_long]
-    _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-except (OSError, AttributeError):
-    _mmap = None
-
 
 def _unmap(base: int, nbytes: int, release) -> None:
-    _munmap(base, nbytes)
+    libc.munmap(base, nbytes)
     try:
         release()
     except Exception as e:  # client closed, lease expired: the server drops it by TTL anyway
@@ -66,30 +58,30 @@ def _unmap(base: int, nbytes: int, release) -> None:
 class MappedKV:
     """The bytes of kv[2, L, n*C, D], mapped privately from n stored chunks."""
 
-    private = True
+    spares_copy = COPY_SPARED  # no retrieve copy was made (BufferPool.note_outcome credit)
 
     def __init__(self, path: str, offsets: list[int], layout, lease):
         rows = 2 * layout.num_layers
         row = layout.chunk_bytes // rows  # one (K/V, layer) row of one chunk
         n = len(offsets)
         self.nbytes = nbytes = n * layout.chunk_bytes
-        base = _mmap(None, nbytes, 0,  # PROT_NONE: every byte is mapped over below
-                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        base = libc.mmap(None, nbytes, 0,  # PROT_NONE: every byte is mapped over below
+                         mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
         if base is None or base == ctypes.c_void_p(-1).value:
-            raise OSError(ctypes.get_errno(), f"cannot reserve {nbytes} bytes of address space")
+            raise OSError(libc.errno(), f"cannot reserve {nbytes} bytes of address space")
         try:
             fd = os.open(path, os.O_RDONLY)  # a private mapping never writes the file
         except OSError:
-            _munmap(base, nbytes)
+            libc.munmap(base, nbytes)
             raise
         try:
             for r in range(rows):
                 for i, off in enumerate(offsets):
-                    dst = base + (r * n + i) * row
-                    if _mmap(dst, row, mmap.PROT_READ | mmap.PROT_WRITE,
-                             mmap.MAP_PRIVATE | _MAP_FIXED, fd, off + r * row) != dst:
-                        err = ctypes.get_errno()
-                        _munmap(base, nbytes)
+                    dst = base + contiguous_row_offset(r, i, n, row)
+                    if libc.mmap(dst, row, mmap.PROT_READ | mmap.PROT_WRITE,
+                                 mmap.MAP_PRIVATE | _MAP_FIXED, fd, off + r * row) != dst:
+                        err = libc.errno()
+                        libc.munmap(base, nbytes)
                         raise OSError(err, f"cannot map {path} at offset {off + r * row}")
         finally:
             os.close(fd)
@@ -111,12 +103,23 @@ class MappedKV:
         self.view = None
 
 
+def _slots(got, attached) -> tuple[str, list[int]] | None:
+    """(segment path, chunk offsets) of a shared-memory retrieve, None if it has none.
+    The offsets are the server's (Retrieved.offsets); a transport that does not pass them
+    yet has them recovered from the views' addresses in the attached segment."""
+    if got.offsets is not None and got.segment is not None:
+        return got.segment, list(got.offsets)
+    if attached is None:
+        return None
+    path, seg = attached
+    return path, [t.data_ptr() - seg.data_ptr() for t in got.tensors]
+
+
 def map_chunks(client, model: str, keys: list[bytes], layout) -> MappedKV | None:
     """keys' chunks as a MappedKV, or None where mapping is not possible (socket mode, rows
-    that are not whole pages, too many mappings); LookupError if some are missing. Slot
-    offsets are the retrieved views' offsets in the client's segment (KVClient.segment)."""
+    that are not whole pages, too many mappings); LookupError if some are missing."""
     rows, page = 2 * layout.num_layers, mmap.PAGESIZE
-    if _mmap is None or sys.platform != "linux" or client.segment() is None \
+    if libc.mmap is None or sys.platform != "linux" or client.segment() is None \
             or (layout.chunk_bytes // rows) % page or rows * len(keys) > MAX_MAPS:
         return None
     got = client.retrieve(model, keys)
@@ -124,14 +127,14 @@ def map_chunks(client, model: str, keys: list[bytes], layout) -> MappedKV | None
         if len(got.tensors) < len(keys):
             raise LookupError(f"only {len(got.tensors)} of its {len(keys)} chunks could be "
                               f"retrieved (evicted meanwhile?)")
-        attached = client.segment()  # the one the replies' views point into (after a restart too)
-        path, seg = attached if attached is not None else (None, None)
-        offsets = [t.data_ptr() - seg.data_ptr() for t in got.tensors] if seg is not None else []
-        if not offsets or any(o % page or o < 0 or o + layout.chunk_bytes > seg.numel()
-                              for o in offsets):
+        # (the segment the replies' views point into: asked after the retrieve, for restarts)
+        slots = _slots(got, client.segment() if got.offsets is None else None)
+        size = os.path.getsize(slots[0]) if slots is not None else 0
+        if slots is None or any(o % page or o < 0 or o + layout.chunk_bytes > size
+                                for o in slots[1]):
             got.release()
             return None
-        m = MappedKV(path, offsets, layout, got)
+        m = MappedKV(slots[0], slots[1], layout, got)
     except OSError:  # cannot open or map the segment here: the caller copies instead
         got.release()
         return None

@@ -85,7 +85,8 @@ class Context:
 def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
             model_name: str = "", timeout: float = 60.0, *, use_shm: bool | None = None,
             io_threads: int = 32, track_writes: bool | None = None,
-            secret: str | bytes | None = None, secret_file: str | None = None) -> Context:
+            secret: str | bytes | None = None, secret_file: str | None = None,
+            keep_freed_memory: bool = True) -> Context:
     """Connect to the kvedit server at `url` and read `model_name`'s layout.
 
     If the model is not registered yet, wait up to `timeout` seconds for the vLLM connector to
@@ -97,6 +98,10 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
     faster for edits that read kv and return it or a new tensor, slower (a page copy per
     written page) for edits that rewrite much of kv in place; False turns it off.
 
+    `keep_freed_memory` (glibc): keep large freed blocks in this process for reuse, so an fn
+    that allocates its output (torch.cat) does not fault in fresh pages on every modify
+    (kvedit.sdk.alloc); the process then keeps its peak heap. False leaves malloc alone.
+
     `secret` / `secret_file`: the server's shared secret (kvedit.auth); by default
     $KVEDIT_SECRET or $KVEDIT_SECRET_FILE when set. Used for ZMQ (CURVE), the data link and
     as the bearer token of the HTTP calls.
@@ -106,6 +111,10 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
 
     if not model_name:
         raise ConnectError("connect() needs model_name: the served model name vLLM uses")
+    if keep_freed_memory:
+        from kvedit.sdk.alloc import keep_freed_memory as keep
+
+        keep()
     deadline = time.monotonic() + timeout
     try:
         key = load_secret(secret, secret_file)

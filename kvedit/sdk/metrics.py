@@ -1,7 +1,14 @@
 """Metrics of one batch phase (prefill, modify, decode) or of a pipelined run."""
 from __future__ import annotations
 
+import dataclasses
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvedit.sdk.modify import ModifyResult
+    from kvedit.sdk.stream import Generation
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -48,6 +55,7 @@ class Metrics:
     retrieve_s: float = 0.0  # summed over streams (they overlap, so the sum can exceed duration)
     fn_s: float = 0.0
     store_s: float = 0.0
+    edit_rounds: int = 0     # budgeted run: edits made during decode (kvedit.sdk.driver)
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
     parts: dict[str, Metrics] = field(default_factory=dict)
@@ -118,3 +126,43 @@ class Metrics:
 
     def __str__(self) -> str:
         return self.table()
+
+
+class Span:
+    """Wall time from the first start to the last end of a phase across streams."""
+
+    def __init__(self):
+        self.start: float | None = None
+        self.end: float | None = None
+
+    def __enter__(self):
+        now = time.perf_counter()
+        self.start = now if self.start is None else min(self.start, now)
+
+    def __exit__(self, *exc):
+        now = time.perf_counter()
+        self.end = now if self.end is None else max(self.end, now)
+
+    @property
+    def seconds(self) -> float:
+        return 0.0 if self.start is None else (self.end or time.perf_counter()) - self.start
+
+
+def add_generation(m: Metrics, g: Generation) -> None:
+    m.input_tokens += g.prompt_tokens
+    m.output_tokens += len(g.token_ids)
+    m.add_cached(g.cached_tokens)
+    if g.ttft is not None:
+        m.ttft.append(g.ttft)
+    if g.tpot is not None:
+        m.tpot.append(g.tpot)
+
+
+# ModifyResult (one stream) fields whose batch total in Metrics has another name.
+_TOTAL_NAME = {"salt_changed": "salt_changes", "skipped": "streams_skipped"}
+
+
+def add_modify(m: Metrics, r: ModifyResult) -> None:
+    for f in dataclasses.fields(r):
+        total = _TOTAL_NAME.get(f.name, f.name)
+        setattr(m, total, getattr(m, total) + getattr(r, f.name))

@@ -1,5 +1,11 @@
 """modify: retrieve a stream's KV, apply the user's fn, validate, store, swap, clean up.
 
+What is edited: the full chunks of the stream's sequence (`tokens + suffix`) whose KV the
+engine has computed (`Stream.kv_tokens`): after prefill the prompt's, after a decode the
+prompt's and the generated tokens' (the connector stores those too), after an edit the
+edited ones. So decode -> modify -> decode works for any number of rounds; the tokens after
+the last full chunk stay in the suffix and are recomputed by the next decode.
+
 Keys and edited data. The connector keys a chunk by (model, cache_salt, token prefix), so an
 edit that changes KV data but keeps the tokens (zero V, quantize, ...) would produce chunks
 whose keys already exist: the server would keep the ORIGINAL data and silently drop the edit.
@@ -13,7 +19,8 @@ cache is salted too, so it cannot serve the stale blocks either.
 The comparison is skipped for chunks that fn left untouched in place: with write tracking
 (connect(track_writes=...), on by default on Linux) fn's tensor is a copy-on-write mapping
 of the stored chunks themselves (kvedit.sdk.chunkmap; no retrieve copy at all) or of the
-retrieve buffer (kvedit.sdk.buffers), so the kernel records every page fn wrote.
+retrieve buffer (kvedit.sdk.buffers), so the kernel records every page fn wrote. Which of
+the two a stream gets is decided once, in kvedit.sdk.source.open_kv.
 
 Atomicity. The stream's tokens/salt/keys change only after the store has committed. If fn
 raises, returns something invalid, or the store fails, the stream is unchanged, the error
@@ -30,7 +37,6 @@ recomputed by vLLM on the next decode (their edited KV is not used).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 import uuid
@@ -39,14 +45,16 @@ from dataclasses import dataclass
 import torch
 
 from kvedit.handles import KVError
-from kvedit.layout import ModelLayout
-from kvedit.sdk.buffers import KVBuffer, untouched_chunks
-from kvedit.sdk.chunkmap import COPY_SPARED, MappedKV, map_chunks
+from kvedit.sdk.contracts import Edited, check_result, fn_kwargs, is_async_fn
 from kvedit.sdk.errors import ModifyError
-from kvedit.sdk.rowcopy import chunk_equal, load_chunk, save_chunk
-from kvedit.sdk.stream import Stream, check_token_ids
+from kvedit.sdk.geometry import KVGeometry
+from kvedit.sdk.loop import has_caller, in_caller
+from kvedit.sdk.rowcopy import chunk_equal, save_chunk
+from kvedit.sdk.source import KVSource, open_kv, untouched_chunks
+from kvedit.sdk.stream import Stream
 
 log = logging.getLogger("kvedit.sdk")
+__all__ = ["ModifyResult", "Stored", "check_result", "modify_stream", "store_kv"]
 
 
 @dataclass
@@ -66,70 +74,26 @@ class ModifyResult:
     store_s: float = 0.0     # compare with present chunks + copy into shm + commit
 
 
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """What store_kv committed: the salt and keys the edited chunks live under."""
+    salt: str
+    keys: list[bytes]
+    stored: int    # chunks written
+    reused: int    # chunks already present (identical bytes)
+    compared: int  # present chunks whose bytes were compared
+
+
+@dataclass(frozen=True, slots=True)
+class _Region:
+    """What one modify edits: the first n full chunks of the stream's sequence."""
+    n: int
+    tokens: list[int]
+    keys: list[bytes]
+
+
 def derive_salt(salt: str) -> str:
     return f"{salt}~kvedit-{uuid.uuid4().hex[:12]}"
-
-
-def wants_layout(fn) -> bool:
-    """fn takes a `layout` keyword (or **kwargs): it then gets the ModelLayout (RoPE params)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "layout" and p.kind is not p.POSITIONAL_ONLY or p.kind is p.VAR_KEYWORD
-               for p in params)
-
-
-def retrieve_kv(ctx, keys: list[bytes]) -> tuple[KVBuffer | MappedKV, torch.Tensor]:
-    """(source, kv): the chunks of `keys` as one contiguous [2, L, N*C, D] tensor. With write
-    tracking in shm mode, mapped copy-on-write from the stored chunks (no copy, see
-    kvedit.sdk.chunkmap); else one copy out of shm into a pooled buffer (kvedit.sdk.buffers)."""
-    lay = ctx.layout
-    n, c = len(keys), lay.chunk_size
-    shape, dtype = (2, lay.num_layers, n * c, lay.hidden), getattr(torch, lay.dtype)
-    cow = ctx.pool.use_cow()
-    if cow and (mapped := map_chunks(ctx.client, ctx.model, keys, lay)) is not None:
-        return mapped, mapped.view.view(dtype).view(shape)
-    buf = ctx.pool.take(n * lay.chunk_bytes)
-    with ctx.client.retrieve(ctx.model, keys) as got:
-        if len(got.tensors) < n:
-            raise LookupError(f"only {len(got.tensors)} of its {n} chunks could be retrieved "
-                              f"(evicted meanwhile?)")
-        target = buf.target[:n * lay.chunk_bytes].view(dtype).view(shape)
-        for i, chunk in enumerate(got.tensors):
-            load_chunk(target, i, chunk)
-    return buf, buf.open(cow)[:n * lay.chunk_bytes].view(dtype).view(shape)
-
-
-def _done_with(ctx, src) -> None:
-    """modify no longer uses src: a pooled buffer goes back, a mapping is dropped."""
-    if isinstance(src, MappedKV):
-        src.close()
-    else:
-        ctx.pool.give(src)
-
-
-def check_result(result, layout: ModelLayout) -> tuple[torch.Tensor, list[int]]:
-    """fn's (kv, tokens), validated; ValueError naming what is wrong and what was expected."""
-    if not isinstance(result, tuple | list) or len(result) != 2:
-        raise ValueError(f"fn must return (kv, tokens), got {type(result).__name__}")
-    kv, tokens = result
-    if not isinstance(kv, torch.Tensor):
-        raise ValueError(f"fn returned kv of type {type(kv).__name__}, expected a torch.Tensor")
-    want = getattr(torch, layout.dtype)
-    if kv.dtype != want:
-        raise ValueError(f"fn returned kv of dtype {kv.dtype}, expected {want} (the model's "
-                         f"KV dtype; cast back before returning)")
-    if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[1] != layout.num_layers \
-            or kv.shape[3] != layout.hidden:
-        raise ValueError(f"fn returned kv of shape {tuple(kv.shape)}, expected [2, "
-                         f"{layout.num_layers}, T, {layout.hidden}] (K/V, layers, tokens, "
-                         f"kv_heads*head_dim)")
-    tokens = check_token_ids(tokens, "the tokens fn returned")
-    if len(tokens) != kv.shape[2]:
-        raise ValueError(f"fn returned {len(tokens)} tokens but kv holds {kv.shape[2]} "
-                         f"(kv.shape[2] must equal len(tokens))")
-    return kv.detach().cpu(), tokens
 
 
 def chunks_identical(ctx, keys: list[bytes], idx: list[int], kv: torch.Tensor) -> bool:
@@ -145,8 +109,9 @@ class _Differs(Exception):
 
 
 def store_kv(ctx, tokens: list[int], salt: str, kv: torch.Tensor, keys_for,
-             old_keys: list[bytes], untouched: set[int], check_source=lambda: None):
-    """Store the edited full chunks. Returns (salt, keys, stored, reused, compared).
+             old_keys: list[bytes], untouched: set[int], check_source=lambda: None) -> Stored:
+    """Store the edited full chunks under `salt` or, if a present key holds other bytes,
+    under a fresh derived salt.
 
     `untouched`: chunks known identical to the retrieved chunk at the same index; if their
     key is that chunk's original key, the stored object is the one retrieved: no compare.
@@ -162,7 +127,7 @@ def store_kv(ctx, tokens: list[int], salt: str, kv: torch.Tensor, keys_for,
                 raise _Differs
             _fill(h, kv)
             check_source()
-        return salt, keys, len(h.missing), len(present), len(check)
+        return Stored(salt, keys, len(h.missing), len(present), len(check))
     except _Differs:
         pass
     salt = derive_salt(salt)
@@ -172,7 +137,7 @@ def store_kv(ctx, tokens: list[int], salt: str, kv: torch.Tensor, keys_for,
             raise RuntimeError(f"fresh salt {salt!r} already has chunks in the server")
         _fill(h, kv)
         check_source()
-    return salt, keys, len(keys), 0, len(check)
+    return Stored(salt, keys, len(keys), 0, len(check))
 
 
 def _fill(h, kv: torch.Tensor) -> None:
@@ -180,96 +145,151 @@ def _fill(h, kv: torch.Tensor) -> None:
         save_chunk(buf, kv, i)
 
 
+# ---- modify_stream, as its steps ----------------------------------------------------------
 async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False,
-                        wait_timeout: float = 60.0) -> ModifyResult:
-    """Apply fn to one stream's KV (see the module docstring for the exact semantics)."""
-    ctx = stream.ctx
-    lay, c = ctx.layout, ctx.chunk_size
-    n = len(stream.tokens) // c
-    res = ModifyResult(tokens_before=n * c)
-    if n == 0:  # shorter than one chunk: nothing is cached, nothing to edit
+                        wait_timeout: float = 60.0, fn_in_caller: bool = True) -> ModifyResult:
+    """Apply fn to one stream's KV (see the module docstring for the exact semantics).
+    `fn_in_caller`: a synchronous fn runs in the thread waiting in a synchronous SDK call,
+    when there is one (kvedit.sdk.loop.in_caller), else in the context's pool."""
+    if stream.released:
+        raise ModifyError(stream, "the stream was released (arelease); it holds no KV any more")
+    region = _region(stream)
+    res = ModifyResult(tokens_before=len(region.tokens))
+    if region.n == 0:  # shorter than one chunk: nothing is cached, nothing to edit
         res.skipped = True
         return res
-    old_keys = stream.keys[:n]
+    await _wait_stored(stream, region, wait_timeout)
+    async with cpu_slots:
+        new_tokens, stored = await _edit_and_store(stream, fn, region, res, fn_in_caller)
+    old_keys = _swap(stream, region, new_tokens, stored, res)
+    await _drop_unused(stream, old_keys, keep_old, res)
+    return res
+
+
+def _region(stream: Stream) -> _Region:
+    c = stream.ctx.chunk_size
+    n = stream.kv_tokens // c
+    return _Region(n, stream.prompt[:n * c], stream.keys[:n])
+
+
+async def _wait_stored(stream: Stream, region: _Region, wait_timeout: float) -> None:
+    """Server-side wait: the connector stores asynchronously to the completion's reply."""
+    ctx = stream.ctx
     try:
-        # Server-side wait: vLLM's store is asynchronous to the completion reply.
-        have = await ctx.call(ctx.client.lookup, ctx.model, old_keys, wait_timeout=wait_timeout)
+        have = await ctx.call(ctx.client.lookup, ctx.model, region.keys,
+                              wait_timeout=wait_timeout)
     except Exception as e:
         raise ModifyError(stream, f"lookup of its chunks failed: {e}") from e
-    if have < n:
-        raise ModifyError(stream, f"only {have} of its {n} full chunks are in the kvedit server "
-                                  f"after waiting {wait_timeout} s (was it prefilled through a "
-                                  f"vLLM with the kvedit connector, same model and salt?)")
-    async with cpu_slots:
-        t0 = time.perf_counter()
-        try:
-            buf, kv = await ctx.call(retrieve_kv, ctx, old_keys)
-        except KVError as e:
-            if e.code != "lease_expired":
-                raise ModifyError(stream, f"retrieving its KV failed: {e}") from e
-            raise ModifyError(stream, f"its KV was copied out after the server's lease TTL "
-                                      f"({e}); the copy may not be its bytes, nothing was "
-                                      f"changed") from e
-        except Exception as e:
+    if have < region.n:
+        raise ModifyError(stream, f"only {have} of its {region.n} full chunks are in the kvedit "
+                                  f"server after waiting {wait_timeout} s (was it prefilled "
+                                  f"through a vLLM with the kvedit connector, same model and "
+                                  f"salt, and store_generated on if it decoded since?)")
+
+
+async def _open(stream: Stream, region: _Region) -> tuple[KVSource, torch.Tensor]:
+    ctx = stream.ctx
+    try:
+        return await ctx.call(open_kv, ctx, region.keys)
+    except KVError as e:
+        if e.code != "lease_expired":
             raise ModifyError(stream, f"retrieving its KV failed: {e}") from e
-        try:
-            res.bytes_retrieved = kv.numel() * kv.element_size()
-            head = stream.tokens[:n * c]
-            kwargs = {"layout": lay} if wants_layout(fn) else {}
-            geometry = (kv.data_ptr(), kv.stride(), kv.element_size())  # before fn can touch it
-            t1 = time.perf_counter()
-            try:
-                if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-                        getattr(fn, "__call__", None)):
-                    out = await fn(kv, list(head), **kwargs)
-                else:
-                    out = await ctx.call(fn, kv, list(head), **kwargs)
-            except Exception as e:
-                raise ModifyError(stream, f"fn raised {type(e).__name__}: {e}") from e
-            try:
-                new_kv, new_tokens = check_result(out, lay)
-            except ValueError as e:
-                raise ModifyError(stream, f"invalid edit: {e}") from None
-            kv = out = None
-            m = len(new_tokens) // c
-            t2 = time.perf_counter()
-            try:
-                written = await ctx.call(buf.written_pages)
-                untouched = await ctx.call(untouched_chunks, buf, written, *geometry, new_kv,
-                                           range(min(n, m)), c)
-                spared = len(untouched) / n + (COPY_SPARED if isinstance(buf, MappedKV) else 0)
-                ctx.pool.note_outcome(written, spared)
-                salt, keys, stored, reused, compared = await ctx.call(
-                    store_kv, ctx, new_tokens[:m * c], stream.cache_salt, new_kv,
-                    stream.keys_for, old_keys, untouched,
-                    buf.check_lease if isinstance(buf, MappedKV) else (lambda: None))
-            except KVError as e:
-                if e.code not in ("lease_expired", "store_expired"):
-                    raise ModifyError(stream, f"storing the edited KV failed ({e}); the "
-                                              f"original KV is kept") from e
-                raise ModifyError(stream, f"the edit took longer than the server's TTL ({e}); "
-                                          f"nothing was stored, the original KV is kept") from e
-            except Exception as e:
-                raise ModifyError(stream, f"storing the edited KV failed ({type(e).__name__}: "
-                                          f"{e}); the original KV is kept") from e
-            res.retrieve_s, res.fn_s, res.store_s = t1 - t0, t2 - t1, time.perf_counter() - t2
-        finally:  # a buffer is reused (a mapping released) only once fn keeps no reference
-            kv = out = new_kv = None
-            await asyncio.get_running_loop().run_in_executor(None, _done_with, ctx, buf)
-    # Committed: swap the stream's state (nothing can fail between here and the swap).
-    res.salt_changed = salt != stream.cache_salt
-    stream.suffix = new_tokens[m * c:] + stream.tokens[n * c:] + stream.suffix
+        raise ModifyError(stream, f"its KV was copied out after the server's lease TTL ({e}); "
+                                  f"the copy may not be its bytes, nothing was changed") from e
+    except Exception as e:
+        raise ModifyError(stream, f"retrieving its KV failed: {e}") from e
+
+
+async def _apply(stream: Stream, fn, kv: torch.Tensor, tokens: list[int],
+                 in_caller_ok: bool) -> Edited:
+    ctx = stream.ctx
+    kwargs = fn_kwargs(fn, stream, ctx.layout)
+    try:
+        if is_async_fn(fn):
+            out = await fn(kv, list(tokens), **kwargs)
+        elif in_caller_ok and has_caller():  # the thread waiting in batch.modify(...) runs it
+            out = await in_caller(fn, kv, list(tokens), **kwargs)
+        else:
+            out = await ctx.call(fn, kv, list(tokens), **kwargs)
+    except Exception as e:
+        raise ModifyError(stream, f"fn raised {type(e).__name__}: {e}") from e
+    try:
+        return check_result(out, ctx.layout)
+    except ValueError as e:
+        raise ModifyError(stream, f"invalid edit: {e}") from None
+
+
+async def _edit_and_store(stream: Stream, fn, region: _Region, res: ModifyResult,
+                          fn_in_caller: bool) -> tuple[list[int], Stored]:
+    """Retrieve, fn, store; returns the edited tokens and what was stored."""
+    ctx = stream.ctx
+    t0 = time.perf_counter()
+    source, kv = await _open(stream, region)
+    edited = None
+    try:
+        res.bytes_retrieved = kv.numel() * kv.element_size()
+        given = KVGeometry.of(kv)  # before fn can touch (or resize) it
+        t1 = time.perf_counter()
+        edited = await _apply(stream, fn, kv, region.tokens, fn_in_caller)
+        kv = None
+        t2 = time.perf_counter()
+        stored = await _store(stream, source, given, edited, region)
+        res.retrieve_s, res.fn_s, res.store_s = t1 - t0, t2 - t1, time.perf_counter() - t2
+        return edited.tokens, stored
+    finally:  # a buffer is reused (a mapping released) only once fn keeps no reference
+        kv = edited = None
+        await asyncio.get_running_loop().run_in_executor(None, source.close)
+
+
+async def _store(stream: Stream, source: KVSource, given: KVGeometry, edited: Edited,
+                 region: _Region) -> Stored:
+    ctx, c = stream.ctx, stream.ctx.chunk_size
+    m = len(edited.tokens) // c
+    try:
+        written = await ctx.call(source.written_pages)
+        untouched = untouched_chunks(written, given, edited.kv, range(min(region.n, m)), c)
+        ctx.pool.note_outcome(written, len(untouched) / region.n + source.spares_copy)
+        return await ctx.call(store_kv, ctx, edited.tokens[:m * c], stream.cache_salt,
+                              edited.kv, stream.keys_for, region.keys, untouched,
+                              source.check_lease)
+    except KVError as e:
+        if e.code not in ("lease_expired", "store_expired"):
+            raise ModifyError(stream, f"storing the edited KV failed ({e}); the original KV "
+                                      f"is kept") from e
+        raise ModifyError(stream, f"the edit took longer than the server's TTL ({e}); nothing "
+                                  f"was stored, the original KV is kept") from e
+    except Exception as e:
+        raise ModifyError(stream, f"storing the edited KV failed ({type(e).__name__}: {e}); "
+                                  f"the original KV is kept") from e
+
+
+def _swap(stream: Stream, region: _Region, new_tokens: list[int], stored: Stored,
+          res: ModifyResult) -> list[bytes]:
+    """Committed: the stream now continues from the edited sequence (nothing can fail here).
+    Returns the keys it referenced before."""
+    ctx, c = stream.ctx, stream.ctx.chunk_size
+    m = len(new_tokens) // c
+    rest = stream.prompt[region.n * c:]
+    stream.suffix = new_tokens[m * c:] + rest
     stream.tokens = new_tokens[:m * c]
-    stream.cache_salt = salt
-    all_old, stream.keys = stream.keys, keys
-    res.tokens_after, res.chunks_stored, res.chunks_reused = m * c, stored, reused
-    res.chunks_compared = compared
-    res.bytes_stored = stored * lay.chunk_bytes
-    ctx.ref(keys)
-    dead = ctx.unref(all_old)
+    stream.kv_tokens = m * c
+    res.salt_changed = stored.salt != stream.cache_salt
+    stream.cache_salt = stored.salt
+    old_keys, stream.keys = stream.keys, stored.keys
+    ctx.ref(stored.keys)
+    res.tokens_after, res.chunks_stored = m * c, stored.stored
+    res.chunks_reused, res.chunks_compared = stored.reused, stored.compared
+    res.bytes_stored = stored.stored * ctx.layout.chunk_bytes
+    return old_keys
+
+
+async def _drop_unused(stream: Stream, old_keys: list[bytes], keep_old: bool,
+                       res: ModifyResult) -> None:
+    """Delete the replaced chunks no stream of the context references any more."""
+    ctx = stream.ctx
+    dead = ctx.unref(old_keys)
     if dead and not keep_old:
         try:
             res.chunks_deleted = await ctx.call(ctx.client.delete, ctx.model, dead)
         except Exception as e:  # the edit is done; a failed clean-up only costs memory
             log.warning("%s: deleting %d old chunks failed: %s", stream.label, len(dead), e)
-    return res

@@ -1,16 +1,20 @@
 """A request stream: one prompt whose KV lives in the server, edited and decoded in steps.
 
-State: `tokens` is the sequence whose full chunks the server holds for this stream (the
-prompt, then the edited tokens after modify); `suffix` holds what comes after it (a partial
-last chunk, generated tokens), re-sent on every decode. `cache_salt` is the salt the stream's
-chunks are keyed with; modify may switch it to a fresh derived salt (see `kvedit.sdk.modify`),
-and every later request of the stream then carries that salt.
+State: `tokens` is the sequence whose full chunks the server holds for this stream after
+its last edit (the prompt, then the edited tokens); `suffix` holds what comes after it (a
+partial last chunk, generated tokens), re-sent on every request. `kv_tokens` counts the
+leading tokens of `tokens + suffix` whose KV the engine has computed for this very sequence:
+their full chunks are (or are about to be) stored by the connector, prompt and generated
+tokens alike, so modify edits exactly those (decode-time editing, docs/sdk.md). `keys` are
+the keys of those chunks; the stream holds one reference on each in its context
+(`Context.ref`), so modify/release delete a chunk only once no stream uses it.
+`cache_salt` is the salt the stream's chunks are keyed with; modify may switch it to a fresh
+derived salt (see `kvedit.sdk.modify`), and every later request then carries that salt.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvedit.keys import request_keys
+from kvedit.sdk.contracts import check_token_ids, takes_salt
 from kvedit.sdk.context import Context
 from kvedit.sdk.errors import CompletionError, KVEditError
 
@@ -31,25 +36,6 @@ class Generation:
     tpot: float | None
     finish_reason: str | None
     cached_tokens: int | None
-
-
-def check_token_ids(tokens, what: str) -> list[int]:
-    """A 1-D sequence of ints in [0, 2**32) as a list, or ValueError saying what is wrong."""
-    if hasattr(tokens, "tolist"):  # torch / numpy
-        tokens = tokens.tolist()
-    tokens = list(tokens)
-    if not tokens:
-        return []
-    arr = np.asarray(tokens, dtype=object)
-    if arr.ndim != 1 or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
-                                for t in tokens):
-        bad = next((t for t in tokens if not isinstance(t, (int, np.integer))), tokens[0])
-        raise ValueError(f"{what} must be a flat sequence of int token ids, found "
-                         f"{type(bad).__name__} {bad!r}")
-    lo, hi = min(tokens), max(tokens)
-    if lo < 0 or hi >= 2**32:
-        raise ValueError(f"{what} must be token ids in [0, 2**32), found {lo if lo < 0 else hi}")
-    return [int(t) for t in tokens]
 
 
 def get_max_tokens(params) -> int | None:
@@ -73,17 +59,6 @@ def with_max_tokens(params, n: int):
     return p
 
 
-def _accepts_salt(fn) -> bool:
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return True
-    params = list(sig.parameters.values())
-    if any(p.kind is p.VAR_POSITIONAL for p in params) or "cache_salt" in sig.parameters:
-        return True
-    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 3
-
-
 class Stream:
     """One request: create with `create_request`, drive with a BatchedStream."""
 
@@ -93,7 +68,7 @@ class Stream:
         self.id = ctx.next_stream_id()
         self.name = name
         self.post_completion = post_completion
-        self._salt_ok = _accepts_salt(post_completion)
+        self._salt_ok = takes_salt(post_completion)
         self.prompt_token_ids = check_token_ids(prompt_token_ids, f"{self.label} prompt_token_ids")
         if not self.prompt_token_ids:
             raise ValueError(f"{self.label}: prompt_token_ids is empty")
@@ -104,8 +79,10 @@ class Stream:
         self.logprobs: list[float | None] = []
         self.done = False
         self.generations: list[Generation] = []
+        self.kv_tokens = len(self.tokens)  # the prompt's chunks: what prefill will store
         self.keys: list[bytes] = self.keys_for(self.tokens, self.cache_salt)
         ctx.ref(self.keys)  # the prompt's chunks are this stream's until it edits them away
+        self.released = False
 
     @property
     def label(self) -> str:
@@ -124,6 +101,8 @@ class Stream:
         params = sampling_params if max_tokens is None else with_max_tokens(sampling_params,
                                                                             max_tokens)
         limit = get_max_tokens(params)
+        if self.released:
+            raise CompletionError(self, "the stream was released (arelease); create a new one")
         if self.cache_salt and not self._salt_ok:
             raise CompletionError(self, f"post_completion {self.post_completion!r} takes no "
                                         f"cache_salt argument but the stream's chunks are "
@@ -136,27 +115,61 @@ class Stream:
         try:
             async for item in _iterate(self.ctx, self.post_completion(*args)):
                 stamps.append(time.perf_counter())
-                tid = item if isinstance(item, (int, np.integer)) else getattr(item, "token_id")
-                ids.append(int(tid))
+                ids.append(self._token_id(item))
                 lps.append(getattr(item, "logprob", None))
                 finish = getattr(item, "finish_reason", None) or finish
                 usage = getattr(item, "usage", None)
                 if usage:
                     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        except CompletionError as e:
+            if e.stream is not self:
+                raise CompletionError(self, str(e)) from e
+            raise
         except KVEditError as e:
             raise CompletionError(self, str(e)) from e
-        except (AttributeError, TypeError, ValueError) as e:
-            raise CompletionError(self, f"post_completion yielded something that is neither a "
-                                        f"token id nor has .token_id: {e}") from e
+        except Exception as e:  # a failure inside post_completion itself, reported as such
+            raise CompletionError(self, f"post_completion raised {type(e).__name__}: {e}") from e
         self.suffix += ids
         self.output_token_ids += ids
         self.logprobs += lps
         self.done = limit is None or len(ids) < limit
+        # The engine computed KV for the whole prompt and every generated token but the last.
+        self._own_computed(len(prompt) + max(0, len(ids) - 1))
         gen = Generation(ids, len(prompt), stamps[0] - start if stamps else None,
                          (stamps[-1] - stamps[0]) / (len(ids) - 1) if len(ids) > 1 else None,
                          finish, cached)
         self.generations.append(gen)
         return gen
+
+    def _token_id(self, item) -> int:
+        if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+            return int(item)
+        tid = getattr(item, "token_id", None)
+        if not isinstance(tid, (int, np.integer)) or isinstance(tid, bool):
+            raise CompletionError(self, f"post_completion yielded {type(item).__name__} "
+                                        f"{item!r}: neither a token id nor has an int "
+                                        f".token_id")
+        return int(tid)
+
+    def _own_computed(self, computed: int) -> None:
+        """The engine now holds KV for the first `computed` tokens of tokens + suffix: the
+        connector stores their full chunks (generated ones too), so the stream references
+        them from now on; modify edits them and release() frees them."""
+        self.kv_tokens = computed
+        full = computed // self.ctx.chunk_size
+        if full > len(self.keys):
+            keys = self.keys_for(self.prompt[:full * self.ctx.chunk_size], self.cache_salt)
+            self.ctx.ref(keys[len(self.keys):])
+            self.keys = keys
+
+    async def arelease(self) -> int:
+        """Drop the stream's references; delete the chunks no other stream of the context
+        uses. Returns how many the server deleted. The stream cannot be used afterwards."""
+        if self.released:
+            return 0
+        self.released, self.done = True, True
+        dead, self.keys = self.ctx.unref(self.keys), []
+        return await self.ctx.call(self.ctx.client.delete, self.ctx.model, dead) if dead else 0
 
     def __repr__(self) -> str:
         return (f"<{self.label}: {len(self.tokens)} cached + {len(self.suffix)} suffix tokens, "

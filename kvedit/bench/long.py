@@ -1,0 +1,198 @@
+"""`kvedit bench long`: long generations under a per-stream KV budget vs no edits (issue 11).
+
+One kvedit server and one vLLM (tiny model by default) with a KV capacity of `--kv-blocks`
+blocks, so N streams that each generate O tokens do not fit at once. Two arms on the same
+prompts, greedy with ignore_eos (both decode N·O tokens):
+- baseline: prefill, then one decode request of O tokens per stream (vLLM preempts and
+  recomputes as the sequences outgrow its KV);
+- budget: `BatchedStream.run(..., every=K, budget=B)`: decode rounds of K tokens, and a
+  StreamingLLM (sink + recent window) or KeyNorm edit whenever the next round would make a
+  stream hold more than B tokens (kvedit.sdk.driver).
+
+Numbers. decode_gain: wall-clock decode throughput, budget / baseline. The KV capacity limits
+how many sequences one engine step decodes, so gain_vs_bound uses decode tokens per engine
+step (vLLM's counters; free of CPU contention from other processes): step_gain / bound.
+The bound: an engine step decodes at most min(N, cap / F) sequences when they hold F tokens
+of KV each, so bound = min(N, cap/F_budget) / min(N, cap/F_baseline) with F each arm's mean
+footprint over its generated tokens (measured from its requests: baseline ~P + O/2, budgeted
+below B). The baseline rarely reaches its own limit (vLLM preempts and recomputes in waves
+as its sequences outgrow the KV), which can put gain_vs_bound above 1; `arm_efficiency`
+shows each arm's tokens per step against its own limit, and `peak_footprint_bound` the
+bound from peak footprints (B vs P+O+1, as `bench dropping` computes it).
+edit_overhead_fraction: wall time during which at least one edit ran / the budget arm's
+wall time. leaked_objects: objects left in
+the server after every stream released its chunks (all streams of this run, both arms);
+objects_at_end_vs_live compares the server's objects before that release with the distinct
+chunks the streams still referenced.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import uuid
+
+POLICIES = ("streaming", "keynorm")
+
+
+def register(bsub) -> None:
+    p = bsub.add_parser("long", help="long generations with a per-stream KV budget vs none")
+    p.add_argument("--json", action="store_true", help="print only the JSON result")
+    p.add_argument("--streams", type=int, default=8, help="N")
+    p.add_argument("--prompt-len", type=int, default=256, help="P")
+    p.add_argument("--max-tokens", type=int, default=2048, help="O, generated per stream")
+    p.add_argument("--every", type=int, default=128, help="K, tokens per decode round")
+    p.add_argument("--budget", type=int, default=768, help="B, KV tokens per stream")
+    p.add_argument("--kv-blocks", type=int, default=36,
+                   help="engine KV capacity in vLLM blocks (default %(default)s)")
+    p.add_argument("--chunk-size", type=int, default=128)
+    p.add_argument("--policy", choices=POLICIES, default="streaming")
+    p.add_argument("--model", default=None, help="model dir (default: the tiny Qwen3)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_main)
+
+
+def _policy(name: str):
+    from kvedit.edits import KeyNorm, StreamingLLM
+
+    return StreamingLLM(sink=4) if name == "streaming" else KeyNorm()
+
+
+def _sampling(n: int) -> dict:
+    return {"max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+
+
+def _tokens_per_step(before, after) -> dict:
+    if before is None or after is None:
+        return {"steps": None, "tokens_per_step": None, "preemptions": None}
+    d = {k: after[k] - before[k] for k in after}
+    steps = d["steps"] or 0
+    return {"steps": steps, "generated": d["generated"], "preemptions": d["preemptions"],
+            "prompt_tokens_computed": d["prompt_computed"],
+            "tokens_per_step": d["generated"] / steps if steps else None}
+
+
+def _arm(ctx, completion, prompts, args, eng, *, budget: bool, progress: bool) -> tuple:
+    """One arm on fresh streams; (result dict, the batch)."""
+    import kvedit
+    from kvedit.harness.experiment import vllm_counters
+
+    salt = f"long-{'budget' if budget else 'base'}-{uuid.uuid4().hex[:8]}"
+    batch = kvedit.BatchedStream(progress=progress)
+    for p in prompts:
+        batch.add(kvedit.create_request(ctx, completion, p, cache_salt=salt))
+    before = vllm_counters(eng.vllm_url)
+    t0 = time.perf_counter()
+    if budget:
+        m = batch.run(_sampling(1), _policy(args.policy), _sampling(args.max_tokens),
+                      every=args.every, budget=args.budget)
+        edits = m.parts["modify"]
+        extra = {"edit_rounds": m.edit_rounds, "edit_busy_s": edits.duration,
+                 "edit_fn_s": edits.fn_s, "edit_store_s": edits.store_s,
+                 "edit_retrieve_s": edits.retrieve_s, "chunks_deleted": edits.chunks_deleted}
+    else:
+        batch.prefill(_sampling(1))
+        batch.decode(_sampling(args.max_tokens))
+        extra = {}
+    wall = time.perf_counter() - t0
+    out = {"wall_s": wall, "output_tokens": sum(len(s.output_token_ids) for s in batch),
+           **_tokens_per_step(before, vllm_counters(eng.vllm_url)), **extra,
+           "max_request_tokens": max(g.prompt_tokens + len(g.token_ids)
+                                     for s in batch for g in s.generations)}
+    out["decode_tput"] = out["output_tokens"] / wall
+    out["mean_footprint_tokens"] = _mean_footprint(batch)
+    return out, batch
+
+
+def _mean_footprint(batch) -> float:
+    """KV tokens a sequence held while generating, averaged over every generated token
+    (the i-th token of a request sent with p prompt tokens is computed holding p + i)."""
+    held = count = 0
+    for s in batch:
+        for g in s.generations:
+            k = len(g.token_ids)
+            held += k * g.prompt_tokens + k * (k - 1) // 2
+            count += k
+    return held / count if count else 0.0
+
+
+def _main(args) -> int:
+    import kvedit
+    from kvedit.harness.experiment import TOKEN_RANGE, block_size, engines
+
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    n, p, o, b = args.streams, args.prompt_len, args.max_tokens, args.budget
+    cap = args.kv_blocks * block_size()
+    if p + o + 1 > cap:
+        raise SystemExit(f"KV capacity {cap} tokens cannot hold one stream of {p}+{o}+1")
+    import random
+
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(*TOKEN_RANGE) for _ in range(p)] for _ in range(n)]
+    t0 = time.perf_counter()
+    with engines(model=args.model, dtype=args.dtype, kv_tokens=cap, max_model_len=p + o + 64,
+                 chunk_size=args.chunk_size, log=log) as eng:
+        ctx = kvedit.connect(eng.url, eng.http_url, eng.model, timeout=120)
+        completion = kvedit.openai_completion(eng.vllm_url, eng.model)
+        try:
+            log("warm-up (one short budgeted stream) ...")
+            warm = kvedit.BatchedStream([kvedit.create_request(ctx, completion, prompts[0],
+                                                               cache_salt="warm")],
+                                        progress=False)
+            warm.run(_sampling(1), _policy(args.policy), _sampling(2 * args.every),
+                     every=args.every, budget=max(b, p + args.every + 3 * args.chunk_size),
+                     release=True)
+            log(f"baseline: N={n} P={p} O={o}, KV capacity {cap} tokens ...")
+            base, base_batch = _arm(ctx, completion, prompts, args, eng, budget=False,
+                                    progress=not args.json)
+            log(f"budget: every={args.every} budget={b} policy={args.policy} ...")
+            bud, bud_batch = _arm(ctx, completion, prompts, args, eng, budget=True,
+                                  progress=not args.json)
+            live = {k for batch in (base_batch, bud_batch) for s in batch for k in s.keys}
+            stats = ctx.client.stats()
+            at_end = stats["objects"]
+            base_batch.release()
+            bud_batch.release()
+            after = ctx.client.stats()
+        finally:
+            kvedit.close(ctx)
+    # Each engine step decodes at most min(N, cap / footprint) sequences: the KV bound on
+    # tokens per step, per arm, from the footprints the sequences really had.
+    limit = {arm: min(n, cap / r["mean_footprint_tokens"]) for arm, r in
+             (("baseline", base), ("budgeted", bud))}
+    bound = limit["budgeted"] / limit["baseline"]
+    peak_bound = min(n, cap / b) / min(n, cap / (p + o + 1))
+    step_gain = (bud["tokens_per_step"] / base["tokens_per_step"]
+                 if bud["tokens_per_step"] and base["tokens_per_step"] else None)
+    out = {
+        "bench": "long", "model": args.model or "tiny-qwen3", "dtype": args.dtype,
+        "config": {"streams": n, "prompt_len": p, "max_tokens": o, "every": args.every,
+                   "budget": b, "kv_capacity_tokens": cap, "chunk_size": args.chunk_size,
+                   "policy": args.policy, "block_size": block_size()},
+        "baseline": base, "budgeted": bud,
+        "decode_gain": bud["decode_tput"] / base["decode_tput"],
+        "decode_gain_bound": bound,
+        "step_gain": step_gain,
+        "gain_vs_bound": step_gain / bound if step_gain else None,
+        "wall_gain_vs_bound": bud["decode_tput"] / base["decode_tput"] / bound,
+        "kv_limited_tokens_per_step": limit,
+        # how close each arm came to its own KV limit (tokens per step / limit)
+        "arm_efficiency": {arm: (r["tokens_per_step"] / limit[arm]
+                                 if r["tokens_per_step"] else None)
+                           for arm, r in (("baseline", base), ("budgeted", bud))},
+        "peak_footprint_bound": peak_bound,  # min(N, cap/B) / min(N, cap/(P+O+1))
+        "step_gain_vs_peak_bound": step_gain / peak_bound if step_gain else None,
+        "edit_overhead_fraction": bud["edit_busy_s"] / bud["wall_s"],
+        "objects_at_end": at_end, "live_chunks": len(live),
+        "objects_at_end_vs_live": at_end - len(live),
+        "leaked_objects": after["objects"],
+        "evictions": after["evictions"],
+        "budget_respected": bud["max_request_tokens"] <= b,
+        "targets": {"gain_vs_bound": ">= 0.9", "edit_overhead_fraction": "<= 0.10",
+                    "leaked_objects": "== 0"},
+        "accuracy": None,  # long-generation task accuracy: not measured here (see docs/sdk.md)
+        "elapsed_s": time.perf_counter() - t0,
+    }
+    print(json.dumps(out, indent=2))
+    return 0

@@ -1,0 +1,122 @@
+"""The two user callables the SDK calls, declared once, and the one rule for each.
+
+EditFn: modify calls `fn(kv, tokens, **kw)` and expects `(kv, tokens)` back (a tuple, list or
+`Edited`). `kw` holds the optional keywords fn *declares by name* (or accepts through
+**kwargs): `layout` (the ModelLayout, RoPE parameters included) and `queries` (recent query
+vectors [L, W, Hq*D], when the stream captured them). `fn_kwargs` is the single place that
+assembles them. fn may be a coroutine function; it may edit kv in place.
+
+PostCompletion: `post_completion(prompt_token_ids, sampling_params, cache_salt)` yields one
+item per generated token (an int, or an object with `.token_id`). The salt is the third
+positional argument by contract; a callable whose signature cannot take three positional
+arguments is called with two, and a stream whose chunks are salted then refuses to use it.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from kvedit.layout import ModelLayout
+
+
+class Edited(NamedTuple):
+    """What an EditFn returns: the edited KV [2, L, T', D] and its T' token ids."""
+    kv: torch.Tensor
+    tokens: list[int]
+
+
+@runtime_checkable
+class EditFn(Protocol):
+    def __call__(self, kv: torch.Tensor, tokens: list[int], *,
+                 layout: ModelLayout = ..., queries: torch.Tensor = ...) -> Any: ...
+
+
+@runtime_checkable
+class PostCompletion(Protocol):
+    def __call__(self, prompt_token_ids: list[int], sampling_params: Any,
+                 cache_salt: str) -> Any: ...
+
+
+OPTIONAL_EDIT_KWARGS = ("layout", "queries")
+
+
+def _declared(fn) -> tuple[set[str], bool]:
+    """(keyword names fn declares, whether it takes **kwargs); ({}, False) if unknowable."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set(), False
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return names, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def fn_kwargs(fn, stream, layout: ModelLayout) -> dict:
+    """The optional keywords to pass fn for this stream (EditFn's rule: declared by name)."""
+    names, var_kw = _declared(fn)
+    kw: dict = {}
+    if var_kw or "layout" in names:
+        kw["layout"] = layout
+    return kw
+
+
+def is_async_fn(fn) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None))
+
+
+def takes_salt(post_completion) -> bool:
+    """PostCompletion's rule: the salt is passed iff three positional arguments bind."""
+    try:
+        sig = inspect.signature(post_completion)
+    except (TypeError, ValueError):  # no signature (some builtins): the declared protocol
+        return True
+    try:
+        sig.bind([], None, "")
+    except TypeError:
+        return False
+    return True
+
+
+def check_result(result, layout: ModelLayout) -> Edited:
+    """fn's (kv, tokens), validated; ValueError naming what is wrong and what was expected."""
+    if not isinstance(result, tuple | list) or len(result) != 2:
+        raise ValueError(f"fn must return (kv, tokens), got {type(result).__name__}")
+    kv, tokens = result
+    if not isinstance(kv, torch.Tensor):
+        raise ValueError(f"fn returned kv of type {type(kv).__name__}, expected a torch.Tensor")
+    want = getattr(torch, layout.dtype)
+    if kv.dtype != want:
+        raise ValueError(f"fn returned kv of dtype {kv.dtype}, expected {want} (the model's "
+                         f"KV dtype; cast back before returning)")
+    if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[1] != layout.num_layers \
+            or kv.shape[3] != layout.hidden:
+        raise ValueError(f"fn returned kv of shape {tuple(kv.shape)}, expected [2, "
+                         f"{layout.num_layers}, T, {layout.hidden}] (K/V, layers, tokens, "
+                         f"kv_heads*head_dim)")
+    tokens = check_token_ids(tokens, "the tokens fn returned")
+    if len(tokens) != kv.shape[2]:
+        raise ValueError(f"fn returned {len(tokens)} tokens but kv holds {kv.shape[2]} "
+                         f"(kv.shape[2] must equal len(tokens))")
+    return Edited(kv.detach().cpu(), tokens)
+
+
+def check_token_ids(tokens, what: str) -> list[int]:
+    """A 1-D sequence of ints in [0, 2**32) as a list, or ValueError saying what is wrong."""
+    if hasattr(tokens, "tolist"):  # torch / numpy
+        tokens = tokens.tolist()
+    tokens = list(tokens)
+    if not tokens:
+        return []
+    arr = np.asarray(tokens, dtype=object)
+    if arr.ndim != 1 or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                for t in tokens):
+        bad = next((t for t in tokens if not isinstance(t, (int, np.integer))), tokens[0])
+        raise ValueError(f"{what} must be a flat sequence of int token ids, found "
+                         f"{type(bad).__name__} {bad!r}")
+    lo, hi = min(tokens), max(tokens)
+    if lo < 0 or hi >= 2**32:
+        raise ValueError(f"{what} must be token ids in [0, 2**32), found {lo if lo < 0 else hi}")
+    return [int(t) for t in tokens]
