@@ -232,9 +232,11 @@ class KVClient:
         return self._call(P.ListModels()).models
 
     def lookup(self, model: str, keys: list[bytes], wait_timeout: float = 0.0,
-               tp_rank: int = 0) -> int:
+               tp_rank: int = 0, kind: P.ObjectKind = "kv") -> int:
+        """How many leading keys are ready (kind "queries": captured-queries objects); with
+        wait_timeout > 0 the server answers once all are, or when the time passes."""
         msg = P.Lookup(model=model, keys=list(keys), tp_rank=tp_rank,
-                       wait_timeout=float(wait_timeout))
+                       wait_timeout=float(wait_timeout), kind=kind)
         return self._model_call(model, tp_rank, msg, self.timeout + max(0.0, wait_timeout)).n
 
     def prepare_store(self, model: str, keys: list[bytes], tp_rank: int = 0) -> StoreHandle:

@@ -89,6 +89,7 @@ class Lookup(_Msg, tag="lookup"):
     keys: list[bytes]
     tp_rank: int = 0
     wait_timeout: float = 0.0
+    kind: ObjectKind = "kv"
 
 
 class PrepareStore(_Msg, tag="prepare_store"):

@@ -92,10 +92,11 @@ class Index:
         self._by_seq: dict[int, Obj] = {}
 
     # ---- reads ------------------------------------------------------------------------
-    def leading_ready(self, model: str, tp_rank: int, keys: list[bytes]) -> int:
-        n = 0
+    def leading_ready(self, model: str, tp_rank: int, keys: list[bytes],
+                      kind: ObjectKind = "kv") -> int:
+        n, table = 0, self.table(kind)
         for k in keys:
-            o = self.objects.get((model, tp_rank, k))
+            o = table.get((model, tp_rank, k))
             if o is None or o.state != READY:
                 break
             n += 1

@@ -30,7 +30,7 @@ from kvedit.server.index import Index, Refused
 from kvedit.server.metrics import Metrics
 from kvedit.server.peers import Peers, holder_of
 from kvedit.server.pool import Allocator, Arena
-from kvedit.server.waiters import TooManyWaits, Waiter, Waiters
+from kvedit.server.waiters import TooManyWaits, Waiter, Waiters, wait_key
 
 log = logging.getLogger("kvedit.server")
 MAX_LISTED_MODELS = 20    # an unknown_model error names at most this many
@@ -334,7 +334,7 @@ class Service:
         if not 0 <= req.wait_timeout <= cfg.max_wait_seconds:  # also refuses NaN
             raise Fail("bad_wait", f"wait_timeout {req.wait_timeout} must be between 0 and "
                                    f"{cfg.max_wait_seconds} seconds (--max-wait-seconds)")
-        n = self.index.leading_ready(req.model, req.tp_rank, req.keys)
+        n = self.index.leading_ready(req.model, req.tp_rank, req.keys, req.kind)
         if n == len(req.keys) or req.wait_timeout <= 0:
             self.metrics.hits.inc(n)
             self.metrics.misses.inc(len(req.keys) - n)
@@ -344,7 +344,7 @@ class Service:
         return None  # answered later by a commit or the deadline
 
     def _answer_waiter(self, w: Waiter) -> None:
-        n = self.index.leading_ready(w.req.model, w.req.tp_rank, w.req.keys)
+        n = self.index.leading_ready(w.req.model, w.req.tp_rank, w.req.keys, w.req.kind)
         self.metrics.hits.inc(n)
         self.metrics.misses.inc(len(w.req.keys) - n)
         self._send(w.ident, w.rid, P.Count(n=n))
@@ -352,7 +352,8 @@ class Service:
     def _wake(self, idents) -> None:
         for ident in idents:
             for w in self.waiters.take(ident):
-                n = self.index.leading_ready(w.req.model, w.req.tp_rank, w.req.keys)
+                n = self.index.leading_ready(w.req.model, w.req.tp_rank, w.req.keys,
+                                             w.req.kind)
                 if n == len(w.req.keys):
                     self._answer_waiter(w)
                 else:
@@ -392,8 +393,7 @@ class Service:
         p = self.index.commit(sid, holder)
         self.metrics.store_bytes.inc(p.nbytes)
         self.metrics.store_latency.observe(time.monotonic() - p.started)
-        # parked lookups wait on kv keys only (queries objects have their own key space)
-        self._wake(o.ident for o in p.objs if o.kind == "kv")
+        self._wake(wait_key(o.model, o.tp_rank, o.key, o.kind) for o in p.objs)
         return P.Committed(stored=len(p.objs))
 
     def _retrieve(self, req: P.Retrieve, holder: bytes):
