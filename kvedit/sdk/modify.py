@@ -43,6 +43,7 @@ from kvedit.layout import ModelLayout
 from kvedit.sdk.buffers import KVBuffer, untouched_chunks
 from kvedit.sdk.chunkmap import COPY_SPARED, MappedKV, map_chunks
 from kvedit.sdk.errors import ModifyError
+from kvedit.sdk.queries import query_kwargs, release_queries
 from kvedit.sdk.rowcopy import chunk_equal, load_chunk, save_chunk
 from kvedit.sdk.stream import Stream, check_token_ids
 
@@ -200,6 +201,7 @@ async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False
         raise ModifyError(stream, f"only {have} of its {n} full chunks are in the kvedit server "
                                   f"after waiting {wait_timeout} s (was it prefilled through a "
                                   f"vLLM with the kvedit connector, same model and salt?)")
+    extra = await query_kwargs(stream, fn, wait_timeout)  # {} unless fn takes `queries`
     async with cpu_slots:
         t0 = time.perf_counter()
         try:
@@ -215,7 +217,7 @@ async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False
         try:
             res.bytes_retrieved = kv.numel() * kv.element_size()
             head = stream.tokens[:n * c]
-            kwargs = {"layout": lay} if wants_layout(fn) else {}
+            kwargs = ({"layout": lay} if wants_layout(fn) else {}) | extra
             geometry = (kv.data_ptr(), kv.stride(), kv.element_size())  # before fn can touch it
             t1 = time.perf_counter()
             try:
@@ -266,6 +268,7 @@ async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False
     res.chunks_compared = compared
     res.bytes_stored = stored * lay.chunk_bytes
     ctx.ref(keys)
+    await release_queries(stream)   # they were the old prompt's: this stream is done with them
     dead = ctx.unref(all_old)
     if dead and not keep_old:
         try:

@@ -19,6 +19,7 @@ import numpy as np
 
 from kvedit.keys import request_keys
 from kvedit.sdk.context import Context
+from kvedit.sdk import queries as Q
 from kvedit.sdk.errors import CompletionError, KVEditError
 
 
@@ -88,7 +89,7 @@ class Stream:
     """One request: create with `create_request`, drive with a BatchedStream."""
 
     def __init__(self, ctx: Context, post_completion, prompt_token_ids, cache_salt: str = "",
-                 name: str | None = None):
+                 name: str | None = None, capture_queries: int | None = None):
         self.ctx = ctx
         self.id = ctx.next_stream_id()
         self.name = name
@@ -98,6 +99,11 @@ class Stream:
         if not self.prompt_token_ids:
             raise ValueError(f"{self.label}: prompt_token_ids is empty")
         self.cache_salt = cache_salt or ""
+        # query window W asked at prefill (None: the batch's default; 0: off), and the
+        # captured-queries object the last prefill asked for (kvedit.sdk.queries)
+        self.capture_queries = Q.check_window(capture_queries,
+                                              f"{self.label} capture_queries")
+        self.queries: Q.Capture | None = None
         self.tokens: list[int] = list(self.prompt_token_ids)
         self.suffix: list[int] = []
         self.output_token_ids: list[int] = []
@@ -106,6 +112,7 @@ class Stream:
         self.generations: list[Generation] = []
         self.keys: list[bytes] = self.keys_for(self.tokens, self.cache_salt)
         ctx.ref(self.keys)  # the prompt's chunks are this stream's until it edits them away
+        Q.expect(self, self.capture_queries or 0)
 
     @property
     def label(self) -> str:
@@ -119,10 +126,17 @@ class Stream:
     def keys_for(self, tokens, salt: str) -> list[bytes]:
         return request_keys(self.ctx.model, self.ctx.layout, tokens, salt)
 
-    async def generate(self, sampling_params, max_tokens: int | None = None) -> Generation:
-        """Send `prompt` (with the stream's salt), append the generated tokens to the suffix."""
+    async def generate(self, sampling_params, max_tokens: int | None = None,
+                       capture_queries: int = 0) -> Generation:
+        """Send `prompt` (with the stream's salt), append the generated tokens to the suffix.
+        capture_queries=W: ask vLLM to capture the queries of the prompt's last W tokens."""
         params = sampling_params if max_tokens is None else with_max_tokens(sampling_params,
                                                                             max_tokens)
+        if capture_queries:
+            try:
+                params = Q.with_capture(params, capture_queries)
+            except TypeError as e:
+                raise CompletionError(self, str(e)) from None
         limit = get_max_tokens(params)
         if self.cache_salt and not self._salt_ok:
             raise CompletionError(self, f"post_completion {self.post_completion!r} takes no "
@@ -148,6 +162,8 @@ class Stream:
         except (AttributeError, TypeError, ValueError) as e:
             raise CompletionError(self, f"post_completion yielded something that is neither a "
                                         f"token id nor has .token_id: {e}") from e
+        if capture_queries:
+            Q.hold(self, Q.capture_for(self.ctx, prompt, self.cache_salt, capture_queries))
         self.suffix += ids
         self.output_token_ids += ids
         self.logprobs += lps
@@ -177,7 +193,10 @@ async def _iterate(ctx: Context, gen):
 
 
 def create_request(ctx: Context, post_completion, prompt_token_ids, cache_salt: str = "",
-                   *, name: str | None = None) -> Stream:
+                   *, name: str | None = None, capture_queries: int | None = None) -> Stream:
     """A stream for `prompt_token_ids`; `post_completion(prompt_token_ids, sampling_params,
-    cache_salt)` yields generated tokens (ints or objects with `.token_id`), sync or async."""
-    return Stream(ctx, post_completion, prompt_token_ids, cache_salt, name)
+    cache_salt)` yields generated tokens (ints or objects with `.token_id`), sync or async.
+    `capture_queries=W` (1..4096): its prefill asks vLLM to capture the queries of the last W
+    prompt tokens, for an fn that takes `queries` (kvedit.sdk.queries); None: the batch's
+    default; 0: off."""
+    return Stream(ctx, post_completion, prompt_token_ids, cache_salt, name, capture_queries)
