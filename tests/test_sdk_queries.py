@@ -276,3 +276,18 @@ def test_bad_window_is_refused(ctx, bad):
         create_request(ctx, lambda *a: iter(()), [1, 2, 3], capture_queries=bad)
     with pytest.raises(ValueError, match="capture_queries"):
         BatchedStream(capture_queries=bad)
+
+
+def test_socket_mode_context_gets_the_same_queries(kv_server, engine):
+    """fetch through the data link (use_shm=False) gives fn the same tensor."""
+    with connect(kv_server.url, kv_server.http_url, MODEL, timeout=10, use_shm=False) as sctx:
+        assert sctx.client.transfer_mode == "socket"
+        p, window = prompt(C + 64), 20
+        batch = BatchedStream([create_request(sctx, engine, p, "sock", capture_queries=window)],
+                              progress=False)
+        batch.prefill({"max_tokens": 1})
+        fn = Recorder()
+        batch.modify(fn)
+        qk = qkey_of(p, window, "sock")
+        assert torch.equal(fn.got[0]["queries"], FakeEngine.queries(qk, window))
+        assert sctx.client.fetch_queries(MODEL, qk) is None
