@@ -5,6 +5,7 @@ Modules (one concern each):
 - `stream`   Stream (tokens, suffix, salt) and create_request(); one completion request.
 - `batch`    BatchedStream: prefill / modify / decode / pipelined run, sync and async.
 - `modify`   retrieve → fn → validate → store → swap → delete, and the keys/salt rule.
+- `queries`  captured queries: asking vLLM at prefill, which fn gets them, their lifetime.
 - `rowcopy`  memcpy/memcmp between chunk slices of [2, L, T, D] and contiguous chunks.
 - `buffers`  reused retrieve buffers; copy-on-write tracking of what fn writes.
 - `metrics`  Metrics: counters, throughputs, TTFT/TPOT percentiles, to_dict(), table().

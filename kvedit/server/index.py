@@ -32,6 +32,10 @@ methods below (results are dataclasses, refusals are `Refused` with a protocol e
   It is kept per slot size (one per layout): a store evicts the oldest object whose slot
   fits it, so a large chunk does not evict many small ones that free no large range. The
   index evicts only when the allocator has no free range that fits (best fit, pool.py).
+- Kinds: KV chunks and captured-queries objects (issue 10) live in two tables (`table(kind)`),
+  so each kind is its own key space; otherwise they share everything above (pool, states,
+  leases, quarantine, eviction order, pages). A queries store replaces a ready object of its
+  key (`prepare`); `query_objects`/`query_bytes` count the ready ones.
 - Counters are kept as things change (`counters`, O(1) to read); ready objects are also kept
   in commit order, so a page of /cache costs O(page), not a scan.
 Not thread-safe on its own: the service and the HTTP threads share it under one lock.
