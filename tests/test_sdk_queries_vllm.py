@@ -142,3 +142,25 @@ def test_missing_queries_is_an_error_naming_the_stream(ctx, post):
     with pytest.raises(MissingQueries, match="deleted") as e:
         batch.modify(Recorder(), wait_timeout=1)
     assert s2.tokens == p
+
+
+@pytest.mark.parametrize("policy_name", ["SnapKV", "TOVA"])
+def test_query_aware_policy_through_the_sdk(ctx, post, kv_server, policy_name):
+    """All three parts together: capture in vLLM, the queries object in the server, a
+    kvedit.edits query policy through modify; vLLM then decodes on the smaller cache."""
+    from kvedit import edits
+
+    policy = getattr(edits, policy_name)(ratio=0.5, granularity="token")
+    assert policy.needs_queries
+    p = prompt(4 * C + 30)
+    s = create_request(ctx, post, p, f"sdkq-{uuid.uuid4().hex[:8]}", capture_queries=30)
+    batch = BatchedStream([s], progress=False)
+    batch.prefill(GREEDY)
+    key = query_key(namespace(ctx.model, ctx.layout, s.cache_salt), p, 30)
+    m = batch.modify(policy)
+    assert m.tokens_before == 4 * C and m.tokens_after == 2 * C
+    assert ctx.client.fetch_queries(ctx.model, key) is None
+    out = batch.decode({**GREEDY, "max_tokens": 3})
+    assert out.output_tokens == 3
+    # vLLM loaded the edited chunks: of the 2*C + 30 + 1 prompt tokens only the suffix ran
+    assert s.generations[-1].cached_tokens >= 2 * C
