@@ -228,7 +228,7 @@ def _check_impl(name: str, impl) -> None:
         raise RuntimeError(f"kvedit query capture: layer {name} has no attention impl to hook")
     try:
         names = tuple(inspect.signature(type(impl).forward).parameters)
-    except (TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError):
         names = ()
     if names[:len(IMPL_FORWARD_PARAMS)] != IMPL_FORWARD_PARAMS:
         raise RuntimeError(
