@@ -291,3 +291,16 @@ def test_socket_mode_context_gets_the_same_queries(kv_server, engine):
         qk = qkey_of(p, window, "sock")
         assert torch.equal(fn.got[0]["queries"], FakeEngine.queries(qk, window))
         assert sctx.client.fetch_queries(MODEL, qk) is None
+
+
+def test_capture_params_for_vllm_sampling_params():
+    """A post_completion driving vLLM's offline LLM gets the window where vLLM reads it:
+    SamplingParams.extra_args["kv_transfer_params"]; the caller's params are not changed."""
+    from vllm import SamplingParams
+
+    mine = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"other": 2}})
+    asked = with_capture(mine, 48)
+    assert asked.extra_args["kv_transfer_params"] == {"other": 2, CAPTURE_FIELD: 48}
+    assert mine.extra_args == {"kv_transfer_params": {"other": 2}}
+    assert with_capture(SamplingParams(max_tokens=1), 8).extra_args == {
+        "kv_transfer_params": {CAPTURE_FIELD: 8}}

@@ -66,18 +66,26 @@ def check_window(window, what: str) -> int | None:
 
 
 def with_capture(params, window: int):
-    """A copy of the sampling params that asks vLLM to capture the last `window` queries."""
+    """A copy of the sampling params that asks vLLM to capture the last `window` queries:
+    a dict (None) gets the key `kv_transfer_params`; vLLM's SamplingParams gets it inside
+    `extra_args` (where the offline LLM looks); other objects the attribute."""
     if params is None or isinstance(params, Mapping):
         params = dict(params or {})
         params["kv_transfer_params"] = {**(params.get("kv_transfer_params") or {}),
                                         CAPTURE_FIELD: window}
         return params
-    old = getattr(params, "kv_transfer_params", None) or {}
-    new = {**old, CAPTURE_FIELD: window}
+    p = params.clone() if hasattr(params, "clone") else copy.copy(params)
+    if hasattr(params, "extra_args"):
+        # vLLM's SamplingParams: the offline LLM reads kv_transfer_params from extra_args
+        extra = dict(params.extra_args or {})
+        extra["kv_transfer_params"] = {**(extra.get("kv_transfer_params") or {}),
+                                       CAPTURE_FIELD: window}
+        p.extra_args = extra
+        return p
+    new = {**(getattr(params, "kv_transfer_params", None) or {}), CAPTURE_FIELD: window}
     if dataclasses.is_dataclass(params) and any(f.name == "kv_transfer_params"
                                                 for f in dataclasses.fields(params)):
         return dataclasses.replace(params, kv_transfer_params=new)
-    p = params.clone() if hasattr(params, "clone") else copy.copy(params)
     try:
         p.kv_transfer_params = new
     except AttributeError:
