@@ -173,9 +173,6 @@ class QueryCapture:
             if self.partial.pop(r, None) is not None:
                 STATS.dropped += 1
 
-    def pending_bytes(self) -> int:
-        return sum(p.data.nbytes for p in self.partial.values())
-
     # ---- internals ---------------------------------------------------------------------
     def _hook_for(self, i: int, impl):
         original = impl.forward  # the bound class method
