@@ -25,6 +25,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from kvedit.harness.eval.runner import release_queries
 from kvedit.harness.experiment import _delta, sampling, vllm_counters
 
 QUERY_WINDOW = 32  # rows captured for query-aware arms (no question in random prompts)
@@ -145,4 +146,5 @@ class GainRun:
             dead = self.ctx.unref([k for s in self._held for k in s.keys])
             if dead:
                 self.ctx.client.delete(self.ctx.model, dead)
+            release_queries(self._held)
             self._held = None

@@ -125,4 +125,19 @@ class AccuracyRun:
     def close(self) -> None:
         if self._held is not None:
             self._release(self._held)
+            release_queries(self._held)
             self._held = None
+
+
+def release_queries(batch) -> None:
+    """The held prefill streams let go of their captured queries (the last holders: the
+    objects are deleted from the server; edited streams already let go of theirs)."""
+    import asyncio
+
+    from kvedit.sdk.queries import release_queries as release
+
+    async def all_of():
+        await asyncio.gather(*(release(st) for st in batch))
+
+    if any(st.queries is not None for st in batch):
+        asyncio.run(all_of())
