@@ -12,8 +12,8 @@ up to 4.3).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 import random
 import subprocess
 import sys
@@ -71,8 +71,7 @@ def _probe(cfg: dict) -> dict:
             prompts.append(TokensPrompt(**p))
             extra = {"kv_transfer_params": {"kvedit_capture_queries": w}} if w else None
             params.append(SamplingParams(max_tokens=1, temperature=0, extra_args=extra))
-        before = dict(qc.STATS.__class__.__dataclass_fields__)
-        before = {k: getattr(qc.STATS, k) for k in before}
+        before = dataclasses.asdict(qc.STATS)
         llm.generate(prompts, params, use_tqdm=False)
         out[name] = {k: getattr(qc.STATS, k) - v for k, v in before.items()}
     return out
