@@ -53,6 +53,10 @@ def test_window_attention_matches_the_loop_reference(T, W, start):
     # Blocks of layers change nothing.
     small = window_attention(kv, Window(q, start), HD, block_bytes=1)
     torch.testing.assert_close(small, got, rtol=1e-6, atol=1e-6)
+    # A range of layers sums those layers only.
+    deep = window_attention(kv, Window(q, start), HD, layers=range(1, L), block_bytes=1)
+    torch.testing.assert_close(deep, naive_attention(kv[:, 1:], q[1:], start), rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_gqa_group_of_a_query_head():
@@ -148,6 +152,8 @@ def test_needs_queries_flags_and_errors():
                                                          queries=rand(L, 4, HQ * HD))
     with pytest.raises(ValueError, match="odd kernel"):
         SnapKV(0.5, kernel=4)
+    with pytest.raises(ValueError, match="from_layer"):
+        TOVA(0.5, from_layer=1.0)
     # A query-free policy ignores queries (the SDK does not fetch them for it).
     assert torch.equal(KeyNorm(0.5).keep_indices(kv, LAYOUT, queries=None),
                        KeyNorm(0.5).keep_indices(kv, LAYOUT))
@@ -200,31 +206,34 @@ def tiny_run():
             "layout": layout}
 
 
-def reference_scores(attn, T, start, W):
+def reference_scores(attn, T, start, W, first_layer=0):
     """From transformers' weights: rows start..start+W-1, columns of the T edited tokens,
-    each row renormalised over them, summed over rows, heads and layers."""
-    rows = attn[:, :, start:start + W, :T]
+    each row renormalised over them, summed over rows, heads and layers first_layer.."""
+    rows = attn[first_layer:, :, start:start + W, :T]
     return (rows / rows.sum(-1, keepdim=True)).sum(dim=(0, 1, 2))
 
 
 @pytest.mark.parametrize("T,W", [(32, 16), (48, 16), (32, 24), (40, 1)],
                          ids=["window-after-kv", "window-inside-kv", "straddling", "last-row"])
-def test_scores_equal_transformers_attention(tiny_run, T, W):
+@pytest.mark.parametrize("from_layer", [0.0, 0.5])
+def test_scores_equal_transformers_attention(tiny_run, T, W, from_layer):
     P, lay = tiny_run["P"], tiny_run["layout"]
     start = P - W
+    first = int(from_layer * lay.num_layers)
     kv = torch.stack([tiny_run["keys"][:, :T], torch.zeros_like(tiny_run["keys"][:, :T])])
     q = tiny_run["queries"][:, start:]
-    ref = reference_scores(tiny_run["attn"], T, start, W)
-    got = window_attention(kv, Window(q, start), lay.head_dim)
+    ref = reference_scores(tiny_run["attn"], T, start, W, first)
+    got = window_attention(kv, Window(q, start), lay.head_dim,
+                           layers=range(first, lay.num_layers))
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
     # The policy's scores: the same, pooled (kernel 5, as kvpress), window tokens kept.
     pooled = F.avg_pool1d(ref[None, None], 5, stride=1, padding=2, count_include_pad=False)[0, 0]
     pooled[start:T] = float("inf")
     w = check_window("SnapKV", kv, q, start, lay.head_dim)
-    torch.testing.assert_close(SnapKV(0.5, granularity="token").token_scores(kv, lay, w), pooled,
-                               rtol=1e-4, atol=1e-5)
+    snap = SnapKV(0.5, granularity="token", from_layer=from_layer)
+    torch.testing.assert_close(snap.token_scores(kv, lay, w), pooled, rtol=1e-4, atol=1e-5)
     # TOVA: the last row only.
-    last = reference_scores(tiny_run["attn"], T, P - 1, 1)
+    last = reference_scores(tiny_run["attn"], T, P - 1, 1, first)
     last[P - 1:T] = float("inf")
-    torch.testing.assert_close(TOVA(0.5, granularity="token").token_scores(kv, lay, w), last,
-                               rtol=1e-4, atol=1e-5)
+    tova = TOVA(0.5, granularity="token", from_layer=from_layer)
+    torch.testing.assert_close(tova.token_scores(kv, lay, w), last, rtol=1e-4, atol=1e-5)

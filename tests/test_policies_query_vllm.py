@@ -65,10 +65,12 @@ class Scorer:
         return self.policy(kv, tokens, layout=layout, queries=queries, query_start=query_start)
 
 
-def reference(attn: torch.Tensor, T: int, start: int, rows: int, kernel: int) -> torch.Tensor:
+def reference(attn: torch.Tensor, T: int, start: int, rows: int, kernel: int,
+              first_layer: int) -> torch.Tensor:
     """The policy's scores from transformers' weights: rows start.., columns of the T edited
-    tokens renormalised, summed over rows, heads and layers, pooled, window kept."""
-    w = attn[:, :, start:start + rows, :T]
+    tokens renormalised, summed over rows, heads and layers first_layer.., pooled, window
+    kept."""
+    w = attn[first_layer:, :, start:start + rows, :T]
     s = (w / w.sum(-1, keepdim=True)).sum(dim=(0, 1, 2))
     if kernel > 1:
         s = F.avg_pool1d(s[None, None], kernel, stride=1, padding=kernel // 2,
@@ -78,7 +80,7 @@ def reference(attn: torch.Tensor, T: int, start: int, rows: int, kernel: int) ->
 
 
 @pytest.mark.parametrize("policy,window", [(SnapKV(0.5, granularity="token"), 40),
-                                           (SnapKV(0.5, granularity="token"), 120),
+                                           (SnapKV(0.5, granularity="token", from_layer=0), 120),
                                            (TOVA(0.5, granularity="token"), 16)],
                          ids=["snapkv-window-after-kv", "snapkv-window-straddles", "tova"])
 def test_captured_queries_score_like_transformers_attention(ctx, vllm_server, hf_attention,
@@ -97,13 +99,15 @@ def test_captured_queries_score_like_transformers_attention(ctx, vllm_server, hf
     P = len(prompt)
     assert (start, rows) == (P - window, window)
     attn = hf_attention(prompt)
+    first = policy.layers(attn.shape[0]).start
     if isinstance(policy, TOVA):
-        ref = reference(attn, T, P - 1, 1, 1)
+        ref = reference(attn, T, P - 1, 1, 1, first)
     else:
-        ref = reference(attn, T, start, rows, policy.kernel)
+        ref = reference(attn, T, start, rows, policy.kernel, first)
     finite = torch.isfinite(ref)
     assert torch.equal(finite, torch.isfinite(scores))  # the same window tokens kept
-    mass = float(attn.shape[0] * attn.shape[1] * (1 if isinstance(policy, TOVA) else rows))
+    mass = float((attn.shape[0] - first) * attn.shape[1]
+                 * (1 if isinstance(policy, TOVA) else rows))
     torch.testing.assert_close(scores[finite], ref[finite], rtol=1e-3, atol=1e-4 * mass / T)
     # The edit really happened on the stream; decode runs on the smaller cache.
     assert len(s.tokens) + len(s.suffix) < P

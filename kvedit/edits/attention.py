@@ -77,12 +77,14 @@ def check_window(who: str, kv: torch.Tensor, queries, start: int | None,
 
 
 def window_attention(kv: torch.Tensor, window: Window, head_dim: int, *,
-                     scale: float | None = None, block_bytes: int = 256 << 20) -> torch.Tensor:
+                     layers: range | None = None, scale: float | None = None,
+                     block_bytes: int = 256 << 20) -> torch.Tensor:
     """[T] float32: the attention the window's rows pay each token of `kv` [2, L, T, Hkv*D],
-    summed over rows, query heads and layers (module docstring). `scale` defaults to
-    1/sqrt(head_dim). A row that sees none of the T tokens (none can: rows start at
-    position >= 0 and see token 0) would contribute nothing."""
+    summed over rows, query heads and the `layers` (default: all; module docstring).
+    `scale` defaults to 1/sqrt(head_dim). Every row sees token 0 (rows start at position
+    >= 0), so every softmax is over at least one key."""
     L, T, hidden = kv.shape[1:]
+    layers = range(L) if layers is None else layers
     hkv, d = hidden // head_dim, head_dim
     w = window.rows
     group = window.queries.shape[2] // head_dim // hkv
@@ -91,8 +93,8 @@ def window_attention(kv: torch.Tensor, window: Window, head_dim: int, *,
     hidden_keys = torch.arange(T)[None, :] > (window.start + torch.arange(w))[:, None]  # [w, T]
     total = torch.zeros(T, dtype=torch.float32)
     step = max(1, block_bytes // (hkv * group * w * T * 4))
-    for l0 in range(0, L, step):  # blocks of layers bound the [l, Hkv, group*w, T] logits
-        l1 = min(L, l0 + step)
+    for l0 in range(layers.start, layers.stop, step):  # blocks bound the [l, Hkv, g*w, T] logits
+        l1 = min(layers.stop, l0 + step)
         k = kv[0, l0:l1].float().view(l1 - l0, T, hkv, d).transpose(1, 2)        # [l, Hkv, T, d]
         q = window.queries[l0:l1].float().view(l1 - l0, w, hkv, group, d)
         q = q.permute(0, 2, 3, 1, 4).reshape(l1 - l0, hkv, group * w, d)        # [l, Hkv, g*w, d]
