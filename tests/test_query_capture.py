@@ -51,6 +51,7 @@ PHASES = {
 def _probe(cfg: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
 
     from kvedit.harness.vllm_launch import kv_transfer_config
@@ -74,6 +75,10 @@ def _probe(cfg: dict) -> dict:
         before = dataclasses.asdict(qc.STATS)
         llm.generate(prompts, params, use_tqdm=False)
         out[name] = {k: getattr(qc.STATS, k) - v for k, v in before.items()}
+        # After the batch, every layer runs vLLM's own impl.forward again (no shadow left).
+        capture = get_kv_transfer_group().worker.capture
+        out[name]["hooked_layers_after"] = sum("forward" in i.__dict__ for i in capture.impls)
+        out[name]["layers"] = len(capture.impls)
     return out
 
 
@@ -164,6 +169,8 @@ def test_capture_off_does_no_hook_work(probe, kv_server, hf_queries):
     assert off["steps"] > 0  # the worker ran steps...
     assert off["armed_steps"] == 0 and off["gathers"] == 0  # ...without hooking any layer
     assert off["stored"] == 0
+    for phase in probe.values():  # no shadow left on any layer after any batch
+        assert phase["layers"] == 4 and phase["hooked_layers_after"] == 0
     check_phase(probe, kv_server, hf_queries, "off")
 
 
