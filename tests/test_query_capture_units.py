@@ -128,3 +128,39 @@ def test_vllm_impl_classes_have_the_hooked_signature():
         _check_impl("layer", object.__new__(cls))
     with pytest.raises(RuntimeError, match="expected it to start with"):
         _check_impl("layer", _Short())
+
+
+def _sched_config():
+    dims = dict(get_num_layers=lambda pc: 4, get_num_attention_heads=lambda pc: 4,
+                get_head_size=lambda: 64, dtype=torch.float32)
+    from transformers import Qwen3Config
+
+    return SimpleNamespace(
+        model_config=SimpleNamespace(served_model_name="m", hf_config=Qwen3Config(),
+                                     get_num_kv_heads=lambda pc: 2, **dims),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        cache_config=SimpleNamespace(cache_dtype="auto"))
+
+
+def test_connector_scheduler_refuses_or_warns_on_another_vllm(monkeypatch, caplog):
+    """The connector's scheduler side on a vLLM the connector accepts (0.26-0.32) but capture
+    does not: "on" stops vLLM's start with the refusal, "auto" serves and says why."""
+    import vllm
+
+    from kvedit.vllm.scheduler_side import SchedulerSide
+
+    monkeypatch.delenv("KVEDIT_ALLOW_ANY_VLLM", raising=False)
+    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+    settings = dict(kvedit_url="tcp://127.0.0.1:1", chunk_size=256, timeout=0.2)
+    with pytest.raises(RuntimeError, match=r"kvedit query capture: vLLM 0.31.0 is not "
+                                           r"supported; .*vLLM 0.32"):
+        SchedulerSide(_sched_config(), ConnectorSettings(query_capture="on", **settings), 128)
+    side = SchedulerSide(_sched_config(), ConnectorSettings(**settings), 128)
+    try:
+        req = _request("r1", 50, 16)
+        side.on_new_request(req)
+        assert not side.queries.asks("r1") and not req.skip_reading_prefix_cache
+        assert "request r1 asked for query capture but gets none: query capture does not " \
+               "support vLLM 0.31.0 (supported: 0.32)" in caplog.text
+    finally:
+        side.close()
