@@ -164,3 +164,37 @@ def test_connector_scheduler_refuses_or_warns_on_another_vllm(monkeypatch, caplo
                "support vLLM 0.31.0 (supported: 0.32)" in caplog.text
     finally:
         side.close()
+
+
+def test_split_window_fills_across_steps_and_is_freed_when_dropped():
+    from kvedit.vllm.metadata import QueryRun
+
+    layers = [SimpleNamespace(impl=_Impl(), num_heads=1, head_size=2) for _ in range(2)]
+    names = ["model.layers.0.attn", "model.layers.1.attn"]
+    cap = QueryCapture(layers, names, tp_rank=0)
+    q = torch.arange(8, dtype=torch.float32).view(4, 1, 2)
+
+    def step(runs, slots, run_layers=layers):
+        cap.arm(runs, SimpleNamespace(slot_mapping={names[0]: torch.tensor(slots)}))
+        for layer in run_layers:
+            layer.impl.forward(layer, q, None, None, None, None)
+        return cap.finish()
+
+    # Window of 3 rows: rows 0-1 in one step, row 2 in the next -> one object.
+    assert step([QueryRun("a", [b"ka"], 3, 0, [5, 6])], [4, 5, 6, -1]) == []
+    assert set(cap.partial) == {"a"}
+    (ready,) = step([QueryRun("a", [b"ka"], 3, 2, [7])], [7, -1, -1, -1])
+    assert torch.equal(ready.data[0], torch.tensor([[2., 3.], [4., 5.], [0., 1.]]))
+    assert cap.partial == {}
+    # A request that finishes (or is aborted) mid-window: its rows are freed.
+    dropped = STATS.dropped
+    step([QueryRun("b", [b"kb"], 3, 0, [4])], [4, 5, 6, 7])
+    cap.drop(["b"])
+    assert cap.partial == {} and STATS.dropped == dropped + 1
+    # A step where a layer ran without the hook (e.g. a CUDA graph replay): nothing stored.
+    assert step([QueryRun("c", [b"kc"], 1, 0, [4])], [4, 5, 6, 7], layers[:1]) == []
+    assert STATS.dropped == dropped + 2
+    # Wanted slots that are not in the batch: the step is not armed, nothing is hooked.
+    cap.arm([QueryRun("d", [b"kd"], 1, 0, [99])],
+            SimpleNamespace(slot_mapping={names[0]: torch.tensor([4, 5])}))
+    assert cap.step is None and all("forward" not in i.__dict__ for i in cap.impls)
