@@ -20,6 +20,7 @@ import secrets
 import threading
 import time
 
+import numpy as np
 import torch
 import zmq
 
@@ -231,9 +232,11 @@ class KVClient:
         return self._call(P.ListModels()).models
 
     def lookup(self, model: str, keys: list[bytes], wait_timeout: float = 0.0,
-               tp_rank: int = 0) -> int:
+               tp_rank: int = 0, kind: P.ObjectKind = "kv") -> int:
+        """How many leading keys are ready (kind "queries": captured-queries objects); with
+        wait_timeout > 0 the server answers once all are, or when the time passes."""
         msg = P.Lookup(model=model, keys=list(keys), tp_rank=tp_rank,
-                       wait_timeout=float(wait_timeout))
+                       wait_timeout=float(wait_timeout), kind=kind)
         return self._model_call(model, tp_rank, msg, self.timeout + max(0.0, wait_timeout)).n
 
     def prepare_store(self, model: str, keys: list[bytes], tp_rank: int = 0) -> StoreHandle:
@@ -265,9 +268,13 @@ class KVClient:
         return handle.commit([chunks[i] for i in handle.missing])
 
     def retrieve(self, model: str, keys: list[bytes], tp_rank: int = 0) -> Retrieved:
+        return self._retrieve(model, keys, tp_rank, "kv")
+
+    def _retrieve(self, model: str, keys: list[bytes], tp_rank: int,
+                  kind: P.ObjectKind) -> Retrieved:
         transport = self._transport
         msg = P.Retrieve(model=model, keys=list(keys), tp_rank=tp_rank,
-                         with_data=transport.with_data)
+                         with_data=transport.with_data, kind=kind)
         t0 = time.monotonic()  # the server's lease TTL starts later: a conservative deadline
         reply = self._model_call(model, tp_rank, msg)
         self._check_instance(reply.instance)  # a restarted server: new segment and data port
@@ -278,7 +285,7 @@ class KVClient:
             except KVError as e:  # an empty with_data lease may not exist: nothing to release
                 if e.code not in ("unknown_lease", "lease_expired"):
                     raise
-            return self.retrieve(model, keys, tp_rank)
+            return self._retrieve(model, keys, tp_rank, kind)
         ttl = self._info.lease_ttl
         return current.open_lease(self, reply, t0 + ttl - ttl_margin(ttl))
 
@@ -288,6 +295,44 @@ class KVClient:
 
     def stats(self) -> dict:
         return self._call(P.Stats()).stats
+
+    # ---- captured queries (issue 10): one object of kind "queries" per key -------------
+    def store_queries(self, model: str, key: bytes, data: torch.Tensor,
+                      tp_rank: int = 0) -> None:
+        """Store `data`'s bytes (any shape and dtype; made contiguous) under `key`, replacing
+        an object already there. The server bounds the size (--max-query-bytes: too_large).
+        (model, tp_rank) must be registered. Raises KVError."""
+        if not isinstance(data, torch.Tensor) or data.numel() == 0:
+            got = (f"an empty tensor {tuple(data.shape)}" if isinstance(data, torch.Tensor)
+                   else type(data).__name__)
+            raise KVError("bad_chunk", f"store_queries needs a non-empty tensor, got {got}")
+        raw = data.detach().contiguous().view(-1).view(torch.uint8)
+        msg = P.PrepareStore(model=model, keys=[key], tp_rank=tp_rank, kind="queries",
+                             nbytes=raw.numel())
+        t0 = time.monotonic()
+        slots = self._model_call(model, tp_rank, msg)
+        self._check_instance(slots.instance)
+        ttl = self._info.write_ttl
+        handle = StoreHandle(self, self._transport, slots, t0 + ttl - ttl_margin(ttl))
+        # nothing missing: another store of this key is writing it right now (same bytes:
+        # the same prompt and window); committing the empty store just closes it
+        handle.commit([raw] if handle.missing else None)
+
+    def fetch_queries(self, model: str, key: bytes, tp_rank: int = 0) -> np.ndarray | None:
+        """A copy of the queries object under `key` as a flat uint8 array; None when there is
+        none (never stored, evicted, deleted). Raises KVError (lease_expired: retry)."""
+        with self._retrieve(model, [key], tp_rank, "queries") as got:
+            if not len(got):
+                return None
+            got.check_lease()
+            out = got.tensors[0].numpy().copy()
+        return out   # leaving `with` released the lease; lease_expired raised from there
+
+    def delete_queries(self, model: str, keys: list[bytes], tp_rank: int = 0) -> int:
+        """Delete queries objects -> how many were there (a leased one is hidden now and
+        freed at its release)."""
+        msg = P.Delete(model=model, keys=list(keys), tp_rank=tp_rank, kind="queries")
+        return self._model_call(model, tp_rank, msg).n
 
     def close(self) -> None:
         if self._closed:

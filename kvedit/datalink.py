@@ -16,7 +16,6 @@ import torch
 from kvedit import auth
 from kvedit import wire as DL
 from kvedit.handles import KVError, RecvPool, ServerUnavailable
-from kvedit.layout import ModelLayout
 
 RECV_POOL_BYTES = 512 << 20  # idle receive buffers kept for reuse
 
@@ -140,15 +139,16 @@ class LinkClient:
 
         self._io("PUT", put)
 
-    def get(self, lease_id: int, count: int, lay: ModelLayout) -> list[torch.Tensor]:
-        """Receive a lease's chunks -> uint8 buffers (from the receive pool)."""
+    def get(self, lease_id: int, sizes: list[int]) -> list[torch.Tensor]:
+        """Receive a lease's objects (`sizes`: each one's bytes, in key order) -> uint8
+        buffers (from the receive pool)."""
         def get(conn):
             conn.sendall(DL.REQUEST.pack(DL.MAGIC, DL.GET, lease_id, 0))
             nbytes = self._reply(conn)
-            if nbytes != count * lay.chunk_bytes:
-                raise KVError("bad_data", f"data link GET sends {nbytes} bytes, expected {count}"
-                                          f" chunk(s) of {lay.chunk_bytes}")
-            bufs = [self.recv_pool.take(lay.chunk_bytes) for _ in range(count)]
+            if nbytes != sum(sizes):
+                raise KVError("bad_data", f"data link GET sends {nbytes} bytes, expected "
+                                          f"{len(sizes)} object(s) of {sum(sizes)} bytes")
+            bufs = [self.recv_pool.take(n) for n in sizes]
             for b in bufs:
                 DL.recv_exact(conn, b.numpy())
             return bufs

@@ -44,9 +44,17 @@ ErrorCode = Literal[
 ]
 ERROR_CODES: frozenset[str] = frozenset(get_args(ErrorCode))
 
+# What an object holds. "kv": one chunk [2, L, chunk_size, heads*head_dim] of a registered
+# layout. "queries": one request's captured query rows (issue 10), a byte string of any size
+# up to --max-query-bytes; its shape is the caller's business (kvedit.sdk.queries reads it).
+# Each kind has its own key space: a "queries" key never names a "kv" object.
+ObjectKind = Literal["kv", "queries"]
 
-class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, kw_only=True):
-    pass
+
+class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, kw_only=True,
+           omit_defaults=True):
+    """omit_defaults: a field added later with a default is not sent while it holds that
+    default, so peers that predate it (and forbid unknown fields) still decode the message."""
 
 
 # ---- requests -------------------------------------------------------------------------
@@ -81,12 +89,17 @@ class Lookup(_Msg, tag="lookup"):
     keys: list[bytes]
     tp_rank: int = 0
     wait_timeout: float = 0.0
+    kind: ObjectKind = "kv"
 
 
 class PrepareStore(_Msg, tag="prepare_store"):
+    """kind "queries": exactly one key, `nbytes` its size; a ready object under that key is
+    replaced (one being written by another store is reported present)."""
     model: str
     keys: list[bytes]
     tp_rank: int = 0
+    kind: ObjectKind = "kv"
+    nbytes: int = 0          # "queries" only: the object's byte size (1..--max-query-bytes)
 
 
 class Commit(_Msg, tag="commit"):
@@ -105,6 +118,7 @@ class Retrieve(_Msg, tag="retrieve"):
     keys: list[bytes]
     tp_rank: int = 0
     with_data: bool = False
+    kind: ObjectKind = "kv"
 
 
 class Release(_Msg, tag="release"):
@@ -115,6 +129,7 @@ class Delete(_Msg, tag="delete"):
     model: str
     keys: list[bytes]
     tp_rank: int = 0
+    kind: ObjectKind = "kv"
 
 
 class Stats(_Msg, tag="stats"):
@@ -169,6 +184,7 @@ class StoreSlots(_Msg, tag="store_slots"):
     present: int
     layout: ModelLayout
     instance: int
+    nbytes: int = 0          # kind "queries": the size of each slot (0: layout.chunk_bytes)
 
 
 class Committed(_Msg, tag="committed"):
@@ -182,6 +198,7 @@ class Leased(_Msg, tag="leased"):
     offsets: list[int]
     layout: ModelLayout
     instance: int
+    sizes: list[int] = []    # kind "queries": each leased object's bytes ([]: chunk_bytes)
 
 
 class StatsReply(_Msg, tag="stats_reply"):

@@ -92,6 +92,8 @@ class ShmTransport:
         return self._seg[offset:offset + lay.chunk_bytes].view(_dtype(lay)).view(lay.chunk_shape)
 
     def store_buffers(self, slots: P.StoreSlots) -> list[torch.Tensor]:
+        if slots.nbytes:   # a queries object: raw bytes of the size the store asked for
+            return [self._seg[off:off + slots.nbytes] for off in slots.offsets]
         return [self._view(off, slots.layout) for off in slots.offsets]
 
     def write(self, handle: StoreHandle, chunks: list[torch.Tensor]) -> None:
@@ -103,7 +105,10 @@ class ShmTransport:
         """The bytes are in the slots already; commit alone publishes them."""
 
     def open_lease(self, client, reply: P.Leased, deadline: float) -> Retrieved:
-        views = [self._view(off, reply.layout) for off in reply.offsets]
+        if reply.sizes:   # queries objects: raw bytes
+            views = [self._seg[off:off + n] for off, n in zip(reply.offsets, reply.sizes)]
+        else:
+            views = [self._view(off, reply.layout) for off in reply.offsets]
         lease = reply.lease_id
         return Retrieved(views, lambda: client.release_lease(lease), deadline)
 
@@ -130,6 +135,8 @@ class SocketTransport:
         self.link = link
 
     def store_buffers(self, slots: P.StoreSlots) -> list[torch.Tensor]:
+        if slots.nbytes:   # a queries object: raw bytes
+            return [torch.empty(slots.nbytes, dtype=torch.uint8) for _ in slots.missing]
         lay = slots.layout
         return [torch.empty(lay.chunk_shape, dtype=_dtype(lay)) for _ in slots.missing]
 
@@ -146,8 +153,9 @@ class SocketTransport:
         lay = reply.layout
         if not reply.count:
             return Retrieved([], None, deadline)
-        bufs = self.link.get(reply.lease_id, reply.count, lay)
-        views = [b.view(_dtype(lay)).view(lay.chunk_shape) for b in bufs]
+        bufs = self.link.get(reply.lease_id, reply.sizes or [lay.chunk_bytes] * reply.count)
+        views = bufs if reply.sizes else [b.view(_dtype(lay)).view(lay.chunk_shape)
+                                          for b in bufs]
         pool = self.link.recv_pool
         # the server ended the lease once the bytes were sent: release recycles the buffers
         return Retrieved(views, lambda: pool.give(bufs), None)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvedit.edits import (DropMiddle, DropPolicy, KeyDiff, KeyNorm, LeverageScore, RandomDrop,
-                          SnapKV, StreamingLLM, UniformDrop, rerotate, rotate_keys)
+                          SnapKVProxy, StreamingLLM, UniformDrop, rerotate, rotate_keys)
 from kvedit.edits.base import Units
 from kvedit.layout import ModelLayout, RopeParams
 
@@ -94,14 +94,14 @@ def test_snapkv_keeps_window_and_attended_tokens():
     q = torch.randn(H * HD)
     kv[0, :, T - C:] += q  # the last chunk (the window) shares a direction ...
     kv[0, :, 2 * C + 1] = 3 * q  # ... with one token of chunk 2, which draws its attention
-    pol = SnapKV(0.5, window=C, kernel=1)
+    pol = SnapKVProxy(0.5, window=C, kernel=1)
     assert {2, 7} <= set(chunks_of(pol.keep_indices(kv, LAYOUT)))
-    tok = SnapKV(0.8, window=C, kernel=1, granularity="token").keep_indices(kv, LAYOUT)
+    tok = SnapKVProxy(0.8, window=C, kernel=1, granularity="token").keep_indices(kv, LAYOUT)
     assert set(range(T - C, T)) <= set(tok.tolist()) and 2 * C + 1 in tok.tolist()
 
 
 @pytest.mark.parametrize("policy", [DropMiddle(0.5), UniformDrop(0.5), StreamingLLM(0.5),
-                                    KeyNorm(0.5), SnapKV(0.5, window=C), KeyDiff(0.5),
+                                    KeyNorm(0.5), SnapKVProxy(0.5, window=C), KeyDiff(0.5),
                                     LeverageScore(0.5), RandomDrop(0.5)])
 @pytest.mark.parametrize("T", [12 * C, 12 * C + 3])
 def test_every_policy_ratio_and_order(policy, T):
@@ -230,7 +230,7 @@ def test_errors():
     with pytest.raises(ValueError, match="head_dim"):
         KeyNorm(0.5, chunk_size=C, rerotate=False).keep_indices(make_kv(8 * C), None)
     with pytest.raises(ValueError, match="odd kernel"):
-        SnapKV(0.5, kernel=4)
+        SnapKVProxy(0.5, kernel=4)
     with pytest.raises(ValueError, match="sink"):
         StreamingLLM(0.5, sink=-1)
     with pytest.raises(ValueError, match="window"):

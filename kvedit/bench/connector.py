@@ -8,6 +8,14 @@ in alternation so machine noise hits both sides of each ratio alike):
 - prefill_with_store_vs_without: prefill throughput (tokens/s) of fresh prompts sent
   together, on the vLLM with the connector storing every chunk / on a vLLM started without
   it (rounds in ABBA order). Target >= 0.9.
+- prefill_with_query_capture_vs_without: the same prefill throughput on the connector's vLLM
+  with every request asking for its last --query-window queries (kv_transfer_params
+  {"kvedit_capture_queries": W}) / without asking (pairs in alternating order). Target
+  >= 0.95; two pairs per round, ABBA; the pair ratios are listed too. On a loaded machine
+  they scatter widely, so two less noise-prone views come with it: best vs best throughput
+  (the least disturbed batch of each arm) and the same ratio in CPU seconds of vLLM's
+  processes per batch (work done, not time waited). query_bytes_per_request: the size of
+  one stored query object, read back from the server.
 Each ratio is the median over pairs measured back to back (noise from other work on a
 shared machine then hits both sides of a pair alike).
 `--paged`: only the copies (GB/s), on CUDA when there is a GPU: paged gather/scatter, and
@@ -32,11 +40,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 def register(bsub) -> None:
     p = bsub.add_parser("connector", help="connector: hit TTFT vs recompute, prefill with "
-                        "vs without store", description=__doc__.splitlines()[0])
+                        "vs without store, with vs without query capture",
+                        description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4096, help="prompt length (default 4096)")
     p.add_argument("--prompts", type=int, default=4, help="prompts per round (default 4)")
     p.add_argument("--rounds", type=int, default=6,
                    help="rounds (default 6); each ratio is a median over paired runs")
+    p.add_argument("--query-window", type=int, default=128,
+                   help="W of the query-capture arm (default 128)")
     p.add_argument("--paged", action="store_true",
                    help="only time paged gather/scatter copies (GPU if available)")
     p.add_argument("--chunks", type=int, default=16,
@@ -59,7 +70,8 @@ def run(args) -> int:
     result = (paged_bench(chunks=args.chunks) if args.paged else
               vllm_bench(args.tokens, args.prompts, args.rounds, model=args.model,
                          dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
-                         server_gb=args.server_gb, vllm_args=args.vllm_arg))
+                         server_gb=args.server_gb, vllm_args=args.vllm_arg,
+                         window=args.query_window))
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
@@ -269,24 +281,55 @@ def _post(base_url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def _complete(vp, prompt: list[int]) -> tuple[float, dict]:
+def _complete(vp, prompt: list[int], capture: int = 0) -> tuple[float, dict]:
+    """One max_tokens=1 request; `capture` > 0 asks for its last `capture` queries."""
+    body = {"model": vp.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    if capture:
+        body["kv_transfer_params"] = {"kvedit_capture_queries": capture}
     t0 = time.perf_counter()
-    r = _post(vp.base_url + "/v1/completions",
-              {"model": vp.model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    r = _post(vp.base_url + "/v1/completions", body)
     return time.perf_counter() - t0, r["usage"]
 
 
-def _prefill_tput(vp, prompts: list[list[int]]) -> float:
+def _prefill_tput(vp, prompts: list[list[int]], capture: int = 0) -> float:
     """Tokens/s of prefilling `prompts` sent at once (vLLM batches them)."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
-        list(pool.map(lambda p: _complete(vp, p), prompts))
+        list(pool.map(lambda p: _complete(vp, p, capture), prompts))
     return sum(map(len, prompts)) / (time.perf_counter() - t0)
+
+
+def _tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` and its descendants (vLLM's API server and
+    engine core): what a batch cost in work, much less disturbed by other load on a shared
+    machine than its wall time."""
+    import psutil  # a vLLM dependency
+
+    total = 0.0
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _query_bytes(server, model: str, prompt: list[int], window: int) -> int:
+    """Size of the query object stored for `prompt` (0 when there is none)."""
+    from kvedit.client import KVClient
+    from kvedit.keys import namespace, query_key
+
+    with KVClient(server.url) as c:
+        raw = c.fetch_queries(model, query_key(namespace(model, c.get_layout(model)), prompt,
+                                               window))
+    return 0 if raw is None else raw.nbytes
 
 
 def vllm_bench(tokens: int, n_prompts: int, rounds: int, *, model: str | None = None,
                dtype: str = "float32", kv_cache_gib: float = 1.0, server_gb: float = 2.0,
-               vllm_args=()) -> dict:
+               vllm_args=(), window: int = 128) -> dict:
     from kvedit.server.launch import start_server
     from kvedit.harness.vllm_launch import start_vllm
     from kvedit.harness.tiny_model import default_tiny_model
@@ -306,12 +349,26 @@ def vllm_bench(tokens: int, n_prompts: int, rounds: int, *, model: str | None = 
         for vp in (with_conn, without):  # warm-up (first requests pay one-off costs)
             _prefill_tput(vp, [fresh() for _ in range(2)])
         recompute, hit, hit_tokens = [], [], []
-        tput: dict[str, list[float]] = {"with": [], "without": []}
+        tput: dict[str, list[float]] = {"with": [], "without": [], "capture": [],
+                                        "no_capture": []}
+        cpu: dict[str, list[float]] = {"capture": [], "no_capture": []}  # CPU s per batch
+        last: list[int] = []
+        _prefill_tput(with_conn, [fresh() for _ in range(2)], window)  # warm the capture path
         for r in range(rounds):
             # ABBA order, fresh prompts each time (no prefix hit anywhere).
             for name in (("without", "with") if r % 2 == 0 else ("with", "without")):
                 vp = with_conn if name == "with" else without
                 tput[name].append(_prefill_tput(vp, [fresh() for _ in range(n_prompts)]))
+            # Query capture on every request vs on none, same vLLM: two pairs per round in
+            # ABBA order (this ratio is the one most exposed to noise: it is near 1).
+            for name in ("capture", "no_capture", "no_capture", "capture"):
+                prompts = [fresh() for _ in range(n_prompts)]
+                c0 = _tree_cpu_seconds(with_conn.pid)
+                tput[name].append(_prefill_tput(with_conn, prompts,
+                                                window if name == "capture" else 0))
+                cpu[name].append(_tree_cpu_seconds(with_conn.pid) - c0)
+                if name == "capture":
+                    last = prompts[-1]
             for _ in range(n_prompts):
                 p = fresh()
                 recompute.append(_complete(with_conn, p)[0])
@@ -319,6 +376,7 @@ def vllm_bench(tokens: int, n_prompts: int, rounds: int, *, model: str | None = 
                 dt, usage = _complete(with_conn, p)
                 hit.append(dt)
                 hit_tokens.append(usage["prompt_tokens_details"]["cached_tokens"])
+        query_bytes = _query_bytes(server, with_conn.model, last, window)
     # Each ratio is taken within a pair measured back to back (so both sides saw about the
     # same load from other work on a shared machine); the median ratio is reported.
     med = statistics.median
@@ -333,5 +391,18 @@ def vllm_bench(tokens: int, n_prompts: int, rounds: int, *, model: str | None = 
         "prefill_median_tok_s_without_connector": med(tput["without"]),
         "prefill_with_store_vs_without": med(w / o for w, o in zip(tput["with"],
                                                                    tput["without"])),
-        "targets": {"hit_ttft_vs_recompute": "<= 0.3", "prefill_with_store_vs_without": ">= 0.9"},
+        "query_window": window,
+        "prefill_median_tok_s_query_capture": med(tput["capture"]),
+        "prefill_median_tok_s_no_query_capture": med(tput["no_capture"]),
+        "prefill_with_query_capture_vs_without": med(c / n for c, n in zip(
+            tput["capture"], tput["no_capture"])),
+        "query_capture_pair_ratios": [c / n for c, n in zip(tput["capture"],
+                                                            tput["no_capture"])],
+        "prefill_best_with_query_capture_vs_without": max(tput["capture"])
+        / max(tput["no_capture"]),
+        "prefill_cpu_with_query_capture_vs_without": med(n / c for c, n in zip(
+            cpu["capture"], cpu["no_capture"])),
+        "query_bytes_per_request": query_bytes,
+        "targets": {"hit_ttft_vs_recompute": "<= 0.3", "prefill_with_store_vs_without": ">= 0.9",
+                    "prefill_with_query_capture_vs_without": ">= 0.95"},
     }

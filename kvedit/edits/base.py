@@ -8,13 +8,20 @@ and re-rotates the kept keys to contiguous positions (see `rope.py`).
 Chunk granularity keeps the edited sequence chunk-aligned, so every kept chunk is stored
 under a full key and the decode reloads all of it; token granularity may leave a partial
 last chunk, which the SDK moves into the stream's suffix and vLLM recomputes.
+
+Query-aware policies (`needs_queries = True`, see `query_policies.py`) score from the
+request's captured queries: the SDK passes `queries=` (and `query_start=`) to `__call__`
+and the base hands them to the policy's `score_window` as a `Window`. The SDK passes queries
+only to a fn whose `needs_queries` is True, so a query-free policy never asks for them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from kvedit.edits.attention import Window, check_window
 from kvedit.edits.rope import rerotate
 from kvedit.layout import ModelLayout
 
@@ -51,6 +58,9 @@ class DropPolicy:
     granularity: str = "chunk"
     chunk_size: int | None = None  # None: the layout's chunk size (else 256)
     rerotate: bool = True
+    # True: the policy scores from the request's captured queries; the SDK then fetches them
+    # (the request must be created with capture_queries=W) and passes them to __call__.
+    needs_queries: ClassVar[bool] = False
 
     def __post_init__(self):
         if not 0.0 <= self.ratio < 1.0:
@@ -66,6 +76,11 @@ class DropPolicy:
     def score(self, kv: torch.Tensor, units: Units, layout: ModelLayout | None) -> torch.Tensor:
         """One float score per unit ([units.count]); higher is kept. inf = always keep."""
         raise NotImplementedError
+
+    def score_window(self, kv: torch.Tensor, units: Units, layout: ModelLayout | None,
+                     window: Window | None) -> torch.Tensor:
+        """`score` with the captured queries; query-aware policies override this instead."""
+        return self.score(kv, units, layout)
 
     def num_drop(self, units: Units) -> int:
         """How many units to drop (a policy may override, e.g. to protect some units)."""
@@ -85,8 +100,26 @@ class DropPolicy:
             size = self.chunk_size or (layout.chunk_size if layout else DEFAULT_CHUNK_SIZE)
         return Units(size=size, count=-(-num_tokens // size), tokens=num_tokens)
 
-    def keep_indices(self, kv: torch.Tensor, layout: ModelLayout | None = None) -> torch.Tensor:
-        """Sorted token indices this policy keeps for `kv` [2, L, T, D]."""
+    def captured_window(self, kv: torch.Tensor, layout: ModelLayout | None, queries,
+               query_start: int | None) -> Window | None:
+        """The checked `Window` of `queries` (None for a query-free policy)."""
+        who = type(self).__name__
+        if not self.needs_queries:
+            return None
+        if queries is None:
+            raise ValueError(f"{who} scores with the request's captured queries and got none: "
+                             "create the request with kvedit.create_request(..., "
+                             "capture_queries=W) and run the edit through the SDK (or pass "
+                             "queries=[L, W, num_q_heads*head_dim] and query_start=...)")
+        if layout is None:
+            raise ValueError(f"{who} needs the model layout (head_dim): run it through the SDK "
+                             "or pass layout=...")
+        return check_window(who, kv, queries, query_start, layout.head_dim)
+
+    def keep_indices(self, kv: torch.Tensor, layout: ModelLayout | None = None, *,
+                     queries=None, query_start: int | None = None) -> torch.Tensor:
+        """Sorted token indices this policy keeps for `kv` [2, L, T, D] (and the captured
+        `queries` [L, W, Hq*D] whose row 0 is prompt position `query_start`, if it needs them)."""
         if kv.dim() != 4 or kv.shape[0] != 2:
             raise ValueError(f"{type(self).__name__}: kv must be [2, L, T, D], "
                              f"got {tuple(kv.shape)}")
@@ -94,7 +127,8 @@ class DropPolicy:
         drop = self.num_drop(units)
         if drop == 0:
             return torch.arange(units.tokens)
-        scores = self.score(kv, units, layout).float()
+        window = self.captured_window(kv, layout, queries, query_start)
+        scores = self.score_window(kv, units, layout, window).float()
         if scores.shape != (units.count,):
             raise ValueError(f"{type(self).__name__}.score returned shape {tuple(scores.shape)}, "
                              f"expected ({units.count},)")
@@ -103,8 +137,11 @@ class DropPolicy:
         kept = order[: units.count - drop].sort().values
         return units.token_indices(kept)
 
-    def __call__(self, kv: torch.Tensor, tokens, layout: ModelLayout | None = None):
-        """Drop tokens from `kv` [2, L, T, D] and `tokens` (len T); returns (kv, tokens)."""
+    def __call__(self, kv: torch.Tensor, tokens, layout: ModelLayout | None = None,
+                 queries: torch.Tensor | None = None, query_start: int | None = None):
+        """Drop tokens from `kv` [2, L, T, D] and `tokens` (len T); returns (kv, tokens).
+        `queries`/`query_start`: the request's captured queries, for policies that need them
+        (query_start None: the rows follow the T tokens, as when the question is after them)."""
         if len(tokens) != kv.shape[2]:
             raise ValueError(f"{type(self).__name__}: {len(tokens)} tokens but kv holds "
                              f"{kv.shape[2]} (shape {tuple(kv.shape)})")
@@ -112,7 +149,7 @@ class DropPolicy:
             raise ValueError(f"{type(self).__name__}: re-rotation needs the model's RoPE "
                              "parameters (layout.rope); run it through the SDK, pass "
                              "layout=..., or set rerotate=False")
-        idx = self.keep_indices(kv, layout)
+        idx = self.keep_indices(kv, layout, queries=queries, query_start=query_start)
         if len(idx) == kv.shape[2]:
             return kv, tokens
         out = kv.index_select(2, idx)  # compact copy of the kept tokens; rotated in place

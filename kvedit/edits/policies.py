@@ -8,8 +8,9 @@ One decision per token for all layers and heads: vLLM's paged cache keeps a toke
 every layer and KV head in one slot, so a policy cannot keep a token in one head and drop it
 in another (kvpress can, inside transformers). A policy that scores per (layer, head) says in
 its docstring how it folds those scores into one per token: KeyNorm averages key norms,
-KeyDiff cosines, LeverageScore per-head z-scores, SnapKV sums attention probabilities over
-layers, heads and proxy queries. A chunk's score is the mean of its tokens' (`Units.pool`).
+KeyDiff cosines, LeverageScore per-head z-scores, SnapKVProxy sums attention probabilities
+over layers, heads and proxy queries. The query-aware policies (real SnapKV, TOVA) are in
+`query_policies.py`. A chunk's score is the mean of its tokens' (`Units.pool`).
 """
 from __future__ import annotations
 
@@ -123,10 +124,11 @@ class KeyNorm(DropPolicy):
 
 
 @dataclass
-class SnapKV(DropPolicy):
-    """SnapKV (Li et al. 2024) without queries: the keys of the last `window` tokens serve as
-    proxy queries. A token's score is the softmax attention it gets from them, averaged over
-    layers, heads and window, smoothed by average pooling (`kernel`). The window is kept."""
+class SnapKVProxy(DropPolicy):
+    """SnapKV (Li et al. 2024) without queries: the keys of the last `window` edited tokens
+    serve as proxy queries (no capture needed; the real SnapKV is `query_policies.SnapKV`).
+    A token's score is the softmax attention it gets from them, averaged over layers, heads
+    and window, smoothed by average pooling (`kernel`). The window is kept."""
     window: int = 64
     kernel: int = 5
     # Temporary float32 attention memory per block of layers.
@@ -135,11 +137,11 @@ class SnapKV(DropPolicy):
     def __post_init__(self):
         super().__post_init__()
         if self.window <= 0 or self.kernel <= 0 or self.kernel % 2 == 0:
-            raise ValueError(f"SnapKV needs window > 0 and an odd kernel > 0, got "
+            raise ValueError(f"SnapKVProxy needs window > 0 and an odd kernel > 0, got "
                              f"window={self.window}, kernel={self.kernel}")
 
     def token_scores(self, kv: torch.Tensor, layout: ModelLayout | None) -> torch.Tensor:
-        k = _heads(kv, layout, "SnapKV")  # [L, T, H, d]
+        k = _heads(kv, layout, "SnapKVProxy")  # [L, T, H, d]
         L, T, H, d = k.shape
         w = min(self.window, T)
         # Causal: proxy query i (position T - w + i) sees tokens up to its own position.

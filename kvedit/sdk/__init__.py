@@ -9,6 +9,7 @@ Modules (one concern each):
 - `contracts` the EditFn / PostCompletion protocols, their keyword/salt rules, result checks.
 - `source`   KVSource: where modify's kv comes from (mapped from shm, or copied), chosen once.
 - `chunkmap` MappedKV: stored chunks mapped copy-on-write into one tensor (no copy).
+- `queries`  captured queries: asking vLLM at prefill, which fn gets them, their lifetime.
 - `buffers`  reused retrieve buffers; copy-on-write tracking of what fn writes.
 - `geometry` where chunk i's rows lie in a [2, L, T, D] tensor (the one helper).
 - `rowcopy`  memcpy/memcmp between chunk slices of [2, L, T, D] and contiguous chunks.

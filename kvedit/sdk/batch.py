@@ -18,6 +18,7 @@ from kvedit.sdk.errors import KVEditError, StreamError, raise_batch
 from kvedit.sdk.loop import run_sync
 from kvedit.sdk.metrics import Metrics, Span, add_generation, add_modify
 from kvedit.sdk.modify import modify_stream
+from kvedit.sdk.queries import check_window, expect
 from kvedit.sdk.stream import Generation, Stream
 
 
@@ -29,8 +30,11 @@ class BatchedStream:
     """A batch of streams. `progress` shows tqdm bars (default on; KVEDIT_PROGRESS=0 hides)."""
 
     def __init__(self, streams=(), *, progress: bool | None = None, max_concurrency: int = 256,
-                 modify_concurrency: int = 2, wait_timeout: float = 60.0):
+                 modify_concurrency: int = 2, wait_timeout: float = 60.0,
+                 capture_queries: int = 0):
         self.streams: list[Stream] = []
+        # query window W for the prefill of streams that set none (kvedit.sdk.queries)
+        self.capture_queries = check_window(capture_queries, "capture_queries") or 0
         self.progress = _progress_default() if progress is None else progress
         self.max_concurrency = max_concurrency
         self.modify_concurrency = modify_concurrency
@@ -45,10 +49,16 @@ class BatchedStream:
         if any(s is stream for s in self.streams):
             raise ValueError(f"{stream.label} is already in this batch")
         self.streams.append(stream)
+        if stream.capture_queries is None and stream.queries is None:
+            expect(stream, self.capture_queries)   # the batch's default window
         return stream
 
     def __len__(self) -> int:
         return len(self.streams)
+
+    def _window(self, s: Stream) -> int:
+        """The query window s's prefill asks for: its own setting, else the batch's."""
+        return self.capture_queries if s.capture_queries is None else s.capture_queries
 
     def __iter__(self):
         return iter(self.streams)
@@ -101,7 +111,8 @@ class BatchedStream:
 
         async def work(s: Stream):
             async with http:
-                add_generation(m, await s.generate(sampling_params, max_tokens=1))
+                add_generation(m, await s.generate(sampling_params, max_tokens=1,
+                                                   capture_queries=self._window(s)))
 
         await self._each("prefill", self.streams, work, m)
         return m
@@ -162,7 +173,8 @@ class BatchedStream:
         async def work(s: Stream):
             async with http:
                 with spans["prefill"]:
-                    add_generation(parts["prefill"], await s.generate(prefill_params, 1))
+                    add_generation(parts["prefill"], await s.generate(
+                        prefill_params, 1, capture_queries=self._window(s)))
             with spans["modify"]:
                 add_modify(parts["modify"], await modify_stream(
                     s, fn, cpu_slots=cpu, keep_old=keep_old, wait_timeout=wait))

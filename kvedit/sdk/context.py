@@ -2,7 +2,8 @@
 
 The context owns the KVClient (sockets, the shm mapping), a small thread pool that runs the
 client's blocking calls off the event loop, and the reference counts of chunk keys across
-its streams (so modify deletes only chunks no stream of this context still uses).
+its streams (so modify deletes only chunks no stream of this context still uses), and of
+the captured-queries objects its streams asked for (kvedit.sdk.queries).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class Context:
         self.client = client
         self.url, self.http_url, self.model, self.layout = url, http_url, model, layout
         self.refs: Counter[bytes] = Counter()
+        self.query_refs: Counter[bytes] = Counter()   # captured-queries keys (sdk.queries)
         self.closed = False
         self._ids = itertools.count()
         # Touched retrieve buffers, reused across modifies; copy-on-write tracked (see buffers).

@@ -24,6 +24,10 @@ class ModifyError(StreamError):
     """modify() failed for a stream; the stream is unchanged and its original KV is kept."""
 
 
+class MissingQueries(ModifyError):
+    """fn needs captured queries (kvedit.sdk.queries) and the stream has none in the server."""
+
+
 class CompletionError(StreamError):
     """The completion server (vLLM) failed or answered something unusable."""
 

@@ -49,6 +49,7 @@ from kvedit.sdk.contracts import Edited, check_result, fn_kwargs, is_async_fn
 from kvedit.sdk.errors import ModifyError
 from kvedit.sdk.geometry import KVGeometry
 from kvedit.sdk.loop import has_caller, in_caller
+from kvedit.sdk.queries import query_kwargs, release_queries
 from kvedit.sdk.rowcopy import chunk_equal, save_chunk
 from kvedit.sdk.source import KVSource, open_kv, untouched_chunks
 from kvedit.sdk.stream import Stream
@@ -159,9 +160,11 @@ async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False
         res.skipped = True
         return res
     await _wait_stored(stream, region, wait_timeout)
+    extra = await query_kwargs(stream, fn, wait_timeout)  # {} unless fn takes `queries`
     async with cpu_slots:
-        new_tokens, stored = await _edit_and_store(stream, fn, region, res, fn_in_caller)
+        new_tokens, stored = await _edit_and_store(stream, fn, region, res, fn_in_caller, extra)
     old_keys = _swap(stream, region, new_tokens, stored, res)
+    await release_queries(stream)   # they were the old sequence's: this stream is done with them
     await _drop_unused(stream, old_keys, keep_old, res)
     return res
 
@@ -201,9 +204,9 @@ async def _open(stream: Stream, region: _Region) -> tuple[KVSource, torch.Tensor
 
 
 async def _apply(stream: Stream, fn, kv: torch.Tensor, tokens: list[int],
-                 in_caller_ok: bool) -> Edited:
+                 in_caller_ok: bool, extra: dict) -> Edited:
     ctx = stream.ctx
-    kwargs = fn_kwargs(fn, stream, ctx.layout)
+    kwargs = fn_kwargs(fn, stream, ctx.layout) | extra
     try:
         if is_async_fn(fn):
             out = await fn(kv, list(tokens), **kwargs)
@@ -220,7 +223,7 @@ async def _apply(stream: Stream, fn, kv: torch.Tensor, tokens: list[int],
 
 
 async def _edit_and_store(stream: Stream, fn, region: _Region, res: ModifyResult,
-                          fn_in_caller: bool) -> tuple[list[int], Stored]:
+                          fn_in_caller: bool, extra: dict) -> tuple[list[int], Stored]:
     """Retrieve, fn, store; returns the edited tokens and what was stored."""
     ctx = stream.ctx
     t0 = time.perf_counter()
@@ -230,7 +233,7 @@ async def _edit_and_store(stream: Stream, fn, region: _Region, res: ModifyResult
         res.bytes_retrieved = kv.numel() * kv.element_size()
         given = KVGeometry.of(kv)  # before fn can touch (or resize) it
         t1 = time.perf_counter()
-        edited = await _apply(stream, fn, kv, region.tokens, fn_in_caller)
+        edited = await _apply(stream, fn, kv, region.tokens, fn_in_caller, extra)
         kv = None
         t2 = time.perf_counter()
         stored = await _store(stream, source, given, edited, region)

@@ -24,6 +24,7 @@ import numpy as np
 from kvedit.keys import request_keys
 from kvedit.sdk.contracts import check_token_ids, takes_salt
 from kvedit.sdk.context import Context
+from kvedit.sdk import queries as Q
 from kvedit.sdk.errors import CompletionError, KVEditError
 
 
@@ -63,7 +64,7 @@ class Stream:
     """One request: create with `create_request`, drive with a BatchedStream."""
 
     def __init__(self, ctx: Context, post_completion, prompt_token_ids, cache_salt: str = "",
-                 name: str | None = None):
+                 name: str | None = None, capture_queries: int | None = None):
         self.ctx = ctx
         self.id = ctx.next_stream_id()
         self.name = name
@@ -73,6 +74,11 @@ class Stream:
         if not self.prompt_token_ids:
             raise ValueError(f"{self.label}: prompt_token_ids is empty")
         self.cache_salt = cache_salt or ""
+        # query window W asked at prefill (None: the batch's default; 0: off), and the
+        # captured-queries object the last prefill asked for (kvedit.sdk.queries)
+        self.capture_queries = Q.check_window(capture_queries,
+                                              f"{self.label} capture_queries")
+        self.queries: Q.Capture | None = None
         self.tokens: list[int] = list(self.prompt_token_ids)
         self.suffix: list[int] = []
         self.output_token_ids: list[int] = []
@@ -83,6 +89,7 @@ class Stream:
         self.keys: list[bytes] = self.keys_for(self.tokens, self.cache_salt)
         ctx.ref(self.keys)  # the prompt's chunks are this stream's until it edits them away
         self.released = False
+        Q.expect(self, self.capture_queries or 0)
 
     @property
     def label(self) -> str:
@@ -96,10 +103,17 @@ class Stream:
     def keys_for(self, tokens, salt: str) -> list[bytes]:
         return request_keys(self.ctx.model, self.ctx.layout, tokens, salt)
 
-    async def generate(self, sampling_params, max_tokens: int | None = None) -> Generation:
-        """Send `prompt` (with the stream's salt), append the generated tokens to the suffix."""
+    async def generate(self, sampling_params, max_tokens: int | None = None,
+                       capture_queries: int = 0) -> Generation:
+        """Send `prompt` (with the stream's salt), append the generated tokens to the suffix.
+        capture_queries=W: ask vLLM to capture the queries of the prompt's last W tokens."""
         params = sampling_params if max_tokens is None else with_max_tokens(sampling_params,
                                                                             max_tokens)
+        if capture_queries:
+            try:
+                params = Q.with_capture(params, capture_queries)
+            except TypeError as e:
+                raise CompletionError(self, str(e)) from None
         limit = get_max_tokens(params)
         if self.released:
             raise CompletionError(self, "the stream was released (arelease); create a new one")
@@ -129,6 +143,8 @@ class Stream:
             raise CompletionError(self, str(e)) from e
         except Exception as e:  # a failure inside post_completion itself, reported as such
             raise CompletionError(self, f"post_completion raised {type(e).__name__}: {e}") from e
+        if capture_queries:
+            Q.hold(self, Q.capture_for(self.ctx, prompt, self.cache_salt, capture_queries))
         self.suffix += ids
         self.output_token_ids += ids
         self.logprobs += lps
@@ -168,6 +184,7 @@ class Stream:
         if self.released:
             return 0
         self.released, self.done = True, True
+        await Q.release_queries(self)
         dead, self.keys = self.ctx.unref(self.keys), []
         return await self.ctx.call(self.ctx.client.delete, self.ctx.model, dead) if dead else 0
 
@@ -190,7 +207,10 @@ async def _iterate(ctx: Context, gen):
 
 
 def create_request(ctx: Context, post_completion, prompt_token_ids, cache_salt: str = "",
-                   *, name: str | None = None) -> Stream:
+                   *, name: str | None = None, capture_queries: int | None = None) -> Stream:
     """A stream for `prompt_token_ids`; `post_completion(prompt_token_ids, sampling_params,
-    cache_salt)` yields generated tokens (ints or objects with `.token_id`), sync or async."""
-    return Stream(ctx, post_completion, prompt_token_ids, cache_salt, name)
+    cache_salt)` yields generated tokens (ints or objects with `.token_id`), sync or async.
+    `capture_queries=W` (1..4096): its prefill asks vLLM to capture the queries of the last W
+    prompt tokens, for an fn that takes `queries` (kvedit.sdk.queries); None: the batch's
+    default; 0: off."""
+    return Stream(ctx, post_completion, prompt_token_ids, cache_salt, name, capture_queries)

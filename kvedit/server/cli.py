@@ -57,7 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             ("max_waits_per_client", "parked lookups (wait_timeout > 0) of one client"),
             ("max_waits_total", "parked lookups of all clients"),
             ("max_parked_keys", "keys of all parked lookups together"),
-            ("max_data_conns", "open data-link connections")):
+            ("max_data_conns", "open data-link connections"),
+            ("max_query_bytes", "bytes of the largest captured-queries object (a store of a "
+                                "bigger one is refused with too_large)")):
         g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(_D, name),
                        help=f"{hlp} (default {getattr(_D, name)})")
     for name, hlp in (
@@ -114,7 +116,7 @@ def config_from_args(args) -> ServerConfig:
              "shm_name", "l1_use_lazy", "lease_ttl", "write_ttl", "quarantine_ttl",
              "max_models", "max_model_name", "max_keys_per_request", "max_message_bytes",
              "max_waits_per_client", "max_waits_total", "max_parked_keys", "max_wait_seconds",
-             "max_data_conns", "data_idle_timeout", "handshake_timeout",
+             "max_data_conns", "max_query_bytes", "data_idle_timeout", "handshake_timeout",
              "transfer_idle_timeout", "transfer_timeout", "insecure",
              "l2_url", "l2_prefix", "l2_ttl", "l2_write_on", "l2_write_queue_mb",
              "l2_lookup_wait", "l2_timeout")

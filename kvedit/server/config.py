@@ -40,6 +40,7 @@ class ServerConfig:
     max_parked_keys: int = 1 << 20    # keys of all parked lookups together (their memory)
     max_wait_seconds: float = 600.0   # longest Lookup.wait_timeout
     max_data_conns: int = 256         # open data-link connections (a thread each)
+    max_query_bytes: int = 256 * MIB  # largest captured-queries object (kind "queries")
     data_idle_timeout: float = 60.0   # data link: seconds without a request before closing
     handshake_timeout: float = 5.0    # data link: seconds for the client's first bytes
     transfer_idle_timeout: float = 10.0  # data link: seconds without progress mid-transfer
@@ -85,7 +86,7 @@ class ServerConfig:
                              f"{self.quarantine_ttl}")
         for name in ("max_models", "max_model_name", "max_keys_per_request", "max_message_bytes",
                      "max_waits_per_client", "max_waits_total", "max_parked_keys",
-                     "max_data_conns"):
+                     "max_data_conns", "max_query_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
                                  f"{getattr(self, name)}")

@@ -41,12 +41,13 @@ SPEC: dict = {
         "schemas": {
             "Error": _ERROR,
             "CacheItem": {"type": "object", "required": ["key", "model", "tp_rank", "bytes",
-                                                         "age_s", "leases"],
+                                                         "age_s", "leases", "kind"],
                           "properties": {"key": {"type": "string"}, "model": {"type": "string"},
                                          "tp_rank": {"type": "integer"},
                                          "bytes": {"type": "integer"},
                                          "age_s": {"type": "number"},
-                                         "leases": {"type": "integer"}}},
+                                         "leases": {"type": "integer"},
+                                         "kind": {"enum": ["kv", "queries"]}}},
             "CachePage": {"type": "object", "required": ["total", "limit", "items", "next_after"],
                           "properties": {
                               "total": {"type": "integer"}, "limit": {"type": "integer"},

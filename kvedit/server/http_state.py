@@ -25,6 +25,7 @@ class CacheItem:
     bytes: int
     age_s: float
     leases: int
+    kind: str         # "kv" (a KV chunk) or "queries" (captured queries, issue 10)
 
 
 @dataclass(slots=True)
@@ -45,6 +46,8 @@ def status(s: Service) -> dict:
         "pool": {"bytes": snap["pool_bytes"], "used": snap["pool_used"],
                  "free": snap["pool_free"]},
         "objects": {k: snap[k] for k in ("ready", "writing", "leased")},
+        # the captured-queries objects among the ready ones (kind "queries", issue 10)
+        "queries": {"objects": snap["query_objects"], "bytes": snap["query_bytes"]},
         "leases": snap["leases"], "pending_stores": snap["pending_stores"],
         "evictions": snap["evictions"], "uptime_s": snap["uptime_s"],
         # everything else the service counts (expirations, quarantine, waits, ...) as is
@@ -72,7 +75,7 @@ def page(s: Service, model: str | None, after: int | None, limit: int) -> CacheP
     p = s.page(model, after, limit)
     now = time.time()
     items = [CacheItem(e.key.hex(), e.model, e.tp_rank, e.nbytes, round(now - e.created, 3),
-                       e.leases) for e in p.items]
+                       e.leases, e.kind) for e in p.items]
     return CachePage(items, p.next_after, p.total)
 
 

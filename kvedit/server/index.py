@@ -32,6 +32,10 @@ methods below (results are dataclasses, refusals are `Refused` with a protocol e
   It is kept per slot size (one per layout): a store evicts the oldest object whose slot
   fits it, so a large chunk does not evict many small ones that free no large range. The
   index evicts only when the allocator has no free range that fits (best fit, pool.py).
+- Kinds: KV chunks and captured-queries objects (issue 10) live in two tables (`table(kind)`),
+  so each kind is its own key space; otherwise they share everything above (pool, states,
+  leases, quarantine, eviction order, pages). A queries store replaces a ready object of its
+  key (`prepare`); `query_objects`/`query_bytes` count the ready ones.
 - Counters are kept as things change (`counters`, O(1) to read); ready objects are also kept
   in commit order, so a page of /cache costs O(page), not a scan.
 Not thread-safe on its own: the service and the HTTP threads share it under one lock.
@@ -46,6 +50,7 @@ import time
 from collections import OrderedDict
 from dataclasses import fields
 
+from kvedit.protocol import ObjectKind
 from kvedit.server import index_types as T
 from kvedit.server.index_types import (  # noqa: F401  (re-exported: the index's API)
     FINISH_GRACE, READY, WRITING, Busy, CacheEntry, Committed, Counters, Expiry, Gone, Ident,
@@ -72,7 +77,8 @@ class Index:
         self.transfer_timeout = transfer_timeout
         self.counters = Counters(pool_bytes=allocator.capacity, pool_used=allocator.used,
                                  pool_free=allocator.capacity - allocator.used)
-        self.objects: dict[Ident, Obj] = {}               # live objects by key
+        self.objects: dict[Ident, Obj] = {}               # live "kv" objects by key
+        self.queries: dict[Ident, Obj] = {}               # live "queries" objects by key
         self.stores: dict[int, Pending] = {}
         self.leases: dict[int, Pending] = {}
         self._cut: dict[int, Pending] = {}                # cut transfers awaiting finish_*
@@ -91,10 +97,11 @@ class Index:
         self.on_evict = None   # called with an object just before eviction frees it (L2)
 
     # ---- reads ------------------------------------------------------------------------
-    def leading_ready(self, model: str, tp_rank: int, keys: list[bytes]) -> int:
-        n = 0
+    def leading_ready(self, model: str, tp_rank: int, keys: list[bytes],
+                      kind: ObjectKind = "kv") -> int:
+        n, table = 0, self.table(kind)
         for k in keys:
-            o = self.objects.get((model, tp_rank, k))
+            o = table.get((model, tp_rank, k))
             if o is None or o.state != READY:
                 break
             n += 1
@@ -116,12 +123,17 @@ class Index:
                 return Page(items, items[-1].seq, len(seqs))
             o = self._by_seq[s]
             items.append(CacheEntry(o.seq, o.model, o.tp_rank, o.key, o.nbytes, o.created,
-                                    o.leases))
+                                    o.leases, o.kind))
         return Page(items, None, len(seqs))
 
     # ---- leases -----------------------------------------------------------------------
-    def lease(self, model: str, tp_rank: int, keys: list[bytes], holder: bytes) -> Leased:
-        objs, get = [], self.objects.get
+    def table(self, kind: ObjectKind) -> dict[Ident, Obj]:
+        """The live objects of one kind (each kind is its own key space)."""
+        return self.objects if kind == "kv" else self.queries
+
+    def lease(self, model: str, tp_rank: int, keys: list[bytes], holder: bytes,
+              kind: ObjectKind = "kv") -> Leased:
+        objs, get = [], self.table(kind).get
         for k in keys:   # the leading ready objects
             o = get((model, tp_rank, k))
             if o is None or o.state != READY:
@@ -153,13 +165,22 @@ class Index:
 
     # ---- stores -----------------------------------------------------------------------
     def prepare(self, model: str, tp_rank: int, keys: list[bytes], nbytes: int,
-                holder: bytes) -> Prepared:
+                holder: bytes, kind: ObjectKind = "kv") -> Prepared:
         """Allocate WRITING objects for missing keys.
 
         Keys already present (ready, or being written by another store) are not written again.
         Raises PoolFull (nothing allocated) when the missing ones do not fit.
+        Kind "queries" replaces: a READY object under a key is deleted first (hidden until
+        its leases end, like `delete`), so the new bytes (maybe of another size) win; one
+        being written by another store is still reported present.
         """
-        have = [self.objects.get((model, tp_rank, k)) for k in keys]
+        table = self.table(kind)
+        if kind == "queries":
+            for k in keys:
+                o = table.get((model, tp_rank, k))
+                if o is not None and o.state == READY:
+                    self._forget(o)
+        have = [table.get((model, tp_rank, k)) for k in keys]
         present = [o for o in have if o is not None]
         pinned = [o for o in present if o.evictable]
         self._leave_order(pinned)   # what we report present must survive our own evictions
@@ -185,10 +206,10 @@ class Index:
                 f"evictable (eviction policy {self.policy}; leased and in-flight objects are "
                 f"not evictable)")
         slot = self.alloc.rounded(nbytes)
-        objs = [Obj(model, tp_rank, keys[i], off, nbytes, slot)
+        objs = [Obj(model, tp_rank, keys[i], off, nbytes, slot, kind=kind)
                 for i, off in zip(missing, offsets)]
         for o in objs:
-            self.objects[o.ident] = o
+            table[o.ident] = o
         self.counters.objects += len(objs)
         self.counters.writing += len(objs)
         p = self._new_pending("store", holder, objs, self.write_ttl)
@@ -210,6 +231,9 @@ class Index:
             o.state = READY
             o.seq = o.rank = base + j
             self._by_seq[o.seq] = o
+            if o.kind == "queries":
+                c.query_objects += 1
+                c.query_bytes += o.nbytes
         seqs = list(range(base, base + len(objs)))   # one model per store; newest of all
         self._pages.update(seqs)
         if objs:
@@ -225,10 +249,11 @@ class Index:
         for o in p.objs:
             self._forget(o)
 
-    def delete(self, model: str, tp_rank: int, keys: list[bytes]) -> int:
-        n = 0
+    def delete(self, model: str, tp_rank: int, keys: list[bytes],
+               kind: ObjectKind = "kv") -> int:
+        n, table = 0, self.table(kind)
         for k in keys:
-            o = self.objects.get((model, tp_rank, k))
+            o = table.get((model, tp_rank, k))
             if o is not None and o.state == READY:
                 self._forget(o)
                 n += 1
@@ -623,11 +648,14 @@ class Index:
         if not o.live:
             return
         c = self.counters
-        del self.objects[o.ident]
+        del self.table(o.kind)[o.ident]
         o.live = False
         c.objects -= 1
         if o.state == READY:
             c.ready -= 1
+            if o.kind == "queries":
+                c.query_objects -= 1
+                c.query_bytes -= o.nbytes
             self._leave_order([o])
             self._pages.discard(o.seq)
             model_seqs = self._model_pages[o.model]

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from kvedit.protocol import ErrorCode
+from kvedit.protocol import ErrorCode, ObjectKind
 
 WRITING, READY = "writing", "ready"
 Ident = tuple[str, int, bytes]          # (model, tp_rank, key)
@@ -73,6 +73,7 @@ class Obj:
     seq: int = 0             # commit order (the /cache cursor); 0 while WRITING
     rank: int = 0            # place in the eviction order (LRU: last use, FIFO: commit)
     evictable: bool = False  # in the eviction order right now
+    kind: ObjectKind = "kv"  # which key space (Index table) it lives in
 
     @property
     def ident(self) -> Ident:
@@ -130,6 +131,8 @@ class Counters:
     pool_bytes: int = 0
     pool_used: int = 0
     pool_free: int = 0
+    query_objects: int = 0        # ready objects of kind "queries" (also counted in `ready`)
+    query_bytes: int = 0          # their bytes (the objects' own size, not rounded slots)
 
 
 # ---- results ----------------------------------------------------------------------------
@@ -198,6 +201,7 @@ class CacheEntry:
     nbytes: int
     created: float           # time.time() at prepare
     leases: int
+    kind: ObjectKind = "kv"
 
 
 @dataclass(frozen=True, slots=True)

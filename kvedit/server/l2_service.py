@@ -101,7 +101,7 @@ class L2Methods:
     def _l2_evicted(self, o) -> None:
         """The index evicts `o` (its slot is reused right after, on this thread)."""
         lay = self.layouts.get((o.model, o.tp_rank))
-        if lay is not None:
+        if lay is not None and o.kind == "kv":   # captured queries stay in L1 only
             self.l2.evicting(o, lay, self.arena.view(o.offset, o.nbytes))
 
     # ---- thread side (the tier's L2Host; each takes the lock) ---------------------------

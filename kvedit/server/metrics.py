@@ -38,6 +38,13 @@ class _SnapshotCollector:
                        ("quarantined", "quarantined_bytes")):
             pool.add_metric([use], s[k])
         yield pool
+        kinds = GaugeMetricFamily("kvedit_ready_objects", "ready objects by kind",
+                                  labels=["kind"])
+        kinds.add_metric(["kv"], s["ready"] - s["query_objects"])
+        kinds.add_metric(["queries"], s["query_objects"])
+        yield kinds
+        yield GaugeMetricFamily("kvedit_query_bytes", "bytes of the ready captured-queries "
+                                "objects", value=s["query_bytes"])
         yield GaugeMetricFamily("kvedit_models", "registered model layouts", value=s["models"])
         yield GaugeMetricFamily("kvedit_leases", "open read leases", value=s["leases"])
         yield GaugeMetricFamily("kvedit_pending_stores", "prepared, uncommitted stores",

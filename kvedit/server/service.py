@@ -31,7 +31,7 @@ from kvedit.server.l2_service import L2Methods
 from kvedit.server.metrics import Metrics
 from kvedit.server.peers import Peers, holder_of
 from kvedit.server.pool import Allocator, Arena
-from kvedit.server.waiters import TooManyWaits, Waiter, Waiters
+from kvedit.server.waiters import TooManyWaits, Waiter, Waiters, wait_key
 
 log = logging.getLogger("kvedit.server")
 MAX_LISTED_MODELS = 20    # an unknown_model error names at most this many
@@ -259,8 +259,14 @@ class Service(L2Methods):
                 return P.Models(models=self._models())
             case P.Lookup():
                 return self._lookup(ident, holder, rid, req)
-            case P.PrepareStore(model=model, keys=keys, tp_rank=tp):
+            case P.PrepareStore(kind="queries"):
+                return self._prepare_queries(req, holder)
+            case P.PrepareStore(model=model, keys=keys, tp_rank=tp, nbytes=0):
                 return self._prepare(model, tp, keys, holder)
+            case P.PrepareStore(nbytes=n):
+                raise Fail("malformed", f"prepare_store of kind 'kv' with nbytes {n}: a kv "
+                                        f"object's size is the layout's chunk bytes; nbytes "
+                                        f"is for kind 'queries' only")
             case P.Commit(store_id=sid):
                 return self._commit(sid, holder)
             case P.Abort(store_id=sid):
@@ -272,9 +278,9 @@ class Service(L2Methods):
                 p = self.index.release(lid, holder)  # lease_expired/not_holder/busy: Refused
                 self.metrics.retrieve_latency.observe(time.monotonic() - p.started)
                 return P.Ok()
-            case P.Delete(model=model, keys=keys, tp_rank=tp):
+            case P.Delete(model=model, keys=keys, tp_rank=tp, kind=kind):
                 self._layout(model, tp, keys)
-                return P.Count(n=self.index.delete(model, tp, keys))
+                return P.Count(n=self.index.delete(model, tp, keys, kind))
             case P.Stats():
                 return P.StatsReply(stats=self._snapshot())
         raise Fail("unknown_type", f"unhandled message type {type(req).__name__}")
@@ -338,8 +344,9 @@ class Service(L2Methods):
         if not 0 <= req.wait_timeout <= cfg.max_wait_seconds:  # also refuses NaN
             raise Fail("bad_wait", f"wait_timeout {req.wait_timeout} must be between 0 and "
                                    f"{cfg.max_wait_seconds} seconds (--max-wait-seconds)")
-        n = self.index.leading_ready(req.model, req.tp_rank, req.keys)
-        if n < len(req.keys) and self.l2 is not None and self.l2.can_probe():
+        n = self.index.leading_ready(req.model, req.tp_rank, req.keys, req.kind)
+        if (n < len(req.keys) and req.kind == "kv" and self.l2 is not None
+                and self.l2.can_probe()):
             return self._l2_lookup(ident, holder, rid, req, n)   # falls through to L2
         if n == len(req.keys) or req.wait_timeout <= 0:
             self.metrics.hits.inc(n)
@@ -350,7 +357,7 @@ class Service(L2Methods):
         return None  # answered later by a commit or the deadline
 
     def _answer_waiter(self, w: Waiter) -> None:
-        n = self.index.leading_ready(w.req.model, w.req.tp_rank, w.req.keys)
+        n = self.index.leading_ready(w.req.model, w.req.tp_rank, w.req.keys, w.req.kind)
         self.metrics.hits.inc(n)
         self.metrics.misses.inc(len(w.req.keys) - n)
         self._send(w.ident, w.rid, P.Count(n=n))
@@ -358,7 +365,8 @@ class Service(L2Methods):
     def _wake(self, idents) -> None:
         for ident in idents:
             for w in self.waiters.take(ident):
-                n = self.index.leading_ready(w.req.model, w.req.tp_rank, w.req.keys)
+                n = self.index.leading_ready(w.req.model, w.req.tp_rank, w.req.keys,
+                                             w.req.kind)
                 if n == len(w.req.keys):
                     self._answer_waiter(w)
                 else:
@@ -375,23 +383,43 @@ class Service(L2Methods):
         return P.StoreSlots(store_id=r.store_id, missing=r.missing, offsets=r.offsets,
                             present=r.present, layout=lay, instance=self.instance)
 
+    def _prepare_queries(self, req: P.PrepareStore, holder: bytes):
+        """One captured-queries object (kind "queries"): any size up to --max-query-bytes,
+        replacing a ready one under the same key (Index.prepare)."""
+        lay = self._layout(req.model, req.tp_rank, req.keys)
+        if len(req.keys) != 1:
+            raise Fail("malformed", f"prepare_store of kind 'queries' takes exactly one key, "
+                                    f"got {len(req.keys)}")
+        cap = min(self.cfg.max_query_bytes, self.arena.pool_bytes)
+        if not 0 < req.nbytes <= cap:
+            raise Fail("too_large" if req.nbytes > 0 else "malformed",
+                       f"a queries object of {req.nbytes} bytes; expected 1..{cap} bytes "
+                       f"(--max-query-bytes {self.cfg.max_query_bytes}, pool "
+                       f"{self.arena.pool_bytes}): capture a smaller window")
+        r = self.index.prepare(req.model, req.tp_rank, req.keys, req.nbytes, holder,
+                               kind="queries")  # Refused: pool_full
+        return P.StoreSlots(store_id=r.store_id, missing=r.missing, offsets=r.offsets,
+                            present=r.present, layout=lay, instance=self.instance,
+                            nbytes=req.nbytes)
+
     def _commit(self, sid: int, holder: bytes):
         p = self.index.commit(sid, holder)
         self.metrics.store_bytes.inc(p.nbytes)
         self.metrics.store_latency.observe(time.monotonic() - p.started)
-        self._wake(o.ident for o in p.objs)
-        self._l2_committed(p.objs)   # write-behind to L2 (when on)
+        self._wake(wait_key(o.model, o.tp_rank, o.key, o.kind) for o in p.objs)
+        self._l2_committed([o for o in p.objs if o.kind == "kv"])   # write-behind to L2
         return P.Committed(stored=len(p.objs))
 
     def _retrieve(self, req: P.Retrieve, holder: bytes):
         lay = self._layout(req.model, req.tp_rank, req.keys)
-        r = self.index.lease(req.model, req.tp_rank, req.keys, holder)
+        r = self.index.lease(req.model, req.tp_rank, req.keys, holder, req.kind)
         self.metrics.hits.inc(len(r.objs))
         self.metrics.misses.inc(len(req.keys) - len(r.objs))
         self.metrics.retrieve_bytes.inc(r.nbytes)
         # with_data: the client GETs the bytes on the data link, which then releases the lease
         reply = P.Leased(lease_id=r.lease_id, count=len(r.objs), layout=lay,
-                         instance=self.instance, offsets=[] if req.with_data else r.offsets)
+                         instance=self.instance, offsets=[] if req.with_data else r.offsets,
+                         sizes=[o.nbytes for o in r.objs] if req.kind == "queries" else [])
         if req.with_data and not r.objs:
             self.index.release(r.lease_id, holder)
         return reply

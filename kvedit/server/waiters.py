@@ -20,7 +20,13 @@ from typing import ClassVar
 from kvedit import protocol as P
 from kvedit.protocol import ErrorCode
 
-Ident = tuple[str, int, bytes]
+Ident = tuple[str, int, bytes] | tuple[str, int, bytes, str]
+
+
+def wait_key(model: str, tp_rank: int, key: bytes, kind: str = "kv") -> Ident:
+    """What a waiter parks on: (model, tp_rank, key), plus the object kind for kinds other
+    than "kv" (each kind is its own key space, see kvedit.protocol.ObjectKind)."""
+    return (model, tp_rank, key) if kind == "kv" else (model, tp_rank, key, kind)
 
 
 class TooManyWaits(Exception):
@@ -86,7 +92,8 @@ class Waiters:
     def park(self, w: Waiter, first_missing: int) -> None:
         """(Re-)park a waiter taken by `take` under its next missing key (not bounded again:
         it was admitted by `add`)."""
-        w.parked_on = (w.req.model, w.req.tp_rank, w.req.keys[first_missing])
+        w.parked_on = wait_key(w.req.model, w.req.tp_rank, w.req.keys[first_missing],
+                               w.req.kind)
         self._by_key.setdefault(w.parked_on, []).append(w)
         self._by_holder.setdefault(w.holder, {})[w] = None
         self._n += 1

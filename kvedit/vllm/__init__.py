@@ -7,6 +7,8 @@ paged           paged KV layouts (CPU vec/AMX, CUDA FlashAttention/FlashInfer) a
 metadata        the per-step plan the scheduler side hands to the workers
 link            the server connection, kept usable across server outages
 settings        kv_connector_extra_config and the registered model layout (+ RoPE)
+query_window    query capture, scheduler side: which requests ask, their window's slots
+query_capture   query capture, worker side: the per-step attention hook and row copies
 
 Launching vLLM, the tiny model and `kvedit vllm serve` are tooling: see kvedit/harness/.
 """

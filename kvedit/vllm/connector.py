@@ -78,6 +78,16 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None:  # called inside the step's forward context
+            self.worker.begin_step(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self.worker is not None:
+            self.worker.end_step()
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if meta.loads:
@@ -91,6 +101,8 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
+        if meta.queries:
+            self.worker.store_queries()
         if meta.stores:
             self.worker.store(meta)
 
@@ -110,6 +122,9 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output) -> None:
         if connector_output.invalid_block_ids:
             self.scheduler.invalid_blocks(connector_output.invalid_block_ids)
+
+    def on_new_request(self, request) -> None:
+        self.scheduler.on_new_request(request)
 
     def request_finished(self, request, block_ids):
         self.scheduler.request_finished(request)

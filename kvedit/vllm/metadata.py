@@ -22,7 +22,26 @@ class ChunkRun:
     block_ids: list[int]
 
 
+@dataclass(slots=True)
+class QueryRun:
+    """Rows of one request's query window that this step computes (query capture).
+
+    The window is the request's last `rows` prompt tokens; this step computes rows
+    [row0, row0 + len(slots)), whose tokens sit in the paged slots `slots` (block id x block
+    size + offset: how the worker finds them in the step's slot mapping). keys[r] is the
+    window's query_key on tensor-parallel rank r.
+    """
+    req_id: str
+    keys: list[bytes]
+    rows: int
+    row0: int
+    slots: list[int]
+
+
 @dataclass
 class KVEditMetadata(KVConnectorMetadata):
     loads: list[ChunkRun] = field(default_factory=list)   # server -> paged, before forward
     stores: list[ChunkRun] = field(default_factory=list)  # paged -> server, after forward
+    queries: list[QueryRun] = field(default_factory=list)  # query rows to capture
+    query_drops: list[str] = field(default_factory=list)   # requests gone: free their rows
+

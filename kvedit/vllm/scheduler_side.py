@@ -12,6 +12,8 @@ from kvedit.keys import request_keys
 from kvedit.layout import ModelLayout
 from kvedit.vllm.link import ServerLink
 from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
+from kvedit.vllm.query_capture import capture_unavailable
+from kvedit.vllm.query_window import WindowPlanner
 from kvedit.vllm.settings import ConnectorSettings, model_layout
 
 
@@ -37,6 +39,8 @@ class SchedulerSide:
         if settings.chunk_size:
             self._set_chunk_size(settings.chunk_size)
         self.reqs: dict[str, _Req] = {}
+        self.queries = self._window_planner(vllm_config, settings, block_size)
+        self.new_request_hook = False  # vLLM calls on_new_request (0.32 does)
         self.link = ServerLink(settings.kvedit_url, settings.timeout, settings.retry_interval,
                                self._on_connect, "scheduler", secret=settings.secret())
 
@@ -52,6 +56,15 @@ class SchedulerSide:
         if self.layouts is None:  # chunk size not configured: the server's
             self._set_chunk_size(client.server_info().chunk_size)
 
+    def _window_planner(self, vllm_config, settings, block_size: int) -> WindowPlanner:
+        import vllm
+
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        row_bytes = (mc.get_num_layers(pc) * mc.get_num_attention_heads(pc)
+                     * mc.get_head_size() * mc.dtype.itemsize)
+        return WindowPlanner(self.model, block_size, row_bytes, settings.max_capture_bytes,
+                             capture_unavailable(settings.query_capture, vllm.__version__))
+
     @property
     def chunk(self) -> int:
         return self.layouts[0].chunk_size
@@ -65,12 +78,18 @@ class SchedulerSide:
         return [k[:n_chunks] for k in st.keys]
 
     # ---- vLLM hooks ---------------------------------------------------------------------
+    def on_new_request(self, request) -> None:
+        self.new_request_hook = True
+        self.queries.add(request)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
+        if not self.new_request_hook and request.request_id not in self.reqs:
+            self.queries.add(request)  # a vLLM without on_new_request: at least say no
         st = self.reqs.setdefault(request.request_id, _Req(request))
         st.held, st.load = num_computed_tokens, None
         client = self.link.client
-        if client is None or self.layouts is None:
-            return 0
+        if client is None or self.layouts is None or self.queries.asks(request.request_id):
+            return 0  # (a capturing request computes its whole prompt: vLLM ignores hits)
         n_full = request.num_tokens // self.chunk
         first = num_computed_tokens // self.chunk  # vLLM already holds chunks before this
         if n_full <= first:
@@ -95,6 +114,7 @@ class SchedulerSide:
 
     def build_meta(self, out) -> KVEditMetadata:
         meta = KVEditMetadata()
+        self.queries.take_drops(meta)
         if self.layouts is None:
             return meta
         for new in out.scheduled_new_reqs:
@@ -128,6 +148,7 @@ class SchedulerSide:
             meta.loads.append(ChunkRun(req_id, first, keys, start, end, list(st.block_ids)))
         # Chunks whose every token has KV in vLLM's blocks once this step has run, and
         # whose token ids are known (generated tokens can lag under async scheduling).
+        self.queries.plan(req_id, st.block_ids, computed, scheduled, self.layouts, meta)
         req = st.request
         done = min(computed + scheduled, len(req.all_token_ids))
         if not self.settings.store_generated:
@@ -149,6 +170,7 @@ class SchedulerSide:
 
     def request_finished(self, request) -> None:
         self.reqs.pop(request.request_id, None)
+        self.queries.finished(request.request_id)
 
     def close(self) -> None:
         self.link.close()

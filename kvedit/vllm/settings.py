@@ -6,12 +6,16 @@ computes exactly the keys the worker side stores under.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Literal, get_args
 
 from kvedit.layout import ModelLayout, RopeParams
 
 # Model types whose rotary embedding pairs adjacent dims (GPT-J style) instead of halves.
 GPTJ_STYLE_MODELS = {"gptj", "glm", "glm4", "chatglm", "cohere", "cohere2", "commandr",
                      "ernie4_5_moe", "ernie4_5_vl_moe", "llama4", "mllama4"}
+
+
+QueryCaptureMode = Literal["auto", "on", "off"]
 
 
 @dataclass(slots=True)
@@ -26,6 +30,11 @@ class ConnectorSettings:
     rope_is_neox: bool | None = None   # override the GPT-J/NeoX guess from the model type
     pin_shm: bool = True               # GPU: page-lock the server's shared memory for DMA
     kvedit_secret_file: str = ""       # the server's shared secret; "": $KVEDIT_SECRET(_FILE)
+    # Query capture (docs/queries.md): "auto" hooks attention where the vLLM is supported and
+    # otherwise warns each asking request; "on" refuses to start on an unsupported vLLM;
+    # "off" never hooks. max_capture_bytes bounds the windows in flight per rank.
+    query_capture: QueryCaptureMode = "auto"
+    max_capture_bytes: int = 1 << 30
 
     def secret(self) -> bytes | None:
         """The shared secret: kvedit_secret_file, else the environment (kvedit.auth)."""
@@ -41,6 +50,10 @@ class ConnectorSettings:
         if unknown:
             raise ValueError(f"kvedit connector: unknown kv_connector_extra_config keys "
                              f"{unknown}; expected some of {sorted(known)}")
+        mode = extra.get("query_capture", "auto")
+        if mode not in get_args(QueryCaptureMode):
+            raise ValueError(f"kvedit connector: query_capture {mode!r}; expected one of "
+                             f"{list(get_args(QueryCaptureMode))}")
         return cls(**extra)
 
 

@@ -17,6 +17,7 @@ from kvedit.layout import ModelLayout
 from kvedit.vllm.link import ServerLink
 from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
 from kvedit.vllm.paged import PagedKV, pin_host, wait_for_device
+from kvedit.vllm.query_capture import STATS, QueryCapture, capture_unavailable
 from kvedit.vllm.settings import ConnectorSettings, model_layout
 
 logger = logging.getLogger("vllm.kvedit")
@@ -35,6 +36,7 @@ class WorkerSide:
         self.failed_from: dict[str, int] = {}  # req -> first token a load failed on, this step
         self.link: ServerLink | None = None
         self.copier: PagedCopier | None = None  # built once the layout is known
+        self.capture: QueryCapture | None = None  # None: query capture off in this process
 
     # ---- start-up -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -43,9 +45,27 @@ class WorkerSide:
         names = sorted(kv_caches, key=extract_layer_index)
         self.paged = PagedKV([kv_caches[n] for n in names], self._paged_kind(names[0], kv_caches),
                              self.vllm_config.model_config.get_head_size(), self.block_size)
+        self._install_capture(names)
         self.link = ServerLink(self.settings.kvedit_url, self.settings.timeout,
                                self.settings.retry_interval, self._on_connect, "worker",
                                secret=self.settings.secret())
+
+    def _install_capture(self, names: list[str]) -> None:
+        import vllm
+
+        why = capture_unavailable(self.settings.query_capture, vllm.__version__)
+        if why is not None:
+            if self.settings.query_capture != "off":
+                logger.warning("kvedit: %s; requests that ask for query capture get none",
+                               why)
+            return
+        ctx = self.vllm_config.compilation_config.static_forward_context
+        try:
+            self.capture = QueryCapture([ctx[n] for n in names], names, self.tp_rank)
+        except RuntimeError as e:  # attention layers the hook does not know
+            if self.settings.query_capture == "on":
+                raise
+            logger.warning("%s; requests that ask for query capture get none", e)
 
     def _paged_kind(self, name: str, kv_caches) -> str:
         """Which paged layout the attention backend writes (paged.py lists them)."""
@@ -121,6 +141,42 @@ class WorkerSide:
             self.copier.store_chunks(client, todo)
         except Exception as e:
             self.link.failed(e)
+
+    def begin_step(self, meta: KVEditMetadata) -> None:
+        """Before the forward (vLLM binds the step's metadata): arm query capture."""
+        STATS.steps += 1
+        if self.capture is None or not (meta.queries or meta.query_drops):
+            return
+        from vllm.forward_context import get_forward_context
+
+        self.capture.drop(meta.query_drops)
+        if meta.queries:
+            self.capture.arm(meta.queries, get_forward_context())
+
+    def end_step(self) -> None:
+        """vLLM cleared the step's metadata: never leave the hook in place past it (a
+        forward that raised skips wait_for_save)."""
+        if self.capture is not None and self.capture.step is not None:
+            self.capture.abandon()
+
+    def store_queries(self) -> None:
+        """After the forward: send the query windows completed this step."""
+        if self.capture is None:
+            return
+        ready = self.capture.finish()
+        client = self.link.client if self.link else None
+        for r in ready:
+            if client is None:
+                STATS.dropped += 1
+                continue
+            try:
+                client.store_queries(self.model, r.key, r.data, tp_rank=self.tp_rank)
+            except Exception as e:  # a refused or failed store: the SDK reports it missing
+                STATS.dropped += 1
+                self.link.failed(e)
+                continue
+            STATS.stored += 1
+            STATS.stored_bytes += r.data.nbytes
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()

@@ -15,14 +15,20 @@ how many KV tokens each request holds, not on which: policies that keep the same
 tokens (all of them at token granularity and one ratio) share one arm unless every cell is
 asked for (`kvedit eval --gain-each`); the JSON names the arm each gain comes from. The
 baseline arm runs first and last; its mean is the reference (a slow drift on
-a shared machine hits both halves alike).
+a shared machine hits both halves alike). When an arm's policy scores from captured queries,
+the prefill captures the last `QUERY_WINDOW` prompt tokens' queries (the prompts are random
+tokens with no question; the rows lie inside the edited KV) and that arm's streams ask for
+the same object.
 """
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
 
+from kvedit.harness.eval.runner import release_queries
 from kvedit.harness.experiment import _delta, sampling, vllm_counters
+
+QUERY_WINDOW = 32  # rows captured for query-aware arms (no question in random prompts)
 
 
 @dataclass
@@ -69,30 +75,37 @@ class GainConfig:
 
 class GainRun:
     def __init__(self, ctx, completion, vllm_url: str, cfg: GainConfig, block: int, *,
-                 progress: bool = True):
+                 progress: bool = True, capture: bool = False):
         self.ctx, self.completion, self.vllm_url, self.cfg = ctx, completion, vllm_url, cfg
         self.block, self.progress = block, progress
+        self.capture = capture  # some arm's policy needs queries: the prefill captures them
         self.prompts = cfg.prompts()
         self.salt = f"gain-{uuid.uuid4().hex[:8]}"
         self._held = None
         self.baselines: list[dict] = []
 
-    def _batch(self):
+    def _batch(self, capture: bool = False):
         import kvedit
 
+        kw = {"capture_queries": QUERY_WINDOW} if capture else {}
         batch = kvedit.BatchedStream(progress=self.progress)
         for p in self.prompts:
-            batch.add(kvedit.create_request(self.ctx, self.completion, p, cache_salt=self.salt))
+            batch.add(kvedit.create_request(self.ctx, self.completion, p, cache_salt=self.salt,
+                                            **kw))
         return batch
 
     def prefill(self) -> dict:
-        self._held = self._batch()
+        self._held = self._batch(self.capture)
         m = self._held.prefill(sampling(1))
         return {"prefill_s": m.duration, "prefill_tput": m.input_tput}
 
     def arm(self, policy=None) -> dict:
         """Decode the prompts (edited by `policy` if given): throughput and engine steps."""
-        batch = self._batch()
+        needs = policy is not None and policy.needs_queries
+        if needs and not self.capture:
+            raise ValueError(f"{type(policy).__name__} needs captured queries: build GainRun "
+                             "with capture=True")
+        batch = self._batch(needs)
         out: dict = {}
         if policy is not None:
             out["modify_s"] = batch.modify(policy).duration
@@ -133,4 +146,5 @@ class GainRun:
             dead = self.ctx.unref([k for s in self._held for k in s.keys])
             if dead:
                 self.ctx.client.delete(self.ctx.model, dead)
+            release_queries(self._held)
             self._held = None

@@ -31,6 +31,13 @@ def _policy(name: str, ratio: float, granularity: str):
     return POLICIES[name](ratio=ratio, granularity=granularity)
 
 
+def needs_queries(policies: list[str]) -> bool:
+    """Some policy scores from captured queries: the prefills must capture them."""
+    from kvedit.edits import POLICIES
+
+    return any(POLICIES[name].needs_queries for name in policies)
+
+
 def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None = None) -> dict:
     """The whole eval; writes results.json, samples.jsonl and the charts into `out` and
     returns the JSON result. `engines_kw` overrides kvedit.harness.experiment.engines
@@ -50,7 +57,8 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
     served = engines_kw.get("served_model_name", served)
     tok = load(model_dir)
     samples = suite(tok, cfg.tasks, cfg.lengths, cfg.samples, seed=cfg.seed)
-    longest_tail = max(len(s.prompt_ids) - s.length for s in samples)
+    tails = [len(s.prompt_ids) - s.length for s in samples]
+    longest_tail = max(tails)
     if longest_tail >= cfg.chunk_size:
         raise ValueError(f"a question takes {longest_tail} tokens, more than a chunk "
                          f"({cfg.chunk_size}): it would be editable")
@@ -83,7 +91,8 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
                     raise ValueError(f"lengths {odd} are not whole chunks of the server's "
                                      f"{ctx.chunk_size} tokens: part of a question would be "
                                      "editable")
-                acc = AccuracyRun(ctx, completion, samples, tok.decode, progress=False)
+                acc = AccuracyRun(ctx, completion, samples, tok.decode, progress=False,
+                                  capture=needs_queries(cfg.policies))
                 log("accuracy: prefill every sample once, decode the baseline")
                 base_records, timings["baseline"] = acc.baseline()
                 bar = tqdm(cells, desc="accuracy (policy x ratio)", disable=not cfg.progress)
@@ -110,14 +119,19 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
     result = {
         "model": cfg.model, "model_dir": str(model_dir),
         "config": {**asdict(cfg), "gain_workload": asdict(gcfg) if cfg.gain else None,
-                   "samples_total": len(samples)},
+                   "samples_total": len(samples),
+                   "query_window": ("the prompt's un-editable tail (question + answer prime), "
+                                    f"{min(tails)}-{max(tails)} tokens"
+                                    if needs_queries(cfg.policies) else None)},
         "baseline": base, "results": results,
         "gain_baseline": rows and rows[0].get("gain_baseline"),
         "acceptance": report.acceptance(base, results),
         "timings": timings,
         "notes": ("accuracy: greedy; a sample is correct when every expected number is in the "
                   "answer. kept_fraction: context tokens that survive the edit (stored or "
-                  "recomputed); decode_gain: wall-clock decode throughput vs the unedited "
+                  "recomputed); query-aware policies (SnapKV, TOVA) score with the queries "
+                  "vLLM captured for the prompt's tail (the question); decode_gain: "
+                  "wall-clock decode throughput vs the unedited "
                   "batch, step_gain: decode tokens per vLLM engine step (contention-free)."),
     }
     for row in results:
@@ -169,11 +183,12 @@ def _gains(ctx, completion, eng, gcfg, bs, cells, rows, cfg, log) -> None:
 
     log(f"decode gain: {gcfg.num_prompts} prompts x {gcfg.prompt_len} tokens, "
         f"{gcfg.max_tokens} output tokens, KV capacity {gcfg.kv_blocks} blocks")
-    g = GainRun(ctx, completion, eng.vllm_url, gcfg, bs, progress=False)
     policies = [_policy(c.policy, c.ratio, cfg.granularity) for c in cells]
     # One arm per kept size (or per cell): the first cell of each group runs it.
     group = [i if cfg.gain_each else _kept(p, gcfg.prompt_len) for i, p in enumerate(policies)]
     first = {k: i for i, k in reversed(list(enumerate(group)))}
+    capture = any(policies[i].needs_queries for i in first.values())
+    g = GainRun(ctx, completion, eng.vllm_url, gcfg, bs, progress=False, capture=capture)
     try:
         g.prefill()
         g.arm()  # baseline, first

@@ -42,29 +42,39 @@ def editable(sample: Sample, chunk: int) -> int:
     return len(sample.prompt_ids) // chunk * chunk
 
 
+def query_window(sample: Sample, chunk: int) -> int:
+    """W to capture for `sample`: its un-editable tail (the question), at least 1."""
+    return max(1, len(sample.prompt_ids) - editable(sample, chunk))
+
+
 class AccuracyRun:
     """Prefill once, then answer with the baseline and with each policy x ratio."""
 
-    def __init__(self, ctx, completion, samples: list[Sample], decode, *, progress: bool = True):
+    def __init__(self, ctx, completion, samples: list[Sample], decode, *, progress: bool = True,
+                 capture: bool = False):
         self.ctx, self.completion, self.samples = ctx, completion, samples
         self.decode_text = decode  # token ids -> text (the model's tokenizer)
         self.progress = progress
+        self.capture = capture  # some policy needs queries: the prefill captures them
         self.salts = [f"eval-{uuid.uuid4().hex[:8]}-{i}" for i in range(len(samples))]
         self.max_tokens = max(s.max_tokens for s in samples)
         self._held = None
 
-    def _batch(self):
+    def _batch(self, capture: bool = False):
         import kvedit
 
         batch = kvedit.BatchedStream(progress=self.progress)
         for s, salt in zip(self.samples, self.salts):
+            kw = {"capture_queries": query_window(s, self.ctx.chunk_size)} if capture else {}
             batch.add(kvedit.create_request(self.ctx, self.completion, s.prompt_ids,
-                                            cache_salt=salt, name=f"{s.task}/{s.length}/{s.index}"))
+                                            cache_salt=salt, name=f"{s.task}/{s.length}/{s.index}",
+                                            **kw))
         return batch
 
     def baseline(self) -> tuple[list[dict], dict]:
-        """Prefill every sample (chunks stored) and decode the unedited streams."""
-        batch = self._batch()
+        """Prefill every sample (chunks stored, queries captured if asked) and decode the
+        unedited streams."""
+        batch = self._batch(self.capture)
         pre = batch.prefill(greedy(1))
         dec = batch.decode(greedy(self.max_tokens - 1))
         self._held = batch  # keeps the original chunks referenced for the policies
@@ -76,7 +86,10 @@ class AccuracyRun:
 
     def cell(self, policy, cell: Cell) -> tuple[list[dict], dict]:
         """Answers of every sample after `policy` edited its KV."""
-        batch = self._batch()
+        if policy.needs_queries and not self.capture:
+            raise ValueError(f"{cell.label} needs captured queries: build AccuracyRun with "
+                             "capture=True so the prefill captures them")
+        batch = self._batch(policy.needs_queries)
         t0 = time.perf_counter()
         mod = batch.modify(policy)
         chunk = self.ctx.chunk_size
@@ -112,4 +125,19 @@ class AccuracyRun:
     def close(self) -> None:
         if self._held is not None:
             self._release(self._held)
+            release_queries(self._held)
             self._held = None
+
+
+def release_queries(batch) -> None:
+    """The held prefill streams let go of their captured queries (the last holders: the
+    objects are deleted from the server; edited streams already let go of theirs)."""
+    import asyncio
+
+    from kvedit.sdk.queries import release_queries as release
+
+    async def all_of():
+        await asyncio.gather(*(release(st) for st in batch))
+
+    if any(st.queries is not None for st in batch):
+        asyncio.run(all_of())

@@ -1,0 +1,104 @@
+"""Query-aware dropping policies: they rank tokens by how the request's own queries attend.
+
+The queries are the ones vLLM computed for the prompt's last W tokens, captured when the
+request asks (`kvedit.create_request(..., capture_queries=W)`, docs/queries.md) and handed
+to the policy by the SDK (`needs_queries = True`). When the question is the end of the prompt
+(as in `kvedit eval`, where the question follows the edited context), the window *is* the
+question, and the policy keeps what the question looks at: SnapKV "with the question",
+kvpress's strongest setting for SnapKV.
+
+Aggregation (one vLLM cache slot holds a token for every layer and KV head, so one decision
+per token): a token's score is its attention from the window (`attention.window_attention`:
+softmax over the edited tokens, per layer, query head and window row) summed over the rows,
+over all query heads (each KV-head group's query heads, and then the groups) and over the
+deeper layers (`from_layer`, default the deeper half); every (layer, head, row) adds a
+distribution of total mass 1, so no layer or head dominates by magnitude. kvpress scores per
+KV head (the mean over its group) and keeps different tokens per head; that cannot be done
+in a paged slot, hence the sum over groups too. A chunk's score is the mean over its tokens
+(`Units.pool`).
+
+Why the deeper half by default: summed over all layers, the shallow layers' attention (by
+position: the first and the most recent tokens, spread over the whole context) drowns the
+few retrieval heads of the deeper layers that point at the needle. Measured on SmolLM2-135M
+(30 layers) with the eval's tasks at seed 1 (not the eval's seed 0), fraction of prompts
+whose answer tokens all survive at ratio 0.5: SnapKV all layers 1/16, deeper half 12/16;
+last query only (TOVA) 6/16 and 16/16 (docs/eval.md). `from_layer=0` sums every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from kvedit.edits.attention import Window, window_attention
+from kvedit.edits.base import DropPolicy, Units
+from kvedit.layout import ModelLayout
+
+INF = float("inf")
+
+
+@dataclass
+class SnapKV(DropPolicy):
+    """SnapKV (Li et al. 2024) with the request's captured queries: a token's score is the
+    attention the observation window (the last `window` captured rows; None = every row
+    captured) pays it, summed over rows, query heads and the deeper layers (from
+    `from_layer`; module docstring), then
+    smoothed by average pooling over `kernel` neighbouring tokens (kvpress and the paper
+    use 5: keeps a needle's neighbours with it). The window's own tokens, where they lie
+    among the edited ones, are always kept (`keep_window`), as in SnapKV."""
+    window: int | None = None
+    kernel: int = 5
+    from_layer: float = 0.5  # score with layers floor(from_layer * L).. (0: every layer)
+    keep_window: bool = True
+    block_bytes: int = 256 << 20  # temporary float32 logits per block of layers
+    needs_queries: ClassVar[bool] = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if (self.window is not None and self.window <= 0) or self.kernel <= 0 \
+                or self.kernel % 2 == 0:
+            raise ValueError(f"{type(self).__name__} needs window > 0 (or None) and an odd "
+                             f"kernel > 0, got window={self.window}, kernel={self.kernel}")
+        if not 0.0 <= self.from_layer < 1.0:
+            raise ValueError(f"{type(self).__name__}.from_layer is the fraction of the layers "
+                             f"skipped from the bottom, in [0, 1), got {self.from_layer}")
+
+    def rows(self, window: Window) -> Window:
+        return window if self.window is None else window.last(self.window)
+
+    def layers(self, num_layers: int) -> range:
+        return range(int(self.from_layer * num_layers), num_layers)
+
+    def token_scores(self, kv: torch.Tensor, layout: ModelLayout, window: Window) -> torch.Tensor:
+        """[T] float32 per-token scores (inf = the window's own tokens, kept)."""
+        w = self.rows(window)
+        total = window_attention(kv, w, layout.head_dim, layers=self.layers(kv.shape[1]),
+                                 block_bytes=self.block_bytes)
+        if self.kernel > 1:
+            total = F.avg_pool1d(total[None, None], self.kernel, stride=1,
+                                 padding=self.kernel // 2, count_include_pad=False)[0, 0]
+        if self.keep_window:
+            total[w.kept_in(kv.shape[2])] = INF
+        return total
+
+    def score_window(self, kv, units: Units, layout, window):
+        return units.pool(self.token_scores(kv, layout, window))
+
+
+@dataclass
+class TOVA(SnapKV):
+    """TOVA-like (Oren et al. 2024; kvpress's TOVAPress): only the last prompt token's query
+    (the last captured row) ranks the tokens; its attention is summed over query heads and
+    the deeper layers (`from_layer`; TOVA averages over heads per layer, one slot per token
+    here sums the layers too), no pooling. The last token is kept when it lies among the
+    edited ones."""
+    window: int | None = 1
+    kernel: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.window != 1 or self.kernel != 1:
+            raise ValueError(f"TOVA scores with the last query only (window=1, kernel=1), got "
+                             f"window={self.window}, kernel={self.kernel}; use SnapKV for more")

@@ -1,0 +1,131 @@
+"""Scheduler side of query capture: which requests ask, and which tokens of their window
+each step computes (sent to the workers as paged slots).
+
+A request asks with kv_transfer_params {"kvedit_capture_queries": W} (vLLM 0.32 reads
+`Request.kv_transfer_params` from `SamplingParams.extra_args["kv_transfer_params"]`; the
+OpenAI API's top-level body field `kv_transfer_params` lands there). Its window is the last
+min(W, prompt length) prompt tokens. Every window token must be *computed* for its query to
+exist, so an asking request does not read vLLM's prefix cache (the connector sets
+`skip_reading_prefix_cache` when it arrives; vLLM then also ignores external hits for it).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from kvedit.keys import namespace, query_key
+from kvedit.vllm.metadata import KVEditMetadata, QueryRun
+
+logger = logging.getLogger("vllm.kvedit")
+
+ASK_KEY = "kvedit_capture_queries"
+MAX_WINDOW = 4096
+
+
+def requested_window(params) -> int:
+    """The W a request's kv_transfer_params ask for; 0 when it does not ask. ValueError
+    naming the field and the expected values when the value is bad."""
+    if not isinstance(params, dict) or params.get(ASK_KEY) in (None, 0):
+        return 0
+    w = params[ASK_KEY]
+    if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_WINDOW:
+        raise ValueError(f"kv_transfer_params[{ASK_KEY!r}] is {w!r}; expected an integer "
+                         f"number of prompt tokens in [1, {MAX_WINDOW}] (0 or absent: no "
+                         "capture)")
+    return w
+
+
+@dataclass(slots=True)
+class _Window:
+    request: object          # vllm Request (prompt, salt)
+    window: int              # the W asked (the key's)
+    start: int               # prompt position of row 0
+    rows: int                # min(W, prompt length)
+    nbytes: int              # the object's size on one rank
+    keys: list[bytes] | None = None  # query_key per rank, made at the first plan
+    done: bool = False       # every row planned (the worker completes it that step)
+
+
+class WindowPlanner:
+    """Tracks the asking requests; adds each step's QueryRuns to the metadata.
+
+    `row_bytes`: one window row on one rank (layers x q heads x head_dim x dtype size).
+    `max_bytes` bounds the windows in flight (asked, not yet fully computed), which is what
+    the workers may hold in partial buffers; a request past it is refused with a warning."""
+
+    def __init__(self, model: str, block_size: int, row_bytes: int, max_bytes: int,
+                 unavailable: str | None = None):
+        self.model, self.block_size = model, block_size
+        self.row_bytes, self.max_bytes = row_bytes, max_bytes
+        self.unavailable = unavailable  # why capture is off in this vLLM, or None
+        self.windows: dict[str, _Window] = {}
+        self.in_flight = 0
+        self.drops: list[str] = []
+        self._last_warn = -1e9
+
+    def add(self, request) -> None:
+        """A new request: remember its window if it asks for one."""
+        try:
+            w = requested_window(getattr(request, "kv_transfer_params", None))
+        except ValueError as e:
+            return self._refuse(request, str(e))
+        if not w:
+            return
+        if self.unavailable:
+            return self._refuse(request, self.unavailable)
+        prompt = getattr(request, "prompt_token_ids", None)
+        if not prompt:
+            return self._refuse(request, "it has no prompt token ids (prompt embeddings?)")
+        rows = min(w, len(prompt))
+        nbytes = rows * self.row_bytes
+        if self.in_flight + nbytes > self.max_bytes:
+            return self._refuse(request, f"{nbytes} bytes of queries would exceed "
+                                         f"max_capture_bytes={self.max_bytes} in flight")
+        self.in_flight += nbytes
+        request.skip_reading_prefix_cache = True  # every window token must be computed
+        self.windows[request.request_id] = _Window(request, w, len(prompt) - rows, rows,
+                                                    nbytes)
+
+    def asks(self, req_id: str) -> bool:
+        return req_id in self.windows
+
+    def plan(self, req_id: str, block_ids: list[int], computed: int, scheduled: int,
+             layouts, meta: KVEditMetadata) -> None:
+        """The window rows computed in this step's [computed, computed + scheduled)."""
+        win = self.windows.get(req_id)
+        if win is None:
+            return
+        end = min(computed + scheduled, win.start + win.rows)
+        lo = max(computed, win.start)
+        if lo >= end:
+            return
+        if win.keys is None:
+            salt = getattr(win.request, "cache_salt", None) or ""
+            prompt = win.request.prompt_token_ids
+            win.keys = [query_key(namespace(self.model, lay, salt), prompt, win.window)
+                        for lay in layouts]
+        bs = self.block_size
+        slots = [block_ids[p // bs] * bs + p % bs for p in range(lo, end)]
+        meta.queries.append(QueryRun(req_id, win.keys, win.rows, lo - win.start, slots))
+        if end == win.start + win.rows and not win.done:
+            win.done = True  # the worker stores it after this step: no longer in flight
+            self.in_flight -= win.nbytes
+
+    def finished(self, req_id: str) -> None:
+        win = self.windows.pop(req_id, None)
+        if win is None:
+            return
+        if not win.done:
+            self.in_flight -= win.nbytes
+        self.drops.append(req_id)  # the workers free any rows they still hold
+
+    def take_drops(self, meta: KVEditMetadata) -> None:
+        meta.query_drops, self.drops = self.drops, []
+
+    def _refuse(self, request, why: str) -> None:
+        now = time.monotonic()
+        if now - self._last_warn > 10.0:  # a client asking wrongly must not flood the log
+            self._last_warn = now
+            logger.warning("kvedit: request %s asked for query capture but gets none: %s",
+                           getattr(request, "request_id", "?"), why)
