@@ -110,7 +110,8 @@ class ShmTransport:
         else:
             views = [self._view(off, reply.layout) for off in reply.offsets]
         lease = reply.lease_id
-        return Retrieved(views, lambda: client.release_lease(lease), deadline)
+        return Retrieved(views, lambda: client.release_lease(lease), deadline,
+                         offsets=list(reply.offsets), segment=self.path)
 
     def segment(self) -> tuple[str, torch.Tensor] | None:
         return None if self._seg is None else (self.path, self._seg)

@@ -92,7 +92,8 @@ def test_both_transports_round_trip_through_one_interface(secured, mode):
 SWITCH_FILES = ["kvedit/client.py", "kvedit/handles.py", "kvedit/transport.py",
                 "kvedit/datalink.py", "kvedit/sdk/chunkmap.py", "kvedit/sdk/modify.py",
                 "kvedit/sdk/context.py", "kvedit/vllm/worker_side.py", "kvedit/vllm/link.py",
-                "kvedit/bench/connector.py"]
+                "kvedit/sdk/source.py", "kvedit/sdk/contracts.py", "kvedit/sdk/driver.py",
+                "kvedit/sdk/queries.py", "kvedit/bench/connector.py"]
 
 
 def test_no_transfer_mode_switches_or_private_reaches_left():
@@ -111,6 +112,8 @@ def test_no_transfer_mode_switches_or_private_reaches_left():
 
 
 CLIENT_FILES = SWITCH_FILES[:-1] + ["kvedit/sdk/buffers.py", "kvedit/sdk/rowcopy.py",
+                                    "kvedit/sdk/geometry.py", "kvedit/sdk/libc.py",
+                                    "kvedit/sdk/alloc.py", "kvedit/sdk/tp.py",
                                     "kvedit/keys.py", "kvedit/protocol.py", "kvedit/wire.py"]
 
 

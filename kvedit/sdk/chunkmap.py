@@ -103,16 +103,12 @@ class MappedKV:
         self.view = None
 
 
-def _slots(got, attached) -> tuple[str, list[int]] | None:
-    """(segment path, chunk offsets) of a shared-memory retrieve, None if it has none.
-    The offsets are the server's (Retrieved.offsets); a transport that does not pass them
-    yet has them recovered from the views' addresses in the attached segment."""
-    if got.offsets is not None and got.segment is not None:
-        return got.segment, list(got.offsets)
-    if attached is None:
+def _slots(got) -> tuple[str, list[int]] | None:
+    """(segment path, chunk offsets) of a shared-memory retrieve (the server's offsets, which
+    the transport hands over in Retrieved), None when it has none (socket mode)."""
+    if got.offsets is None or got.segment is None:
         return None
-    path, seg = attached
-    return path, [t.data_ptr() - seg.data_ptr() for t in got.tensors]
+    return got.segment, list(got.offsets)
 
 
 def map_chunks(client, model: str, keys: list[bytes], layout) -> MappedKV | None:
@@ -127,8 +123,7 @@ def map_chunks(client, model: str, keys: list[bytes], layout) -> MappedKV | None
         if len(got.tensors) < len(keys):
             raise LookupError(f"only {len(got.tensors)} of its {len(keys)} chunks could be "
                               f"retrieved (evicted meanwhile?)")
-        # (the segment the replies' views point into: asked after the retrieve, for restarts)
-        slots = _slots(got, client.segment() if got.offsets is None else None)
+        slots = _slots(got)
         size = os.path.getsize(slots[0]) if slots is not None else 0
         if slots is None or any(o % page or o < 0 or o + layout.chunk_bytes > size
                                 for o in slots[1]):
