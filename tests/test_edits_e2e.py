@@ -21,6 +21,7 @@ from kvedit.keys import request_keys
 from kvedit.sdk.batch import BatchedStream
 from kvedit.sdk.context import connect
 from kvedit.sdk.openai import openai_completion
+from kvedit.sdk.queries import as_tensor
 from kvedit.sdk.stream import create_request
 
 pytestmark = pytest.mark.vllm
@@ -93,13 +94,20 @@ def test_every_policy_keeps_what_it_chooses_on_vllms_kv(ctx, vllm_server, name):
     post = openai_completion(vllm_server.base_url, vllm_server.model)
     g = torch.Generator().manual_seed(11)
     prompt = torch.randint(10, 8000, (8 * C + 40,), generator=g).tolist()
-    batch = BatchedStream([create_request(ctx, post, prompt, cache_salt=uuid.uuid4().hex)],
-                          progress=False)
+    policy = POLICIES[name](0.5)
+    window = 32 if policy.needs_queries else 0  # SnapKV/TOVA score with captured queries
+    batch = BatchedStream([create_request(ctx, post, prompt, cache_salt=uuid.uuid4().hex,
+                                          capture_queries=window)], progress=False)
     batch.prefill(GREEDY)
     s = batch.streams[0]
     original = torch.cat(stored(ctx, s.keys[:8]), dim=2)
-    policy = POLICIES[name](0.5)
-    expect = policy.keep_indices(original, ctx.layout)
+    extra = {}
+    if window:  # the same queries the SDK will hand the policy, read from the server
+        raw = ctx.client.fetch_queries(ctx.model, s.queries.key)
+        assert raw is not None, "vLLM stored no captured queries for the prefill"
+        extra = {"queries": as_tensor(raw, s.queries, ctx.layout),
+                 "query_start": s.queries.start}
+    expect = policy.keep_indices(original, ctx.layout, **extra)
     assert len(expect) == 4 * C  # 8 chunks, half kept
     batch.modify(policy)
     assert s.tokens == [prompt[i] for i in expect.tolist()]
