@@ -9,11 +9,14 @@ from kvedit.cli import main
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("policy,name", [("keydiff", "KeyDiff"), ("snapkv", "SnapKV")])
 def test_demo_prints_throughput_and_accuracy_and_writes_both_charts(
-        kv_server, smollm2_vllm, smollm2_model, tmp_path, capsys):
+        kv_server, smollm2_vllm, smollm2_model, tmp_path, capsys, policy, name):
+    """KeyDiff is query-free; SnapKV (the default) makes the prefill capture the question's
+    queries in the connector and scores with them."""
     rc = main(["demo", "--server-url", kv_server.url, "--server-http-url", kv_server.http_url,
                "--vllm-url", smollm2_vllm.base_url, "--served-model-name", smollm2_vllm.model,
-               "--model", str(smollm2_model), "--tasks", "passkey", "--policy", "keydiff",
+               "--model", str(smollm2_model), "--tasks", "passkey", "--policy", policy,
                "--num-prompts", "2", "--prompt-len", "512", "--max-tokens", "8",
                "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
@@ -23,8 +26,8 @@ def test_demo_prints_throughput_and_accuracy_and_writes_both_charts(
         assert row in out
     result = json.loads((tmp_path / "results.json").read_text())
     s = result["summary"]
-    assert s["policy"] == "KeyDiff" and s["num_prompts"] == 2
-    # 512 context tokens = 2 chunks of 256; token-granularity KeyDiff 0.5 keeps 256 of them.
+    assert s["policy"] == name and s["num_prompts"] == 2
+    # 512 context tokens = 2 chunks of 256; a token-granularity policy at 0.5 keeps 256.
     # The question (after the context) and the prefill token are re-sent in both arms.
     base, drop = s["decode_prompt_tokens"]["baseline"], s["decode_prompt_tokens"]["dropped"]
     assert base - drop == 2 * 256

@@ -3,7 +3,7 @@
 With no arguments: build SmolLM2-135M-Instruct if needed (`kvedit model smollm2`), start a
 kvedit server and a vLLM (CPU) with the connector, its KV capacity set so decode is
 memory-bound, then run the same real-text prompts twice: baseline (prefill -> decode) and
-dropped (prefill -> modify(KeyDiff 0.5) -> decode). Each prompt hides facts in filler text
+dropped (prefill capturing the question's queries -> modify(SnapKV 0.5) -> decode). Each prompt hides facts in filler text
 and asks for one of them (the generators of `kvedit eval`: a pass key, a key among
 distractors). Prints throughput and accuracy side by side, writes results.json,
 decode_throughput.png and accuracy.png into runs/demo-<time>/, and stops every process it
@@ -48,7 +48,7 @@ def register(sub) -> None:
                         "--vllm-arg=--load-format --vllm-arg=dummy (random weights at any "
                         "size: the throughput chart means something, the accuracy does not)")
     w = p.add_argument_group("workload")
-    w.add_argument("--policy", default="keydiff",
+    w.add_argument("--policy", default="snapkv",
                    help="a name of kvedit.edits.POLICIES (default %(default)s)")
     w.add_argument("--ratio", type=float, default=0.5, help="fraction of the context KV to drop")
     w.add_argument("--tasks", default=",".join(DEMO_TASKS),
@@ -100,6 +100,7 @@ def run_demo(args) -> tuple[dict, Path]:
     """The whole demo; returns (summary, output dir)."""
     import kvedit
     from kvedit.edits import POLICIES
+    from kvedit.harness.eval.runner import query_window
     from kvedit.harness.eval.tasks import TASKS
     from kvedit.harness.experiment import Workload, engines, run_arm, warm_up
 
@@ -138,7 +139,12 @@ def run_demo(args) -> tuple[dict, Path]:
             print("baseline: prefill -> decode")
             base = run_arm(ctx, completion, token_ids, label="baseline", **common)
             print(f"dropped: prefill -> modify({type(policy).__name__} {args.ratio}) -> decode")
-            drop = run_arm(ctx, completion, token_ids, fn=policy, label="dropped", **common)
+            # A query-aware policy scores with the queries of each prompt's question (the
+            # un-editable tail), captured by the connector during the prefill.
+            windows = ([query_window(smp, ctx.chunk_size) for smp in samples]
+                       if policy.needs_queries else None)
+            drop = run_arm(ctx, completion, token_ids, fn=policy, label="dropped",
+                           windows=windows, **common)
         finally:
             kvedit.close(ctx)
     answers = {arm["label"]: _answers(samples, arm, tok) for arm in (base, drop)}

@@ -150,8 +150,11 @@ def sampling(max_tokens: int) -> dict:
 
 
 def run_arm(ctx, completion, prompts, *, max_tokens: int, fn=None, pipelined: bool = False,
-            progress: bool = True, label: str = "arm", vllm_url: str | None = None) -> dict:
+            progress: bool = True, label: str = "arm", vllm_url: str | None = None,
+            windows: list[int] | None = None) -> dict:
     """One arm on fresh streams: prefill → [modify(fn)] → decode, or run() when pipelined.
+    windows: per prompt, how many last prompt tokens' queries the prefill captures (for a fn
+    that scores with captured queries, e.g. SnapKV; None: no capture).
     Returns the phases' metrics, total seconds, vLLM's counters over the arm ("engine") and
     over the decode phase (["decode"]["engine"]), and each prompt's generated token ids
     ("outputs", in prompt order: what quality checks score)."""
@@ -159,8 +162,9 @@ def run_arm(ctx, completion, prompts, *, max_tokens: int, fn=None, pipelined: bo
 
     salt = f"{label}-{uuid.uuid4().hex[:8]}"  # fresh: no cache hit from another arm
     batch = kvedit.BatchedStream(progress=progress)
-    for p in prompts:
-        batch.add(kvedit.create_request(ctx, completion, p, cache_salt=salt))
+    for i, p in enumerate(prompts):
+        batch.add(kvedit.create_request(ctx, completion, p, cache_salt=salt,
+                                        capture_queries=windows[i] if windows else 0))
     snap = (lambda: vllm_counters(vllm_url)) if vllm_url else (lambda: None)
     out: dict = {"label": label, "pipelined": pipelined}
     start = snap()
