@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.hf_reference import qwen3_queries
+
 MODEL = "tiny-qwen3-capture"   # its own served name: no key shared with other tests
 BUDGET = 256                   # --max-num-batched-tokens: longer prompts prefill in chunks
 ATOL = RTOL = 1e-4
@@ -107,34 +109,8 @@ def probe(kv_server, tiny_model):
 
 @pytest.fixture(scope="module")
 def hf_queries(tiny_model):
-    """queries(tokens) -> [L, T, Hq*D]: transformers' q_proj -> q_norm -> RoPE per layer."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-
-    def queries(tokens: list[int]) -> torch.Tensor:
-        got = []
-
-        def grab(attn, args, kwargs):
-            h = kwargs.get("hidden_states", args[0] if args else None)
-            cos, sin = kwargs["position_embeddings"]
-            q = attn.q_norm(attn.q_proj(h).view(*h.shape[:-1], -1, attn.head_dim))
-            q = q.transpose(1, 2)                          # [1, Hq, T, D]
-            q, _ = apply_rotary_pos_emb(q, q, cos, sin)
-            got.append(q[0].transpose(0, 1).flatten(1))   # [T, Hq*D]
-
-        hooks = [layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True)
-                 for layer in model.model.layers]
-        try:
-            with torch.no_grad():
-                model(torch.tensor([tokens]))
-        finally:
-            for h in hooks:
-                h.remove()
-        return torch.stack(got)
-
-    return queries
+    """queries(tokens) -> [L, T, Hq*D] from transformers, float32 (tests/hf_reference.py)."""
+    return qwen3_queries(tiny_model)
 
 
 def fetch(kv_server, tokens: list[int], w: int, salt: str = "") -> torch.Tensor | None:

@@ -19,6 +19,7 @@ from kvedit.sdk.context import connect
 from kvedit.sdk.errors import MissingQueries
 from kvedit.sdk.openai import openai_completion
 from kvedit.sdk.stream import create_request
+from tests.hf_reference import qwen3_queries
 
 pytestmark = pytest.mark.vllm
 C = 256
@@ -40,33 +41,8 @@ def post(vllm_server):
 
 @pytest.fixture(scope="module")
 def hf_queries(tiny_model):
-    """queries(tokens) -> [L, T, Hq*D] from transformers, float32."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-
-    def queries(tokens: list[int]) -> torch.Tensor:
-        got = []
-
-        def grab(attn, args, kwargs):
-            h = kwargs.get("hidden_states", args[0] if args else None)
-            cos, sin = kwargs["position_embeddings"]
-            q = attn.q_norm(attn.q_proj(h).view(*h.shape[:-1], -1, attn.head_dim))
-            q, _ = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)
-            got.append(q[0].transpose(0, 1).flatten(1))   # [T, Hq*D]
-
-        hooks = [layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True)
-                 for layer in model.model.layers]
-        try:
-            with torch.no_grad():
-                model(torch.tensor([tokens]))
-        finally:
-            for h in hooks:
-                h.remove()
-        return torch.stack(got)
-
-    return queries
+    """queries(tokens) -> [L, T, Hq*D] from transformers, float32 (tests/hf_reference.py)."""
+    return qwen3_queries(tiny_model)
 
 
 _seed = iter(range(1, 10_000))
