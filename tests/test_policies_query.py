@@ -306,3 +306,23 @@ def test_sink_keeps_the_first_tokens():
         TOVA(0.5, heads="mean")
     # TOVA may pool (kernel > 1) but still scores with the last row only.
     assert TOVA(0.5, kernel=5).kernel == 5
+
+
+def test_max_pool_keeps_the_whole_neighbourhood_of_a_peak():
+    """Average pooling of a sharp peak can lose the peak's far neighbours to a broad bump;
+    max pooling gives every token within kernel // 2 of the peak the peak's score."""
+    T, W = 32, 2
+    kv = rand(2, L, T, HKV * HD, seed=16) * 0.1
+    direction = rand(HD, seed=17)
+    kv[0, :, 10] = direction.repeat(HKV) * 4
+    q = direction.repeat(L, W, HQ, 1).reshape(L, W, HQ * HD)
+    pol = SnapKV(0.5, granularity="token", kernel=5, pool="max")
+    w = Window(q, T)
+    raw = SnapKV(0.5, kernel=1).token_scores(kv, LAYOUT, w)
+    pooled = pol.token_scores(kv, LAYOUT, w)
+    torch.testing.assert_close(pooled[8:13], raw[10].expand(5))
+    expect = torch.stack([raw[max(0, i - 2):i + 3].max() for i in range(T)])
+    torch.testing.assert_close(pooled, expect)
+    assert {8, 9, 10, 11, 12} <= set(pol.keep_indices(kv, LAYOUT, queries=q).tolist())
+    with pytest.raises(ValueError, match="pool must be"):
+        TOVA(0.5, pool="min")

@@ -52,6 +52,7 @@ class SnapKV(DropPolicy):
     kernel: int = 5
     from_layer: float = 0.5  # score with layers floor(from_layer * L).. (0: every layer)
     keep_window: bool = True
+    pool: str = "avg"  # "max": a token scores its best neighbour's score (within kernel)
     sink: int = 0  # the first `sink` tokens (template + instruction) are always kept
     heads: str = "sum"  # "max": a token's score per layer and row is its best query head's
     block_bytes: int = 256 << 20  # temporary float32 logits per block of layers
@@ -63,6 +64,8 @@ class SnapKV(DropPolicy):
                 or self.kernel % 2 == 0:
             raise ValueError(f"{type(self).__name__} needs window > 0 (or None) and an odd "
                              f"kernel > 0, got window={self.window}, kernel={self.kernel}")
+        if self.pool not in ("avg", "max"):
+            raise ValueError(f"{type(self).__name__}.pool must be 'avg' or 'max', got {self.pool!r}")
         if self.sink < 0 or self.heads not in ("sum", "max"):
             raise ValueError(f"{type(self).__name__} needs sink >= 0 and heads 'sum' or 'max', "
                              f"got sink={self.sink}, heads={self.heads!r}")
@@ -81,7 +84,10 @@ class SnapKV(DropPolicy):
         w = self.rows(window)
         total = window_attention(kv, w, layout.head_dim, layers=self.layers(kv.shape[1]),
                                  block_bytes=self.block_bytes, heads=self.heads)
-        if self.kernel > 1:
+        if self.kernel > 1 and self.pool == "max":
+            total = F.max_pool1d(total[None, None], self.kernel, stride=1,
+                                 padding=self.kernel // 2)[0, 0]
+        elif self.kernel > 1:
             total = F.avg_pool1d(total[None, None], self.kernel, stride=1,
                                  padding=self.kernel // 2, count_include_pad=False)[0, 0]
         if self.keep_window:
