@@ -237,3 +237,92 @@ def test_scores_equal_transformers_attention(tiny_run, T, W, from_layer):
     last[P - 1:T] = float("inf")
     tova = TOVA(0.5, granularity="token", from_layer=from_layer)
     torch.testing.assert_close(tova.token_scores(kv, lay, w), last, rtol=1e-4, atol=1e-5)
+
+
+def naive_max_heads(kv, queries, start):
+    """Loop reference for heads="max": per layer and row, the largest attention any query
+    head pays a token, summed over rows and layers."""
+    T = kv.shape[2]
+    total = torch.zeros(T, dtype=torch.float64)
+    for layer in range(kv.shape[1]):
+        k = kv[0, layer].double().view(T, HKV, HD)
+        q = queries[layer].double().view(queries.shape[1], HQ, HD)
+        for r in range(q.shape[0]):
+            seen = min(T, start + r + 1)
+            best = torch.zeros(T, dtype=torch.float64)
+            for h in range(HQ):
+                p = (k[:seen, h // GROUP] @ q[r, h] / math.sqrt(HD)).softmax(0)
+                best[:seen] = torch.maximum(best[:seen], p)
+            total += best
+    return total.float()
+
+
+@pytest.mark.parametrize("start", [20, 17])
+def test_window_attention_max_over_heads(start):
+    T, W = 20, 4
+    kv, q = rand(2, L, T, HKV * HD, seed=11), rand(L, W, HQ * HD, seed=12) * 2
+    got = window_attention(kv, Window(q, start), HD, heads="max", block_bytes=1)
+    torch.testing.assert_close(got, naive_max_heads(kv, q, start), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="heads must be"):
+        window_attention(kv, Window(q, start), HD, heads="mean")
+
+
+def test_max_over_heads_lets_one_head_win():
+    """One query head of six points at token 3; the other five agree on token 12. Summed,
+    token 12 wins; by the best head, token 3 (the retrieval head) is worth as much."""
+    T, W = 16, 1
+    kv = rand(2, L, T, HKV * HD, seed=13) * 0.01
+    a, b = torch.zeros(HD), torch.zeros(HD)
+    a[0], b[1] = 1.0, 1.0
+    kv[0, :, 3, :HD] = a * 10
+    kv[0, :, 12, :HD], kv[0, :, 12, HD:] = b * 10, b * 10
+    q = torch.zeros(L, W, HQ, HD)
+    q[:, :, 0] = a * 10      # one head of group 0 looks for token 3
+    q[:, :, 1:] = b * 10     # the five others look for token 12
+    q = q.view(L, W, HQ * HD)
+    summed = window_attention(kv, Window(q, T), HD)
+    best = window_attention(kv, Window(q, T), HD, heads="max")
+    assert summed[12] > 3 * summed[3]
+    assert best[3] == pytest.approx(best[12].item(), rel=0.05)
+    kept = SnapKV(15 / 16, granularity="token", kernel=1, heads="max").keep_indices(
+        kv, LAYOUT, queries=q)
+    assert set(kept.tolist()) in ({3}, {12})
+
+
+def test_sink_keeps_the_first_tokens():
+    T, W = 32, 4
+    kv = rand(2, L, T, HKV * HD, seed=14) * 0.1
+    direction = rand(HD, seed=15)
+    kv[0, :, 20] = direction.repeat(HKV) * 3
+    q = direction.repeat(L, W, HQ, 1).reshape(L, W, HQ * HD)
+    for cls in (SnapKV, TOVA):
+        plain = cls(0.75, granularity="token").keep_indices(kv, LAYOUT, queries=q).tolist()
+        sunk = cls(0.75, granularity="token", sink=5).keep_indices(kv, LAYOUT, queries=q)
+        assert set(range(5)) <= set(sunk.tolist()) and 20 in sunk.tolist()
+        assert len(sunk) == len(plain) == 8 and not set(range(5)) <= set(plain)
+    with pytest.raises(ValueError, match="sink >= 0"):
+        SnapKV(0.5, sink=-1)
+    with pytest.raises(ValueError, match="heads 'sum' or 'max'"):
+        TOVA(0.5, heads="mean")
+    # TOVA may pool (kernel > 1) but still scores with the last row only.
+    assert TOVA(0.5, kernel=5).kernel == 5
+
+
+def test_max_pool_keeps_the_whole_neighbourhood_of_a_peak():
+    """Average pooling of a sharp peak can lose the peak's far neighbours to a broad bump;
+    max pooling gives every token within kernel // 2 of the peak the peak's score."""
+    T, W = 32, 2
+    kv = rand(2, L, T, HKV * HD, seed=16) * 0.1
+    direction = rand(HD, seed=17)
+    kv[0, :, 10] = direction.repeat(HKV) * 4
+    q = direction.repeat(L, W, HQ, 1).reshape(L, W, HQ * HD)
+    pol = SnapKV(0.5, granularity="token", kernel=5, pool="max")
+    w = Window(q, T)
+    raw = SnapKV(0.5, kernel=1).token_scores(kv, LAYOUT, w)
+    pooled = pol.token_scores(kv, LAYOUT, w)
+    torch.testing.assert_close(pooled[8:13], raw[10].expand(5))
+    expect = torch.stack([raw[max(0, i - 2):i + 3].max() for i in range(T)])
+    torch.testing.assert_close(pooled, expect)
+    assert {8, 9, 10, 11, 12} <= set(pol.keep_indices(kv, LAYOUT, queries=q).tolist())
+    with pytest.raises(ValueError, match="pool must be"):
+        TOVA(0.5, pool="min")

@@ -78,11 +78,15 @@ def check_window(who: str, kv: torch.Tensor, queries, start: int | None,
 
 def window_attention(kv: torch.Tensor, window: Window, head_dim: int, *,
                      layers: range | None = None, scale: float | None = None,
-                     block_bytes: int = 256 << 20) -> torch.Tensor:
+                     block_bytes: int = 256 << 20, heads: str = "sum") -> torch.Tensor:
     """[T] float32: the attention the window's rows pay each token of `kv` [2, L, T, Hkv*D],
     summed over rows, query heads and the `layers` (default: all; module docstring).
-    `scale` defaults to 1/sqrt(head_dim). Every row sees token 0 (rows start at position
-    >= 0), so every softmax is over at least one key."""
+    `scale` defaults to 1/sqrt(head_dim). `heads="max"` takes, per layer and row, the
+    largest attention any query head pays a token instead of the sum (a token one retrieval
+    head points at is not outvoted by many heads spread by position). Every row sees token 0
+    (rows start at position >= 0), so every softmax is over at least one key."""
+    if heads not in ("sum", "max"):
+        raise ValueError(f"window_attention: heads must be 'sum' or 'max', got {heads!r}")
     L, T, hidden = kv.shape[1:]
     layers = range(L) if layers is None else layers
     hkv, d = hidden // head_dim, head_dim
@@ -100,5 +104,8 @@ def window_attention(kv: torch.Tensor, window: Window, head_dim: int, *,
         q = q.permute(0, 2, 3, 1, 4).reshape(l1 - l0, hkv, group * w, d)        # [l, Hkv, g*w, d]
         logits = (q @ k.transpose(-1, -2)) * scale                                # [l, Hkv, g*w, T]
         logits = logits.view(l1 - l0, hkv, group, w, T).masked_fill(hidden_keys, NEG_INF)
-        total += logits.softmax(dim=-1).sum(dim=(0, 1, 2, 3))
+        probs = logits.softmax(dim=-1)                                           # [l, Hkv, g, w, T]
+        if heads == "max":
+            probs = probs.amax(dim=(1, 2))                                         # [l, w, T]
+        total += probs.sum(dim=tuple(range(probs.dim() - 1)))
     return total

@@ -52,6 +52,9 @@ class SnapKV(DropPolicy):
     kernel: int = 5
     from_layer: float = 0.5  # score with layers floor(from_layer * L).. (0: every layer)
     keep_window: bool = True
+    pool: str = "avg"  # "max": a token scores its best neighbour's score (within kernel)
+    sink: int = 0  # the first `sink` tokens (template + instruction) are always kept
+    heads: str = "sum"  # "max": a token's score per layer and row is its best query head's
     block_bytes: int = 256 << 20  # temporary float32 logits per block of layers
     needs_queries: ClassVar[bool] = True
 
@@ -61,6 +64,11 @@ class SnapKV(DropPolicy):
                 or self.kernel % 2 == 0:
             raise ValueError(f"{type(self).__name__} needs window > 0 (or None) and an odd "
                              f"kernel > 0, got window={self.window}, kernel={self.kernel}")
+        if self.pool not in ("avg", "max"):
+            raise ValueError(f"{type(self).__name__}.pool must be 'avg' or 'max', got {self.pool!r}")
+        if self.sink < 0 or self.heads not in ("sum", "max"):
+            raise ValueError(f"{type(self).__name__} needs sink >= 0 and heads 'sum' or 'max', "
+                             f"got sink={self.sink}, heads={self.heads!r}")
         if not 0.0 <= self.from_layer < 1.0:
             raise ValueError(f"{type(self).__name__}.from_layer is the fraction of the layers "
                              f"skipped from the bottom, in [0, 1), got {self.from_layer}")
@@ -75,12 +83,16 @@ class SnapKV(DropPolicy):
         """[T] float32 per-token scores (inf = the window's own tokens, kept)."""
         w = self.rows(window)
         total = window_attention(kv, w, layout.head_dim, layers=self.layers(kv.shape[1]),
-                                 block_bytes=self.block_bytes)
-        if self.kernel > 1:
+                                 block_bytes=self.block_bytes, heads=self.heads)
+        if self.kernel > 1 and self.pool == "max":
+            total = F.max_pool1d(total[None, None], self.kernel, stride=1,
+                                 padding=self.kernel // 2)[0, 0]
+        elif self.kernel > 1:
             total = F.avg_pool1d(total[None, None], self.kernel, stride=1,
                                  padding=self.kernel // 2, count_include_pad=False)[0, 0]
         if self.keep_window:
             total[w.kept_in(kv.shape[2])] = INF
+        total[:self.sink] = INF
         return total
 
     def score_window(self, kv, units: Units, layout, window):
@@ -99,6 +111,6 @@ class TOVA(SnapKV):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.window != 1 or self.kernel != 1:
-            raise ValueError(f"TOVA scores with the last query only (window=1, kernel=1), got "
-                             f"window={self.window}, kernel={self.kernel}; use SnapKV for more")
+        if self.window != 1:
+            raise ValueError(f"TOVA scores with the last query only (window=1), got "
+                             f"window={self.window}; use SnapKV for more")
