@@ -30,6 +30,12 @@ class ModelLayout(msgspec.Struct, frozen=True, kw_only=True):
     """Shape of one KV chunk object: [2, num_layers, chunk_size, num_kv_heads * head_dim].
 
     `num_kv_heads` is per tensor-parallel rank (what this rank's worker holds).
+    `total_kv_heads`: the model's KV heads over all ranks. The per-rank fields cannot say it
+    when tp_size exceeds the head count (vLLM then replicates each head on several ranks, and
+    1 head per rank fits several totals), and the SDK needs it to gather the ranks' heads
+    (kvedit.sdk.tp). Connectors set it when tp_size > 1; UNSET otherwise (and from older
+    connectors). UNSET is never encoded, so a layout without it is byte-identical to one
+    from before the field existed (same Register message, same L2 layout tag).
     """
     num_layers: int
     num_kv_heads: int
@@ -39,6 +45,14 @@ class ModelLayout(msgspec.Struct, frozen=True, kw_only=True):
     tp_rank: int = 0
     tp_size: int = 1
     rope: RopeParams | None = None
+    total_kv_heads: int | msgspec.UnsetType = msgspec.UNSET
+
+    def with_total_kv_heads(self, total: int) -> ModelLayout:
+        """This layout saying the model's total KV head count (only when tp_size > 1: with
+        one rank it is num_kv_heads, and the layout stays as older connectors sent it)."""
+        if self.tp_size == 1:
+            return self
+        return msgspec.structs.replace(self, total_kv_heads=int(total))
 
     @property
     def hidden(self) -> int:
@@ -62,3 +76,18 @@ class ModelLayout(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"layout.dtype {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"layout.tp_rank {self.tp_rank} outside [0, {self.tp_size})")
+        if self.total_kv_heads is not msgspec.UNSET:
+            self._validate_total(self.total_kv_heads)
+
+    def _validate_total(self, total: int) -> None:
+        """vLLM's split: n ranks over h heads hold h // n each (n divides h), or 1 each with
+        every head replicated on n // h ranks (h divides n)."""
+        n = self.tp_size
+        if total <= 0 or (n <= total and total % n) or (n > total and n % total):
+            raise ValueError(f"layout.total_kv_heads {total} cannot be split over tp_size {n} "
+                             f"ranks: expected a positive count that divides or is divided "
+                             f"by tp_size")
+        if max(1, total // n) != self.num_kv_heads:
+            raise ValueError(f"layout.total_kv_heads {total} over tp_size {n} gives "
+                             f"{max(1, total // n)} heads per rank; layout.num_kv_heads is "
+                             f"{self.num_kv_heads}")

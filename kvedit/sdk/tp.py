@@ -9,16 +9,19 @@ and scatters `fn`'s result back per rank after it. How vLLM splits the heads
 - n > total KV heads: each rank holds one head, head r // (n // total), i.e. every head is
   replicated on n // total consecutive ranks (total must divide n).
 
-Pure tensor functions (no server, no vLLM, no copies beyond the one `torch.cat`); scatter
-returns views of the edited tensor. The per-rank layout the connector registers does not
-say the model's total KV head count (with replication, 1 head per rank fits several
-totals), so the caller passes it (`TPHeads`).
+Pure functions (no server, no vLLM, no copies beyond the one `torch.cat`); scatter returns
+views of the edited tensor. The per-rank fields of a layout do not say the model's total KV
+head count (with replication, 1 head per rank fits several totals): the connector registers
+it as `ModelLayout.total_kv_heads`, or the user passes `connect(..., total_kv_heads=)`.
+`TPRanks` is what a context keeps: the ranks' layouts, their head split and the layout of
+the gathered tensor that fn sees. kvedit.sdk.tp_edit runs modify's steps over the ranks.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from kvedit.layout import ModelLayout
@@ -76,6 +79,10 @@ def tp_heads(layouts: Sequence[ModelLayout], total_kv_heads: int) -> TPHeads:
         diff = [f for f in same if getattr(lay, f) != getattr(first, f)]
         if diff:
             raise ValueError(f"rank {lay.tp_rank}'s layout differs from rank 0's in {diff}")
+    said = {lay.total_kv_heads for lay in layouts} - {msgspec.UNSET}
+    if said and said != {total_kv_heads}:
+        raise ValueError(f"the ranks registered total_kv_heads {sorted(said)}, not "
+                         f"{total_kv_heads}")
     heads = TPHeads(n, total_kv_heads, first.head_dim)
     if heads.heads_per_rank != first.num_kv_heads:
         raise ValueError(f"{total_kv_heads} KV heads over {n} ranks gives {heads.heads_per_rank} "
@@ -113,3 +120,36 @@ def scatter_ranks(kv: torch.Tensor, heads: TPHeads) -> list[torch.Tensor]:
     pieces = kv.split(heads.heads_per_rank * heads.head_dim, dim=-1)
     return [pieces[heads.heads_of(r).start // heads.heads_per_rank]
             for r in range(heads.tp_size)]
+
+
+@dataclass(frozen=True)
+class TPRanks:
+    """A tensor-parallel model as the SDK edits it: every rank's layout (index = rank), how
+    the heads are split, and `layout`, the layout of the gathered tensor fn gets (all KV heads,
+    one rank: tp_rank 0, tp_size 1, total_kv_heads UNSET)."""
+    layouts: tuple[ModelLayout, ...]
+    heads: TPHeads
+    layout: ModelLayout
+
+    @property
+    def size(self) -> int:
+        return self.heads.tp_size
+
+
+def tp_ranks(layouts: Sequence[ModelLayout], total_kv_heads: int | None = None) -> TPRanks:
+    """TPRanks from the ranks' registered layouts (rank order). The total KV head count is
+    the one the layouts say, else `total_kv_heads`; ValueError naming what is missing or
+    inconsistent."""
+    said = {lay.total_kv_heads for lay in layouts} - {msgspec.UNSET}
+    if total_kv_heads is None:
+        if len(said) != 1:
+            raise ValueError(
+                f"the model's total KV head count is needed to gather its {len(layouts)} "
+                f"ranks' heads, and its rank layouts do not say it (a kvedit connector older "
+                f"than ModelLayout.total_kv_heads registered them): pass connect(..., "
+                f"total_kv_heads=N), N = the model config's num_key_value_heads")
+        total_kv_heads = said.pop()
+    heads = tp_heads(layouts, total_kv_heads)
+    gathered = msgspec.structs.replace(layouts[0], num_kv_heads=heads.total_kv_heads,
+                                       tp_rank=0, tp_size=1, total_kv_heads=msgspec.UNSET)
+    return TPRanks(tuple(layouts), heads, gathered)
