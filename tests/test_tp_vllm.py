@@ -23,6 +23,7 @@ rounding: KV within KV_ATOL, logprobs within LOGPROB_ATOL; greedy tokens must be
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from dataclasses import dataclass, field
 
@@ -178,6 +179,10 @@ def runs(request, tiny_model) -> dict[int, Run]:
     why = _reason(request.param)
     if why:
         pytest.skip(f"{request.param} variant: {why}")
+    if request.param == "gpu":   # the shared GPU hosts' rule, also for vLLM's own children
+        for var, off in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                         ("NVSHMEM_DISABLE_NVLS", "1")):
+            os.environ.setdefault(var, off)
     from kvedit.server.launch import start_server
 
     with start_server(1.0, chunk_size=C, shm=True) as server:
