@@ -26,16 +26,16 @@ class RopeParams(msgspec.Struct, frozen=True, kw_only=True):
     max_position_embeddings: int = 0
 
 
-class ModelLayout(msgspec.Struct, frozen=True, kw_only=True):
+class ModelLayout(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Shape of one KV chunk object: [2, num_layers, chunk_size, num_kv_heads * head_dim].
 
     `num_kv_heads` is per tensor-parallel rank (what this rank's worker holds).
     `total_kv_heads`: the model's KV heads over all ranks. The per-rank fields cannot say it
     when tp_size exceeds the head count (vLLM then replicates each head on several ranks, and
     1 head per rank fits several totals), and the SDK needs it to gather the ranks' heads
-    (kvedit.sdk.tp). Connectors set it when tp_size > 1; UNSET otherwise (and from older
-    connectors). UNSET is never encoded, so a layout without it is byte-identical to one
-    from before the field existed (same Register message, same L2 layout tag).
+    (kvedit.sdk.tp). Connectors set it when tp_size > 1; 0 = not said (one rank, or an older
+    connector). omit_defaults: fields at their default are not sent, so a peer that predates
+    a field decodes the layout (it ignores the ones it does not know, and fills in defaults).
     """
     num_layers: int
     num_kv_heads: int
@@ -45,7 +45,7 @@ class ModelLayout(msgspec.Struct, frozen=True, kw_only=True):
     tp_rank: int = 0
     tp_size: int = 1
     rope: RopeParams | None = None
-    total_kv_heads: int | msgspec.UnsetType = msgspec.UNSET
+    total_kv_heads: int = 0
 
     def with_total_kv_heads(self, total: int) -> ModelLayout:
         """This layout saying the model's total KV head count (only when tp_size > 1: with
@@ -76,7 +76,7 @@ class ModelLayout(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"layout.dtype {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"layout.tp_rank {self.tp_rank} outside [0, {self.tp_size})")
-        if self.total_kv_heads is not msgspec.UNSET:
+        if self.total_kv_heads:
             self._validate_total(self.total_kv_heads)
 
     def _validate_total(self, total: int) -> None:

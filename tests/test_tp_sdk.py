@@ -52,7 +52,7 @@ def client(server):
 def layouts(tp: int, total: int, said: bool = True) -> list[ModelLayout]:
     return [ModelLayout(num_layers=L, num_kv_heads=max(1, total // tp), head_dim=D,
                         dtype="float32", chunk_size=C, tp_rank=r, tp_size=tp,
-                        total_kv_heads=total if said else msgspec.UNSET) for r in range(tp)]
+                        total_kv_heads=total if said else 0) for r in range(tp)]
 
 
 def cut(kv: torch.Tensor, heads: list[int]) -> torch.Tensor:
@@ -117,17 +117,21 @@ class _LayoutBefore(msgspec.Struct, frozen=True, kw_only=True):
     rope: object = None
 
 
-def test_total_kv_heads_is_left_out_when_unset_and_older_peers_decode_it():
+def test_total_kv_heads_is_left_out_when_not_said_and_older_peers_decode_it():
     new = ModelLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", chunk_size=C,
                       tp_rank=1, tp_size=4)
     old = _LayoutBefore(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32",
                         chunk_size=C, tp_rank=1, tp_size=4)
-    enc = msgspec.msgpack.encode
-    assert enc(new) == enc(old)   # same bytes: same Register, same L2 layout tag
+    enc, dec = msgspec.msgpack.encode, msgspec.msgpack.decode
+    assert b"total_kv_heads" not in enc(new)   # not said: not sent
     said = new.with_total_kv_heads(2)
-    assert said.total_kv_heads == 2 and enc(said) != enc(new)
-    assert msgspec.msgpack.decode(enc(said), type=_LayoutBefore) == old   # ignored by old
-    assert msgspec.msgpack.decode(enc(old), type=ModelLayout).total_kv_heads is msgspec.UNSET
+    assert said.total_kv_heads == 2 and b"total_kv_heads" in enc(said)
+    assert dec(enc(said), type=_LayoutBefore) == old   # an older peer ignores it
+    assert dec(enc(new), type=_LayoutBefore) == old
+    assert dec(enc(old), type=ModelLayout) == new      # from an older peer: 0, not said
+    rank0 = ModelLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32",
+                        chunk_size=C)
+    assert dec(enc(rank0), type=_LayoutBefore).tp_size == 1   # defaults left out, filled in
     one = ModelLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", chunk_size=C)
     assert one.with_total_kv_heads(2) is one   # one rank: nothing to say
 
@@ -135,7 +139,7 @@ def test_total_kv_heads_is_left_out_when_unset_and_older_peers_decode_it():
 @pytest.mark.parametrize("total, msg", [
     (3, "cannot be split over tp_size 4"),
     (8, "gives 2 heads per rank; layout.num_kv_heads is 1"),
-    (0, "expected a positive count"),
+    (-2, "expected a positive count"),
 ])
 def test_server_refuses_a_total_that_vllm_cannot_split(client, total, msg):
     lay = msgspec.structs.replace(layouts(4, 2)[1], total_kv_heads=total)

@@ -79,7 +79,7 @@ def tp_heads(layouts: Sequence[ModelLayout], total_kv_heads: int) -> TPHeads:
         diff = [f for f in same if getattr(lay, f) != getattr(first, f)]
         if diff:
             raise ValueError(f"rank {lay.tp_rank}'s layout differs from rank 0's in {diff}")
-    said = {lay.total_kv_heads for lay in layouts} - {msgspec.UNSET}
+    said = {lay.total_kv_heads for lay in layouts} - {0}
     if said and said != {total_kv_heads}:
         raise ValueError(f"the ranks registered total_kv_heads {sorted(said)}, not "
                          f"{total_kv_heads}")
@@ -126,7 +126,7 @@ def scatter_ranks(kv: torch.Tensor, heads: TPHeads) -> list[torch.Tensor]:
 class TPRanks:
     """A tensor-parallel model as the SDK edits it: every rank's layout (index = rank), how
     the heads are split, and `layout`, the layout of the gathered tensor fn gets (all KV heads,
-    one rank: tp_rank 0, tp_size 1, total_kv_heads UNSET)."""
+    one rank: tp_rank 0, tp_size 1, total_kv_heads not said)."""
     layouts: tuple[ModelLayout, ...]
     heads: TPHeads
     layout: ModelLayout
@@ -140,7 +140,7 @@ def tp_ranks(layouts: Sequence[ModelLayout], total_kv_heads: int | None = None) 
     """TPRanks from the ranks' registered layouts (rank order). The total KV head count is
     the one the layouts say, else `total_kv_heads`; ValueError naming what is missing or
     inconsistent."""
-    said = {lay.total_kv_heads for lay in layouts} - {msgspec.UNSET}
+    said = {lay.total_kv_heads for lay in layouts} - {0}
     if total_kv_heads is None:
         if len(said) != 1:
             raise ValueError(
@@ -151,5 +151,5 @@ def tp_ranks(layouts: Sequence[ModelLayout], total_kv_heads: int | None = None) 
         total_kv_heads = said.pop()
     heads = tp_heads(layouts, total_kv_heads)
     gathered = msgspec.structs.replace(layouts[0], num_kv_heads=heads.total_kv_heads,
-                                       tp_rank=0, tp_size=1, total_kv_heads=msgspec.UNSET)
+                                       tp_rank=0, tp_size=1, total_kv_heads=0)
     return TPRanks(tuple(layouts), heads, gathered)
