@@ -297,6 +297,21 @@ def test_captured_queries_are_gathered_per_rank(server, client):
         client.store_queries(model, keys[1], q[..., 4 * D:].contiguous(), tp_rank=1)
         BatchedStream([s], progress=False).modify(fn)
         assert torch.equal(seen["q"], q) and seen["start"] == len(toks) - w
-        # the edit used them up: deleted on rank 0 by the stream, rank 1 kept for eviction
-        # unless kvedit.sdk.queries deletes through Context.delete_queries (COORD.md)
-        assert client.lookup(model, [keys[0]], tp_rank=0, kind="queries") == 0
+        # the edit used them up: deleted on every rank
+        for r in range(2):
+            assert client.lookup(model, [keys[r]], tp_rank=r, kind="queries") == 0, f"rank {r}"
+
+
+def test_releasing_a_stream_deletes_its_chunks_and_queries_on_every_rank(server, client):
+    model, salt, toks, w = model_name(), "rel", tokens_of(51), 8
+    lays = layouts(4, 2)
+    old = prefill(client, model, lays, toks, salt, full_kv(2, len(toks) // C * C), 2)
+    qkeys = [query_key(namespace(model, lay, salt), toks, w) for lay in lays]
+    for r, k in enumerate(qkeys):
+        client.store_queries(model, k, torch.zeros(L, w, D), tp_rank=r)
+    with connect(server.url, model_name=model, timeout=5) as ctx:
+        s = create_request(ctx, never, toks, salt, capture_queries=w)
+        assert BatchedStream([s], progress=False).release() == N_CHUNKS
+    for r in range(4):
+        assert client.lookup(model, old[r], tp_rank=r) == 0, f"rank {r}"
+        assert client.lookup(model, [qkeys[r]], tp_rank=r, kind="queries") == 0, f"rank {r}"

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from kvedit.keys import request_keys
+from kvedit.keys import namespace, query_key, request_keys
 from kvedit.layout import ModelLayout
 from kvedit.sdk.buffers import BufferPool
 from kvedit.sdk.errors import ConnectError
@@ -83,6 +83,15 @@ class Context:
         per_rank = self.rank_keys_for(tokens, salt)
         self.remember(per_rank)
         return per_rank[0]
+
+    def query_key_for(self, prompt, salt: str, window: int) -> bytes:
+        """The captured-queries key of `prompt` (rank 0's under TP; the other ranks' are
+        remembered for delete_queries)."""
+        layouts = self.tp.layouts if self.tp is not None else (self.layout,)
+        keys = [query_key(namespace(self.model, lay, salt), prompt, window) for lay in layouts]
+        if self.tp is not None:
+            self.remember([[k] for k in keys])
+        return keys[0]
 
     def delete_kv(self, keys: list[bytes]) -> int:
         """Delete chunks (streams' keys) from the server, on every rank under TP -> how many

@@ -30,7 +30,6 @@ import logging
 
 import torch
 
-from kvedit.keys import namespace, query_key
 from kvedit.sdk.errors import MissingQueries, ModifyError
 
 log = logging.getLogger("kvedit.sdk")
@@ -96,8 +95,7 @@ def with_capture(params, window: int):
 
 
 def capture_for(ctx, prompt: list[int], salt: str, window: int) -> Capture:
-    ns = namespace(ctx.model, ctx.layout, salt)
-    return Capture(query_key(ns, prompt, window), window, len(prompt))
+    return Capture(ctx.query_key_for(prompt, salt, window), window, len(prompt))
 
 
 def hold(stream, capture: Capture) -> None:
@@ -209,7 +207,7 @@ async def release_queries(stream) -> int:
         return 0
     ctx = stream.ctx
     try:
-        return await ctx.call(ctx.client.delete_queries, ctx.model, [cap.key])
+        return await ctx.call(ctx.delete_queries, [cap.key])   # on every TP rank
     except Exception as e:  # the edit is done; a failed clean-up only costs memory (evicted)
         log.warning("%s: deleting its captured queries failed: %s", stream.label, e)
         return 0

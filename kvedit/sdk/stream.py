@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvedit.keys import request_keys
 from kvedit.sdk.contracts import check_token_ids, takes_salt
 from kvedit.sdk.context import Context
 from kvedit.sdk import queries as Q
@@ -101,7 +100,7 @@ class Stream:
         return self.tokens + self.suffix
 
     def keys_for(self, tokens, salt: str) -> list[bytes]:
-        return request_keys(self.ctx.model, self.ctx.layout, tokens, salt)
+        return self.ctx.keys_for(tokens, salt)   # rank 0's under TP (Context remembers all)
 
     async def generate(self, sampling_params, max_tokens: int | None = None,
                        capture_queries: int = 0) -> Generation:
@@ -186,7 +185,7 @@ class Stream:
         self.released, self.done = True, True
         await Q.release_queries(self)
         dead, self.keys = self.ctx.unref(self.keys), []
-        return await self.ctx.call(self.ctx.client.delete, self.ctx.model, dead) if dead else 0
+        return await self.ctx.call(self.ctx.delete_kv, dead) if dead else 0   # every TP rank
 
     def __repr__(self) -> str:
         return (f"<{self.label}: {len(self.tokens)} cached + {len(self.suffix)} suffix tokens, "
