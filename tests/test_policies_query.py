@@ -326,3 +326,35 @@ def test_max_pool_keeps_the_whole_neighbourhood_of_a_peak():
     assert {8, 9, 10, 11, 12} <= set(pol.keep_indices(kv, LAYOUT, queries=q).tolist())
     with pytest.raises(ValueError, match="pool must be"):
         TOVA(0.5, pool="min")
+
+
+def test_span_scores_are_the_span_means_aligned_after_the_sink():
+    from kvedit.edits.query_policies import span_scores
+
+    s = torch.tensor([1., 2., 3., 10., 0., 0., 0., 4., 4., 9.])
+    # start 2: [0, 1] is one span, then [2..5], [6..9].
+    torch.testing.assert_close(span_scores(s, 4, start=2),
+                               torch.tensor([1.5] * 2 + [3.25] * 4 + [4.25] * 4))
+    # A short last span is the mean of what it has, not a sum diluted by missing tokens.
+    torch.testing.assert_close(span_scores(s, 4), torch.tensor([4.] * 4 + [1.] * 4 + [6.5] * 2))
+    torch.testing.assert_close(span_scores(s, 1), s)
+
+
+def test_span_keeps_whole_spans_around_the_peak_and_the_exact_budget():
+    """A peak token (the queries point at it) inside span [8, 12): token scoring keeps the
+    peak and a few scattered tokens; span=4 keeps the peak's whole span, still T/2 tokens."""
+    T, W = 32, 2
+    kv = rand(2, L, T, HKV * HD, seed=18) * 0.1
+    direction = rand(HD, seed=19)
+    kv[0, :, 9] = direction.repeat(HKV) * 4
+    q = direction.repeat(L, W, HQ, 1).reshape(L, W, HQ * HD)
+    plain = TOVA(0.875, granularity="token").keep_indices(kv, LAYOUT, queries=q).tolist()
+    spans = TOVA(0.875, granularity="token", span=4).keep_indices(kv, LAYOUT, queries=q)
+    assert 9 in plain and set(plain) != {8, 9, 10, 11}
+    assert spans.tolist() == [8, 9, 10, 11]
+    # With a sink, spans start after it: sink 2 -> spans [2, 6), [6, 10), [10, 14) ...
+    sunk = SnapKV(0.75, granularity="token", kernel=1, span=4, sink=2).keep_indices(
+        kv, LAYOUT, queries=q).tolist()
+    assert len(sunk) == 8 and sunk[:2] == [0, 1] and {6, 7, 8, 9} <= set(sunk)
+    with pytest.raises(ValueError, match="span > 0"):
+        TOVA(0.5, span=0)

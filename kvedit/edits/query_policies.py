@@ -39,6 +39,19 @@ from kvedit.layout import ModelLayout
 INF = float("inf")
 
 
+def span_scores(scores: torch.Tensor, span: int, start: int = 0) -> torch.Tensor:
+    """ChunkKV (Liu et al. 2025, arXiv 2502.00299): tokens in spans of `span` (aligned at
+    `start`; the tokens before it and a short last span are spans too) all get their span's
+    mean score, so the top spans are kept whole: a 5-digit number, one token per digit in
+    SmolLM2, is kept or dropped with its neighbours rather than digit by digit. With the
+    base's exact token budget and stable order, only the last span kept may be cut short."""
+    T = scores.shape[0]
+    ids = (torch.arange(T) - start).clamp_min(-1).div(span, rounding_mode="floor") + 1
+    sums = torch.zeros(int(ids.max()) + 1).index_add_(0, ids, scores)
+    counts = torch.zeros_like(sums).index_add_(0, ids, torch.ones(T))
+    return (sums / counts)[ids]
+
+
 @dataclass
 class SnapKV(DropPolicy):
     """SnapKV (Li et al. 2024) with the request's captured queries: a token's score is the
@@ -55,6 +68,7 @@ class SnapKV(DropPolicy):
     pool: str = "avg"  # "max": a token scores its best neighbour's score (within kernel)
     sink: int = 0  # the first `sink` tokens (template + instruction) are always kept
     heads: str = "sum"  # "max": a token's score per layer and row is its best query head's
+    span: int = 1  # > 1: ChunkKV spans, every token scores its span's mean (span_scores)
     block_bytes: int = 256 << 20  # temporary float32 logits per block of layers
     needs_queries: ClassVar[bool] = True
 
@@ -66,9 +80,10 @@ class SnapKV(DropPolicy):
                              f"kernel > 0, got window={self.window}, kernel={self.kernel}")
         if self.pool not in ("avg", "max"):
             raise ValueError(f"{type(self).__name__}.pool must be 'avg' or 'max', got {self.pool!r}")
-        if self.sink < 0 or self.heads not in ("sum", "max"):
-            raise ValueError(f"{type(self).__name__} needs sink >= 0 and heads 'sum' or 'max', "
-                             f"got sink={self.sink}, heads={self.heads!r}")
+        if self.sink < 0 or self.heads not in ("sum", "max") or self.span <= 0:
+            raise ValueError(f"{type(self).__name__} needs sink >= 0, span > 0 and heads 'sum' "
+                             f"or 'max', got sink={self.sink}, span={self.span}, "
+                             f"heads={self.heads!r}")
         if not 0.0 <= self.from_layer < 1.0:
             raise ValueError(f"{type(self).__name__}.from_layer is the fraction of the layers "
                              f"skipped from the bottom, in [0, 1), got {self.from_layer}")
@@ -90,6 +105,8 @@ class SnapKV(DropPolicy):
         elif self.kernel > 1:
             total = F.avg_pool1d(total[None, None], self.kernel, stride=1,
                                  padding=self.kernel // 2, count_include_pad=False)[0, 0]
+        if self.span > 1:
+            total = span_scores(total, self.span, start=self.sink)
         if self.keep_window:
             total[w.kept_in(kv.shape[2])] = INF
         total[:self.sink] = INF
