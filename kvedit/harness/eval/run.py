@@ -50,7 +50,8 @@ def header_sink(samples, keep_header: bool) -> int | None:
     return sizes.pop()
 
 
-def _policy(name: str, ratio: float, granularity: str, sink: int | None = None):
+def make_policy(name: str, ratio: float, granularity: str, sink: int | None = None):
+    """POLICIES[name] at `ratio`; `sink` (the header, see header_sink) to those that have one."""
     from kvedit.edits import POLICIES
 
     kw = {"sink": sink} if sink is not None and name in sink_policies() else {}
@@ -125,7 +126,7 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
                 bar = tqdm(cells, desc="accuracy (policy x ratio)", disable=not cfg.progress)
                 for c in bar:
                     bar.set_postfix_str(c.label)
-                    recs, info = acc.cell(_policy(c.policy, c.ratio, cfg.granularity, sink),
+                    recs, info = acc.cell(make_policy(c.policy, c.ratio, cfg.granularity, sink),
                                           c)
                     rows.append({"policy": _class(c.policy), "ratio": c.ratio, "records": recs,
                                  **info})
@@ -214,7 +215,7 @@ def _gains(ctx, completion, eng, gcfg, bs, cells, rows, cfg, log, sink) -> None:
 
     log(f"decode gain: {gcfg.num_prompts} prompts x {gcfg.prompt_len} tokens, "
         f"{gcfg.max_tokens} output tokens, KV capacity {gcfg.kv_blocks} blocks")
-    policies = [_policy(c.policy, c.ratio, cfg.granularity, sink) for c in cells]
+    policies = [make_policy(c.policy, c.ratio, cfg.granularity, sink) for c in cells]
     # One arm per kept size (or per cell): the first cell of each group runs it.
     group = [i if cfg.gain_each else _kept(p, gcfg.prompt_len) for i, p in enumerate(policies)]
     first = {k: i for i, k in reversed(list(enumerate(group)))}
