@@ -25,7 +25,7 @@ class EvalConfig:
     chunk_size: int = 128
     # Every policy with a `sink` option keeps the prompt's header (template opening +
     # instruction) whole, as a user protects a system prompt: `sink = header tokens`, the
-    # same for every such policy and ratio (header_sinks). False: each policy's own default.
+    # same for every such policy and ratio (header_sink). False: each policy's own default.
     keep_header: bool = True
 
 
