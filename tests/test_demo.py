@@ -27,6 +27,12 @@ def test_demo_prints_throughput_and_accuracy_and_writes_both_charts(
     result = json.loads((tmp_path / "results.json").read_text())
     s = result["summary"]
     assert s["policy"] == name and s["num_prompts"] == 2
+    # SnapKV has a `sink`: it keeps the prompts' header (template + instruction), as in eval.
+    from kvedit.harness.eval.tasks import INSTRUCTION
+    from kvedit.harness.eval.tokenizer import load
+
+    header = len(load(smollm2_model).header(INSTRUCTION))
+    assert s["sink"] == (header if policy == "snapkv" else None)
     # 512 context tokens = 2 chunks of 256; a token-granularity policy at 0.5 keeps 256.
     # The question (after the context) and the prefill token are re-sent in both arms.
     base, drop = s["decode_prompt_tokens"]["baseline"], s["decode_prompt_tokens"]["dropped"]

@@ -96,3 +96,25 @@ def test_eval_rejects_bad_flags(tmp_path):
         main([*base, "--ratios", "1.5"])
     with pytest.raises(SystemExit, match="needs the kvedit server"):
         main([*base, "--vllm-url", "http://127.0.0.1:1"])
+
+
+def test_the_header_sink_goes_to_every_policy_with_a_sink_and_only_to_those():
+    from dataclasses import replace
+
+    from kvedit.edits import POLICIES
+    from kvedit.harness.eval.run import header_sink, make_policy, sink_policies
+    from kvedit.harness.eval.tasks import Sample
+
+    with_sink = set(sink_policies())
+    assert {"streaming_llm", "snapkv", "tova"} <= with_sink
+    assert not {"keydiff", "key_norm", "random"} & with_sink
+    for name in POLICIES:
+        pol = make_policy(name, 0.5, "token", 49)
+        assert getattr(pol, "sink", None) == (49 if name in with_sink else None)
+        # None = each policy's own default (StreamingLLM 4 attention sinks, SnapKV/TOVA 0)
+        assert getattr(make_policy(name, 0.5, "token"), "sink", None) == \
+            getattr(POLICIES[name](), "sink", None)
+    s = Sample("passkey", 512, 0.5, 0, [1] * 520, ("1",), (60,), ((1,),), 8, header=49)
+    assert header_sink([s, s], True) == 49 and header_sink([s], False) is None
+    with pytest.raises(ValueError, match="header lengths differ"):
+        header_sink([s, replace(s, header=50)], True)

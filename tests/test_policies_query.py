@@ -82,13 +82,16 @@ def test_snapkv_keeps_what_the_queries_attend_and_its_window():
     direction = rand(HD, seed=3)
     kv[0, :, 9] = direction.repeat(HKV) * 3  # token 9: the needle every query head looks for
     q = direction.repeat(L, W, HQ, 1).reshape(L, W, HQ * HD)
-    kept = SnapKV(0.75, granularity="token", kernel=1).keep_indices(kv, LAYOUT, queries=q)
+    kept = SnapKV(0.75, granularity="token", span=1, kernel=1).keep_indices(kv, LAYOUT,
+                                                                            queries=q)
     assert 9 in kept.tolist() and len(kept) == T - 24
     # A window inside the edited tokens (rows at positions 28..31) is kept whole.
-    kept = SnapKV(0.75, granularity="token").keep_indices(kv, LAYOUT, queries=q, query_start=28)
+    kept = SnapKV(0.75, granularity="token", span=1).keep_indices(kv, LAYOUT, queries=q,
+                                                                  query_start=28)
     assert {9, 28, 29, 30, 31} <= set(kept.tolist())
     # Pooling keeps the needle's neighbours with it.
-    kept = SnapKV(0.75, granularity="token", kernel=5).keep_indices(kv, LAYOUT, queries=q)
+    kept = SnapKV(0.75, granularity="token", span=1, kernel=5).keep_indices(kv, LAYOUT,
+                                                                            queries=q)
     assert {8, 9, 10} <= set(kept.tolist())
 
 
@@ -114,9 +117,10 @@ def test_tova_uses_the_last_row_only():
     q = a.repeat(L, W, HQ, 1)
     q[:, -1] = b  # only the last row (the last prompt token) looks for token 17
     q = q.reshape(L, W, HQ * HD)
-    tova = TOVA(0.9, granularity="token").keep_indices(kv, LAYOUT, queries=q)
+    tova = TOVA(0.9, granularity="token", span=1).keep_indices(kv, LAYOUT, queries=q)
     assert 17 in tova.tolist() and 5 not in tova.tolist()
-    snap = SnapKV(0.9, granularity="token", kernel=1).keep_indices(kv, LAYOUT, queries=q)
+    snap = SnapKV(0.9, granularity="token", span=1, kernel=1).keep_indices(kv, LAYOUT,
+                                                                           queries=q)
     assert 5 in snap.tolist()  # five rows of six look for token 5
     with pytest.raises(ValueError, match="last query only"):
         TOVA(0.5, window=4)
@@ -126,8 +130,8 @@ def test_call_drops_and_rerotates_with_queries():
     T, W = 32, 4
     kv, q = rand(2, L, T, HKV * HD, seed=9), rand(L, W, HQ * HD, seed=10).bfloat16()
     tokens = list(range(100, 100 + T))
-    out, kept = SnapKV(0.5, granularity="token")(kv, tokens, layout=LAYOUT, queries=q)
-    idx = SnapKV(0.5, granularity="token").keep_indices(kv, LAYOUT, queries=q)
+    out, kept = SnapKV(0.5, granularity="token", span=1)(kv, tokens, layout=LAYOUT, queries=q)
+    idx = SnapKV(0.5, granularity="token", span=1).keep_indices(kv, LAYOUT, queries=q)
     assert out.shape == (2, L, 16, HKV * HD) and kept == [100 + i for i in idx.tolist()]
     torch.testing.assert_close(out[1], kv[1].index_select(1, idx))  # values move, unchanged
 
@@ -148,7 +152,7 @@ def test_needs_queries_flags_and_errors():
     with pytest.raises(ValueError, match="query_start must be >= 0"):
         SnapKV(0.5).keep_indices(kv, LAYOUT, queries=rand(L, 4, HQ * HD), query_start=-1)
     with pytest.raises(ValueError, match="head_dim"):
-        SnapKV(0.5, rerotate=False, granularity="token")(kv, list(range(16)),
+        SnapKV(0.5, rerotate=False, granularity="token", span=1)(kv, list(range(16)),
                                                          queries=rand(L, 4, HQ * HD))
     with pytest.raises(ValueError, match="odd kernel"):
         SnapKV(0.5, kernel=4)
@@ -230,12 +234,12 @@ def test_scores_equal_transformers_attention(tiny_run, T, W, from_layer):
     pooled = F.avg_pool1d(ref[None, None], 5, stride=1, padding=2, count_include_pad=False)[0, 0]
     pooled[start:T] = float("inf")
     w = check_window("SnapKV", kv, q, start, lay.head_dim)
-    snap = SnapKV(0.5, granularity="token", from_layer=from_layer)
+    snap = SnapKV(0.5, granularity="token", span=1, from_layer=from_layer)
     torch.testing.assert_close(snap.token_scores(kv, lay, w), pooled, rtol=1e-4, atol=1e-5)
     # TOVA: the last row only.
     last = reference_scores(tiny_run["attn"], T, P - 1, 1, first)
     last[P - 1:T] = float("inf")
-    tova = TOVA(0.5, granularity="token", from_layer=from_layer)
+    tova = TOVA(0.5, granularity="token", span=1, from_layer=from_layer)
     torch.testing.assert_close(tova.token_scores(kv, lay, w), last, rtol=1e-4, atol=1e-5)
 
 
@@ -284,7 +288,7 @@ def test_max_over_heads_lets_one_head_win():
     best = window_attention(kv, Window(q, T), HD, heads="max")
     assert summed[12] > 3 * summed[3]
     assert best[3] == pytest.approx(best[12].item(), rel=0.05)
-    kept = SnapKV(15 / 16, granularity="token", kernel=1, heads="max").keep_indices(
+    kept = SnapKV(15 / 16, granularity="token", span=1, kernel=1, heads="max").keep_indices(
         kv, LAYOUT, queries=q)
     assert set(kept.tolist()) in ({3}, {12})
 
@@ -296,8 +300,10 @@ def test_sink_keeps_the_first_tokens():
     kv[0, :, 20] = direction.repeat(HKV) * 3
     q = direction.repeat(L, W, HQ, 1).reshape(L, W, HQ * HD)
     for cls in (SnapKV, TOVA):
-        plain = cls(0.75, granularity="token").keep_indices(kv, LAYOUT, queries=q).tolist()
-        sunk = cls(0.75, granularity="token", sink=5).keep_indices(kv, LAYOUT, queries=q)
+        plain = cls(0.75, granularity="token", span=1).keep_indices(kv, LAYOUT, queries=q)
+        plain = plain.tolist()
+        sunk = cls(0.75, granularity="token", span=1, sink=5).keep_indices(kv, LAYOUT,
+                                                                           queries=q)
         assert set(range(5)) <= set(sunk.tolist()) and 20 in sunk.tolist()
         assert len(sunk) == len(plain) == 8 and not set(range(5)) <= set(plain)
     with pytest.raises(ValueError, match="sink >= 0"):
@@ -316,9 +322,9 @@ def test_max_pool_keeps_the_whole_neighbourhood_of_a_peak():
     direction = rand(HD, seed=17)
     kv[0, :, 10] = direction.repeat(HKV) * 4
     q = direction.repeat(L, W, HQ, 1).reshape(L, W, HQ * HD)
-    pol = SnapKV(0.5, granularity="token", kernel=5, pool="max")
+    pol = SnapKV(0.5, granularity="token", span=1, kernel=5, pool="max")
     w = Window(q, T)
-    raw = SnapKV(0.5, kernel=1).token_scores(kv, LAYOUT, w)
+    raw = SnapKV(0.5, kernel=1, span=1).token_scores(kv, LAYOUT, w)
     pooled = pol.token_scores(kv, LAYOUT, w)
     torch.testing.assert_close(pooled[8:13], raw[10].expand(5))
     expect = torch.stack([raw[max(0, i - 2):i + 3].max() for i in range(T)])
@@ -326,3 +332,37 @@ def test_max_pool_keeps_the_whole_neighbourhood_of_a_peak():
     assert {8, 9, 10, 11, 12} <= set(pol.keep_indices(kv, LAYOUT, queries=q).tolist())
     with pytest.raises(ValueError, match="pool must be"):
         TOVA(0.5, pool="min")
+
+
+def test_span_scores_are_the_span_means_aligned_after_the_sink():
+    from kvedit.edits.query_policies import span_scores
+
+    s = torch.tensor([1., 2., 3., 10., 0., 0., 0., 4., 4., 9.])
+    # start 2: [0, 1] is one span, then [2..5], [6..9].
+    torch.testing.assert_close(span_scores(s, 4, start=2),
+                               torch.tensor([1.5] * 2 + [3.25] * 4 + [4.25] * 4))
+    # A short last span is the mean of what it has, not a sum diluted by missing tokens.
+    torch.testing.assert_close(span_scores(s, 4), torch.tensor([4.] * 4 + [1.] * 4 + [6.5] * 2))
+    torch.testing.assert_close(span_scores(s, 1), s)
+
+
+def test_span_keeps_whole_spans_around_the_peak_and_the_exact_budget():
+    """A peak token (the queries point at it) inside span [8, 12): token scoring keeps the
+    peak and a few scattered tokens; span=4 keeps the peak's whole span, still T/2 tokens."""
+    T, W = 32, 2
+    kv = rand(2, L, T, HKV * HD, seed=18) * 0.1
+    direction = rand(HD, seed=19)
+    kv[0, :, 9] = direction.repeat(HKV) * 4
+    q = direction.repeat(L, W, HQ, 1).reshape(L, W, HQ * HD)
+    plain = TOVA(0.875, granularity="token", span=1).keep_indices(kv, LAYOUT, queries=q)
+    plain = plain.tolist()
+    spans = TOVA(0.875, granularity="token", span=4).keep_indices(kv, LAYOUT, queries=q)
+    assert 9 in plain and set(plain) != {8, 9, 10, 11}
+    assert spans.tolist() == [8, 9, 10, 11]
+    # With a sink, spans start after it: sink 2 -> spans [2, 6), [6, 10), [10, 14) ...
+    sunk = SnapKV(0.75, granularity="token", kernel=1, span=4, sink=2).keep_indices(
+        kv, LAYOUT, queries=q).tolist()
+    assert len(sunk) == 8 and sunk[:2] == [0, 1] and {6, 7, 8, 9} <= set(sunk)
+    with pytest.raises(ValueError, match="span > 0"):
+        TOVA(0.5, span=0)
+    assert SnapKV().span == TOVA().span == 10  # the ChunkKV paper's chunk size, by default

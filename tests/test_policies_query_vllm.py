@@ -79,9 +79,10 @@ def reference(attn: torch.Tensor, T: int, start: int, rows: int, kernel: int,
     return s
 
 
-@pytest.mark.parametrize("policy,window", [(SnapKV(0.5, granularity="token"), 40),
-                                           (SnapKV(0.5, granularity="token", from_layer=0), 120),
-                                           (TOVA(0.5, granularity="token"), 16)],
+@pytest.mark.parametrize("policy,window", [(SnapKV(0.5, granularity="token", span=1), 40),
+                                           (SnapKV(0.5, granularity="token", span=1,
+                                                   from_layer=0), 120),
+                                           (TOVA(0.5, granularity="token", span=1), 16)],
                          ids=["snapkv-window-after-kv", "snapkv-window-straddles", "tova"])
 def test_captured_queries_score_like_transformers_attention(ctx, vllm_server, hf_attention,
                                                             policy, window):

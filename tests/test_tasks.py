@@ -60,6 +60,16 @@ def test_every_needle_is_in_the_prompt_and_answers_are_checkable(tok):
         assert not s.correct(" " + s.answers[0] + "9")
 
 
+def test_header_is_the_template_opening_and_instruction_before_any_needle(tok):
+    from kvedit.harness.eval.tasks import INSTRUCTION
+
+    header = tok.header(INSTRUCTION)
+    for s in suite(tok, sorted(TASKS), [512], 5, seed=2):
+        assert s.header == len(header) and s.prompt_ids[:s.header] == header
+        assert min(s.needle_positions) >= s.header  # the eval's sink never covers a needle
+        assert "Below is a long text" in tok.decode(s.prompt_ids[:s.header])
+
+
 def test_filler_has_no_digits_so_numbers_come_from_needles(tok):
     import random
 

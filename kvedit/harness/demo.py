@@ -3,7 +3,8 @@
 With no arguments: build SmolLM2-135M-Instruct if needed (`kvedit model smollm2`), start a
 kvedit server and a vLLM (CPU) with the connector, its KV capacity set so decode is
 memory-bound, then run the same real-text prompts twice: baseline (prefill -> decode) and
-dropped (prefill capturing the question's queries -> modify(SnapKV 0.5) -> decode). Each prompt hides facts in filler text
+dropped (prefill capturing the question's queries -> modify(SnapKV 0.5, keeping the
+prompt's header) -> decode). Each prompt hides facts in filler text
 and asks for one of them (the generators of `kvedit eval`: a pass key, a key among
 distractors). Prints throughput and accuracy side by side, writes results.json,
 decode_throughput.png and accuracy.png into runs/demo-<time>/, and stops every process it
@@ -100,6 +101,7 @@ def run_demo(args) -> tuple[dict, Path]:
     """The whole demo; returns (summary, output dir)."""
     import kvedit
     from kvedit.edits import POLICIES
+    from kvedit.harness.eval.run import header_sink, make_policy
     from kvedit.harness.eval.runner import query_window
     from kvedit.harness.eval.tasks import TASKS
     from kvedit.harness.experiment import Workload, engines, run_arm, warm_up
@@ -114,9 +116,11 @@ def run_demo(args) -> tuple[dict, Path]:
                          "uses (--server-url and --server-http-url)")
     # Validate sizes before building or starting anything.
     Workload(args.num_prompts, args.prompt_len, args.max_tokens, args.ratio, args.seed).validate()
-    policy = POLICIES[args.policy](ratio=args.ratio, granularity="token")
     model_dir, served = _model(args)
     tok, samples = prompts(model_dir, tasks, args.num_prompts, args.prompt_len, args.seed)
+    # As in `kvedit eval`: a policy with a `sink` keeps the prompts' header (template +
+    # instruction), the way a user protects a system prompt.
+    policy = make_policy(args.policy, args.ratio, "token", header_sink(samples, True))
     token_ids = [s.prompt_ids for s in samples]
     full = round(sum(map(len, token_ids)) / len(token_ids))
     w = Workload(args.num_prompts, full, args.max_tokens, args.ratio, args.seed)
@@ -151,6 +155,7 @@ def run_demo(args) -> tuple[dict, Path]:
     summary = _summary(w, policy, kv_tokens, base, drop)
     summary["decode_gain_bound"] = bound
     summary["prompt_context_tokens"] = args.prompt_len
+    summary["sink"] = getattr(policy, "sink", None)  # the header kept whole, if it has one
     summary["accuracy"] = {k: _acc(v) for k, v in answers.items()}
     print("\n" + table(summary))
     (out / "results.json").write_text(json.dumps(

@@ -42,6 +42,9 @@ def register(sub) -> None:
     p.add_argument("--granularity", default="token", choices=("token", "chunk"),
                    help="unit a policy keeps or drops (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-keep-header", action="store_true",
+                   help="policies with a `sink` option use their own default instead of "
+                        "keeping the prompt's header (template opening + instruction)")
     p.add_argument("--out", default=None, help="output dir (default runs/eval-<time>)")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.add_argument("--no-gain", action="store_true", help="skip the decode-gain arms")
@@ -142,7 +145,7 @@ def _main(args) -> int:
                          policies=policy_names(args.policies), ratios=ratios,
                          granularity=args.granularity, seed=args.seed, gain=not args.no_gain,
                          gain_prompts=args.gain_prompts, gain_each=args.gain_each,
-                         progress=not args.no_progress,
+                         progress=not args.no_progress, keep_header=not args.no_keep_header,
                          chunk_size=CHUNK)
         out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
         out.mkdir(parents=True, exist_ok=True)

@@ -23,12 +23,39 @@ class EvalConfig:
     gain_each: bool = False  # one gain arm per cell, not per kept size
     progress: bool = True
     chunk_size: int = 128
+    # Every policy with a `sink` option keeps the prompt's header (template opening +
+    # instruction) whole, as a user protects a system prompt: `sink = header tokens`, the
+    # same for every such policy and ratio (header_sink). False: each policy's own default.
+    keep_header: bool = True
 
 
-def _policy(name: str, ratio: float, granularity: str):
+def sink_policies() -> list[str]:
+    """Registry names of the policies that have a `sink` option (keep the first n tokens)."""
+    from dataclasses import fields
+
     from kvedit.edits import POLICIES
 
-    return POLICIES[name](ratio=ratio, granularity=granularity)
+    return [k for k, cls in POLICIES.items() if any(f.name == "sink" for f in fields(cls))]
+
+
+def header_sink(samples, keep_header: bool) -> int | None:
+    """The `sink` the eval gives policies that have one: the header's token count, which
+    every sample of a suite shares (one template, one instruction); None: policy defaults."""
+    if not keep_header:
+        return None
+    sizes = {s.header for s in samples}
+    if len(sizes) != 1 or not min(sizes):
+        raise ValueError(f"the samples' header lengths differ or are unknown ({sorted(sizes)}): "
+                         "one sink cannot protect them all")
+    return sizes.pop()
+
+
+def make_policy(name: str, ratio: float, granularity: str, sink: int | None = None):
+    """POLICIES[name] at `ratio`; `sink` (the header, see header_sink) to those that have one."""
+    from kvedit.edits import POLICIES
+
+    kw = {"sink": sink} if sink is not None and name in sink_policies() else {}
+    return POLICIES[name](ratio=ratio, granularity=granularity, **kw)
 
 
 def needs_queries(policies: list[str]) -> bool:
@@ -57,6 +84,7 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
     served = engines_kw.get("served_model_name", served)
     tok = load(model_dir)
     samples = suite(tok, cfg.tasks, cfg.lengths, cfg.samples, seed=cfg.seed)
+    sink = header_sink(samples, cfg.keep_header)
     tails = [len(s.prompt_ids) - s.length for s in samples]
     longest_tail = max(tails)
     if longest_tail >= cfg.chunk_size:
@@ -98,7 +126,8 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
                 bar = tqdm(cells, desc="accuracy (policy x ratio)", disable=not cfg.progress)
                 for c in bar:
                     bar.set_postfix_str(c.label)
-                    recs, info = acc.cell(_policy(c.policy, c.ratio, cfg.granularity), c)
+                    recs, info = acc.cell(make_policy(c.policy, c.ratio, cfg.granularity, sink),
+                                          c)
                     rows.append({"policy": _class(c.policy), "ratio": c.ratio, "records": recs,
                                  **info})
                 acc.close()
@@ -111,7 +140,7 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
                 raise ValueError("the decode-gain arms start their own KV-bound vLLM: "
                                  "run with gain=False against an existing vLLM")
             with engines(**gkw) as eng, _session(eng) as (ctx, completion):
-                _gains(ctx, completion, eng, gcfg, bs, cells, rows, cfg, log)
+                _gains(ctx, completion, eng, gcfg, bs, cells, rows, cfg, log, sink)
             timings["gain_s"] = time.perf_counter() - t1
     all_records = base_records + [r for row in rows for r in row["records"]]
     base, results = report.summarize(base_records, rows)
@@ -120,6 +149,9 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
         "model": cfg.model, "model_dir": str(model_dir),
         "config": {**asdict(cfg), "gain_workload": asdict(gcfg) if cfg.gain else None,
                    "samples_total": len(samples),
+                   "header_sink": ({"tokens": sink, "policies": [
+                       _class(k) for k in sink_policies() if k in cfg.policies]}
+                       if sink is not None else None),
                    "query_window": ("the prompt's un-editable tail (question + answer prime), "
                                     f"{min(tails)}-{max(tails)} tokens"
                                     if needs_queries(cfg.policies) else None)},
@@ -176,14 +208,14 @@ def _kept(policy, tokens: int) -> int:
     return tokens - policy.num_drop(units) * units.size
 
 
-def _gains(ctx, completion, eng, gcfg, bs, cells, rows, cfg, log) -> None:
+def _gains(ctx, completion, eng, gcfg, bs, cells, rows, cfg, log, sink) -> None:
     from tqdm.auto import tqdm
 
     from kvedit.harness.eval.gain import GainRun
 
     log(f"decode gain: {gcfg.num_prompts} prompts x {gcfg.prompt_len} tokens, "
         f"{gcfg.max_tokens} output tokens, KV capacity {gcfg.kv_blocks} blocks")
-    policies = [_policy(c.policy, c.ratio, cfg.granularity) for c in cells]
+    policies = [make_policy(c.policy, c.ratio, cfg.granularity, sink) for c in cells]
     # One arm per kept size (or per cell): the first cell of each group runs it.
     group = [i if cfg.gain_each else _kept(p, gcfg.prompt_len) for i, p in enumerate(policies)]
     first = {k: i for i, k in reversed(list(enumerate(group)))}

@@ -66,6 +66,9 @@ class Sample:
     needle_positions: tuple[int, ...]  # first token of each needle, in `Spec.needles` order
     needle_ids: tuple[tuple[int, ...], ...]
     max_tokens: int
+    # Tokens of the template's opening + the instruction (the prompt's first tokens): what a
+    # user protects like a system prompt; the eval gives policies with a `sink` this many.
+    header: int = 0
 
     def correct(self, output: str) -> bool:
         """True when every expected answer is in the output (numbers as whole numbers)."""
@@ -176,7 +179,7 @@ def build(tok: ChatTokenizer, task: str, length: int, depth: float, index: int,
     assert len(ids) == length, (len(ids), length)
     prompt = ids + tok.footer(spec.question, spec.prime)
     return Sample(task, length, depth, index, prompt, spec.answers, tuple(pos),
-                  tuple(tuple(n) for n in needles), spec.max_tokens)
+                  tuple(tuple(n) for n in needles), spec.max_tokens, header=len(header))
 
 
 def suite(tok: ChatTokenizer, tasks, lengths, samples: int, seed: int = 0,
