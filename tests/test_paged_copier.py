@@ -134,24 +134,33 @@ def server():
         yield s
 
 
-def _filled_cache(nblocks: int, seed: int):
+# The copier's own path on the device it runs on: CPU everywhere; CUDA (side streams, events,
+# the page-locked segment) only where there is a GPU.
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs an NVIDIA GPU")])]
+
+
+def _filled_cache(nblocks: int, seed: int, device: str = "cpu"):
+    """Separate per-layer tensors (as vLLM allocates them), FlashAttention's layout."""
     g = torch.Generator().manual_seed(seed)
-    layers = [torch.randn(nblocks, 2, 16, 2 * HD, generator=g).to(torch.bfloat16)
+    layers = [torch.randn(nblocks, 2, 16, 2 * HD, generator=g).to(torch.bfloat16).to(device)
               for _ in range(L)]
     return PagedKV(layers, "cuda", HD, 16), layers
 
 
 def _gather(paged, block_ids, start, end) -> torch.Tensor:
-    out = torch.empty(2, L, end - start, paged.hidden, dtype=torch.bfloat16)
+    out = torch.empty(2, L, end - start, paged.hidden, dtype=torch.bfloat16,
+                      device=paged.device)
     paged.gather(paged.slots(block_ids, start, end), out)
-    return out
+    return out.cpu()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("async_store", [True, False])
-def test_staged_store_commits_every_chunk_through_a_small_ring(server, async_store):
+def test_staged_store_commits_every_chunk_through_a_small_ring(server, async_store, device):
     """10 chunks of two requests through a 4-slot ring (batches of 2, so stores wait for the
     background thread to free slots): every chunk lands in the server as gathered."""
-    paged, _ = _filled_cache(64, seed=1)
+    paged, _ = _filled_cache(64, seed=1, device=device)
     req_a, req_b = list(range(0, 64, 2)), list(range(1, 64, 2))
     todo = {f"a{i}".encode().ljust(16, b"."): (req_a, i) for i in range(4)}
     todo |= {f"b{i}".encode().ljust(16, b"."): (req_b, i) for i in range(6)}
@@ -171,24 +180,27 @@ def test_staged_store_commits_every_chunk_through_a_small_ring(server, async_sto
     copier.close()
 
 
-def test_staged_load_with_partial_first_and_last_chunk(server):
+@pytest.mark.parametrize("device", DEVICES)
+def test_staged_load_with_partial_first_and_last_chunk(server, device):
     """A run from mid-chunk 0 to mid-chunk 4 through 2-chunk staging halves: exactly the
     tokens [start, end) land in the paged blocks, bit for bit, and nothing else."""
-    src, _ = _filled_cache(80, seed=2)
+    src, _ = _filled_cache(80, seed=2, device=device)
     ids = list(range(0, 80, 2))[:5 * CHUNK // 16]
     keys = [f"load{i}".encode().ljust(16, b".") for i in range(5)]
     with KVClient(server.url) as c:
         c.register(MODEL, LAYOUT)
         c.delete(MODEL, keys)
         c.store(MODEL, keys, [_gather(src, ids, i * CHUNK, (i + 1) * CHUNK) for i in range(5)])
-        dst, layers = _filled_cache(80, seed=3)
-        for t in layers:
-            t.zero_()
+        dst, layers = _filled_cache(80, seed=3, device=device)
         copier = PagedCopier(dst, LAYOUT, MODEL, async_store=True,
                              staging_bytes=16 * LAYOUT.chunk_bytes)
-        start, end = 48, 4 * CHUNK + 17
-        run = ChunkRun(req_id="r", first=0, keys=[keys], start=start, end=end, block_ids=ids)
-        assert copier.load_run(c, run) == end
+        for _ in range(2):  # the second run reuses the staging halves after their scatters
+            for t in layers:
+                t.zero_()
+            start, end = 48, 4 * CHUNK + 17
+            run = ChunkRun(req_id="r", first=0, keys=[keys], start=start, end=end,
+                           block_ids=ids)
+            assert copier.load_run(c, run) == end
         assert copier._load_buf.shape[0] == 4  # two halves of 2 chunks: pieces 1+2+1+1
     assert torch.equal(_gather(dst, ids, start, end), _gather(src, ids, start, end))
     total = sum(t.float().abs().sum().item() for t in layers)

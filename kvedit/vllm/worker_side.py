@@ -193,6 +193,30 @@ class WorkerSide:
 
 
 @dataclass
+class CopierStats:
+    """Where a rank's store time goes (logged every LOG_EVERY s while storing): the time
+    vLLM's thread spends in store_chunks, the part of it waiting for the device (the
+    forward still running: not a cost of storing), and the background thread's copy +
+    commit time (overlapped with the next forward)."""
+    LOG_EVERY = 30.0
+    stores: int = 0
+    chunks: int = 0
+    main_s: float = 0.0
+    device_wait_s: float = 0.0
+    background_s: float = 0.0
+    logged_at: float = 0.0
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self.logged_at >= self.LOG_EVERY:
+            self.logged_at = now
+            logger.info("kvedit: store stats: %d stores, %d chunks, vLLM thread %.1f ms "
+                        "(of which waiting for the forward %.1f ms), background %.1f ms",
+                        self.stores, self.chunks, 1e3 * self.main_s,
+                        1e3 * self.device_wait_s, 1e3 * self.background_s)
+
+
+@dataclass
 class _StoreJob:
     """Chunks gathered into staging slots [start, start + len(keys)), waiting to be copied
     to the server and committed."""
@@ -238,6 +262,7 @@ class PagedCopier:
         self._jobs: queue.Queue[_StoreJob | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None  # from the background thread, raised once
+        self.stats = CopierStats()
 
     # ---- loads ------------------------------------------------------------------------
     def load_run(self, client, run: ChunkRun) -> int:
@@ -313,8 +338,10 @@ class PagedCopier:
         (staged: also at most half the ring, so two batches can be in flight). Raises the
         error of an earlier background store first, if there was one."""
         self._raise_background_error()
+        t0 = time.perf_counter()
         keys = list(todo)
         wait_for_device(self.paged.device)  # the forward's KV writes, on vLLM's stream
+        self.stats.device_wait_s += time.perf_counter() - t0
         step = client.max_keys or len(keys)
         if self.staged:
             step = min(step, max(1, self._store_ring().capacity // 2))
@@ -328,6 +355,10 @@ class PagedCopier:
                 self._submit(job)
             else:
                 self._finish(job)
+        self.stats.stores += 1
+        self.stats.chunks += len(keys)
+        self.stats.main_s += time.perf_counter() - t0
+        self.stats.maybe_log()
 
     def flush(self) -> None:
         """Wait until every background store is committed (or failed); raise its error."""
@@ -369,7 +400,7 @@ class PagedCopier:
     def _finish(self, job: _StoreJob) -> None:
         """Copy a gathered batch to the server's slots and commit it (the background thread
         does this when async_store); its staging slots are free again afterwards."""
-        ring = self._store_ring()
+        ring, t0 = self._store_ring(), time.perf_counter()
         try:
             with job.client.prepare_store(self.model, job.keys, tp_rank=self.tp_rank) as handle:
                 if handle.buffers:
@@ -381,6 +412,7 @@ class PagedCopier:
                     self._streams.store_done()
         finally:
             ring.give(job.start, len(job.keys))
+            self.stats.background_s += time.perf_counter() - t0
 
     def _submit(self, job: _StoreJob) -> None:
         if self._worker is None or not self._worker.is_alive():
