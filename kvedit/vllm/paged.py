@@ -279,13 +279,31 @@ def _same_run(layers: list[torch.Tensor], start: int, end: int) -> bool:
     return gap > 0 and (step is None or gap == step)
 
 
+_PINNED: dict[int, bool] = {}  # host allocation address -> page-locked (this process)
+_PIN_LOCK = threading.Lock()
+
+
 def pin_host(t: torch.Tensor) -> bool:
     """Page-lock the whole host allocation behind `t` (e.g. the server's shared-memory
     segment) so copies between it and the GPU run as DMA, not through a bounce buffer.
-    Returns False if CUDA refuses (the copies still work, just slower)."""
+    Returns False if CUDA refuses (the copies still work, just slower).
+
+    Once per allocation per process (a second cudaHostRegister of the same range fails).
+    The call runs in a thread of its own: a failed CUDA runtime call leaves a "last error"
+    in its thread, and torch reports that at the thread's next kernel launch (seen on the
+    H200: "part or all of the requested memory range is already mapped" raised by a gather
+    after a repeated registration)."""
     storage = t.untyped_storage()
-    rc = torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0)
-    return int(rc) == 0
+    with _PIN_LOCK:
+        if storage.data_ptr() not in _PINNED:
+            rc: list[int] = []
+            pin = threading.Thread(target=lambda: rc.append(int(
+                torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0))),
+                name="kvedit-pin")
+            pin.start()
+            pin.join()
+            _PINNED[storage.data_ptr()] = rc == [0]
+        return _PINNED[storage.data_ptr()]
 
 
 class StagingRing:
