@@ -226,3 +226,66 @@ def test_a_failed_background_store_is_raised_by_the_next_store(server):
         copier.flush()
         assert c.lookup("never-registered", list(todo)) == 1
     copier.close()
+
+
+class _FakeCudart:
+    """Records cudaHostRegister / cudaHostUnregister (CUDA cannot run here: a stand-in for
+    the runtime only; the real registration runs in the CUDA test below)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int]] = []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.calls.append(("register", ptr))
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+def test_pinning_holds_the_mapping_and_unpins_a_replaced_segment(monkeypatch):
+    """pin_host registers an allocation once and keeps a reference to it (so its address
+    cannot be reused by a new mapping while registered); unpin_host unregisters it."""
+    from kvedit.vllm import paged as paged_mod
+
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    seg = torch.zeros(1 << 16, dtype=torch.uint8)
+    ptr = seg.untyped_storage().data_ptr()
+    assert paged_mod.pin_host(seg[100:200]) and paged_mod.pin_host(seg)
+    assert fake.calls == [("register", ptr)]  # the whole allocation, once
+    assert paged_mod._PINNED[ptr][0] is not None  # held: the mapping stays while registered
+    paged_mod.unpin_host(seg)
+    assert fake.calls[-1] == ("unregister", ptr) and ptr not in paged_mod._PINNED
+    assert paged_mod.pin_host(seg) and fake.calls[-1] == ("register", ptr)
+    paged_mod.unpin_host(seg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("async_store", [False, True])
+def test_stores_after_a_server_restart_land_in_the_new_segment(async_store):
+    """The GPU suite's failure mode on the H200: after the server restarted (new shared-memory
+    segment), chunks stored through the page-locked path read back as zeros. Store, restart,
+    store again: every chunk reads back as gathered, and the old segment is unregistered."""
+    paged, _ = _filled_cache(64, seed=5, device="cuda")
+    ids = list(range(0, 64, 2))
+    copier = PagedCopier(paged, LAYOUT, MODEL, async_store=async_store,
+                         staging_bytes=16 * LAYOUT.chunk_bytes)
+    with start_server(0.25, chunk_size=CHUNK) as srv:
+        for round_ in range(2):
+            with KVClient(srv.url) as c:
+                c.register(MODEL, LAYOUT)
+                todo = {f"r{round_}k{i}".encode().ljust(16, b"."): (ids, i) for i in range(4)}
+                copier.store_chunks(c, todo)
+                copier.flush()
+                with c.retrieve(MODEL, list(todo)) as got:
+                    for t, (_, i) in zip(got.tensors, todo.values()):
+                        assert torch.equal(t, _gather(paged, ids, i * CHUNK, (i + 1) * CHUNK))
+                assert copier._pinned_seg is c.segment()[1]
+            if round_ == 0:
+                srv.restart()
+    copier.close()

@@ -279,31 +279,54 @@ def _same_run(layers: list[torch.Tensor], start: int, end: int) -> bool:
     return gap > 0 and (step is None or gap == step)
 
 
-_PINNED: dict[int, bool] = {}  # host allocation address -> page-locked (this process)
+# Host allocation address -> (the tensor over it, registered?). Holding the tensor keeps the
+# mapping alive while CUDA has it registered: a server restart makes the client map a new
+# segment, and if the old one were unmapped first, the new mapping could land at the same
+# address, look registered, and DMA would go to the old segment's pages (stored chunks read
+# back as zeros after the GPU suite's server-restart test, on the H200).
+_PINNED: dict[int, tuple[torch.Tensor, bool]] = {}
 _PIN_LOCK = threading.Lock()
+
+
+def _cudart_call(fn) -> int:
+    """Run one CUDA runtime call in a thread of its own and return its code: a failed call
+    leaves a "last error" in its thread, and torch reports that at the thread's next kernel
+    launch (seen on the H200: "part or all of the requested memory range is already
+    mapped" raised by a gather after a repeated registration)."""
+    device = torch.cuda.current_device()
+    rc: list[int] = []
+
+    def call():
+        torch.cuda.set_device(device)  # the calling thread's device (TP ranks differ)
+        rc.append(int(fn(torch.cuda.cudart())))
+    t = threading.Thread(target=call, name="kvedit-pin")
+    t.start()
+    t.join()
+    return rc[0] if rc else -1
 
 
 def pin_host(t: torch.Tensor) -> bool:
     """Page-lock the whole host allocation behind `t` (e.g. the server's shared-memory
     segment) so copies between it and the GPU run as DMA, not through a bounce buffer.
-    Returns False if CUDA refuses (the copies still work, just slower).
-
-    Once per allocation per process (a second cudaHostRegister of the same range fails).
-    The call runs in a thread of its own: a failed CUDA runtime call leaves a "last error"
-    in its thread, and torch reports that at the thread's next kernel launch (seen on the
-    H200: "part or all of the requested memory range is already mapped" raised by a gather
-    after a repeated registration)."""
+    Returns False if CUDA refuses (the copies still work, just slower). Once per allocation
+    per process; it stays mapped and registered until unpin_host."""
     storage = t.untyped_storage()
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
     with _PIN_LOCK:
-        if storage.data_ptr() not in _PINNED:
-            rc: list[int] = []
-            pin = threading.Thread(target=lambda: rc.append(int(
-                torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0))),
-                name="kvedit-pin")
-            pin.start()
-            pin.join()
-            _PINNED[storage.data_ptr()] = rc == [0]
-        return _PINNED[storage.data_ptr()]
+        if ptr not in _PINNED:
+            rc = _cudart_call(lambda rt: rt.cudaHostRegister(ptr, nbytes, 0))
+            _PINNED[ptr] = (t, rc == 0)
+        return _PINNED[ptr][1]
+
+
+def unpin_host(t: torch.Tensor) -> None:
+    """Undo pin_host (e.g. the server restarted and the client mapped a new segment); the
+    old mapping can go once nothing else holds it."""
+    ptr = t.untyped_storage().data_ptr()
+    with _PIN_LOCK:
+        entry = _PINNED.pop(ptr, None)
+        if entry is not None and entry[1]:
+            _cudart_call(lambda rt: rt.cudaHostUnregister(ptr))
 
 
 class StagingRing:

@@ -22,7 +22,7 @@ from kvedit.layout import ModelLayout
 from kvedit.vllm.link import ServerLink
 from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
 from kvedit.vllm.paged import (DeviceStreams, PagedKV, StagingRing, default_staging_bytes,
-                               pin_host, wait_for_device)
+                               pin_host, unpin_host, wait_for_device)
 from kvedit.vllm.query_capture import STATS, QueryCapture, capture_unavailable
 from kvedit.vllm.settings import ConnectorSettings, model_layout
 
@@ -255,6 +255,7 @@ class PagedCopier:
         self.paged, self.layout, self.model, self.tp_rank = paged, layout, model, tp_rank
         self.pin_shm = pin_shm
         self.pinned: set[int] = set()  # host allocations already page-locked for the GPU
+        self._pinned_seg: torch.Tensor | None = None  # the server segment pinned now
         self._pin_lock = threading.Lock()
         on_gpu = paged.device.type == "cuda"
         if async_store is None:  # interim switch until the connector settings carry one
@@ -452,18 +453,22 @@ class PagedCopier:
         """On a GPU, page-lock the server's shared-memory segment once (DMA copies run about
         4x faster than from pageable memory; bench connector --paged measures it). This
         populates the whole segment, so it costs RAM and one pause proportional to its size
-        (5.1 s for 16 GiB on the H200)."""
+        (5-6 s for 16 GiB on the H200). A restarted server means a new segment: the old one
+        is unregistered first (paged.pin_host says why that matters)."""
         seg = client.segment() if self.paged.device.type == "cuda" and self.pin_shm else None
         if seg is None:  # nothing shared to pin over the socket
             return
         buf = seg[1]
-        ptr = buf.untyped_storage().data_ptr()
         with self._pin_lock:  # loads (vLLM's thread) and stores (background) both pin
-            if ptr in self.pinned:
+            if self._pinned_seg is not None and self._pinned_seg is buf:
                 return
-            self.pinned.add(ptr)
-        t0 = time.perf_counter()
-        ok = pin_host(buf)
+            old, self._pinned_seg = self._pinned_seg, buf
+            self.pinned.add(buf.untyped_storage().data_ptr())
+            if old is not None:
+                unpin_host(old)
+                self.pinned.discard(old.untyped_storage().data_ptr())
+            t0 = time.perf_counter()
+            ok = pin_host(buf)
         logger.info("kvedit: page-locking the server segment (%.1f GiB) %s in %.1f s",
                     buf.untyped_storage().nbytes() / 2**30, "done" if ok else "FAILED",
                     time.perf_counter() - t0)
