@@ -136,28 +136,31 @@ class PagedKV:
         """Index tensors of the tokens in [start, end) for K and for V: (kernel block,
         *position factors), given the request's scheduler block ids."""
         pos = torch.arange(start, end, dtype=torch.int64)
-        return self._to_device(self._host_slots(torch.as_tensor(block_ids, dtype=torch.int64),
-                                                pos))
+        blocks = torch.as_tensor(block_ids, dtype=torch.int64)[pos // self.block_size]
+        return self._to_device(self._host_slots(blocks, pos % self.block_size))
 
     def chunk_slots(self, chunks: list[tuple[list[int], int]],
                     chunk_size: int) -> tuple[list[torch.Tensor], ...]:
         """Index tensors [n, chunk_size] of whole chunks, one row per (scheduler block ids of
-        its request, chunk index), for gather_chunks / scatter_chunks: built on the host and
-        moved to the device in ONE copy (a copy per chunk would also wait for the device)."""
+        its request, chunk index), for gather_chunks / scatter_chunks: built on the host in
+        one pass and moved to the device in ONE copy (a copy per chunk would also wait for
+        the device)."""
+        bs = self.block_size
         pos = torch.arange(chunk_size, dtype=torch.int64)
-        rows = [self._host_slots(torch.as_tensor(ids, dtype=torch.int64), pos + i * chunk_size)
-                for ids, i in chunks]
-        first = [t for side in rows[0] for t in side]
-        ids = _identity(first)  # which of K's and V's tensors are the same object
-        stacked = {i: torch.stack([[t for side in r for t in side][j] for r in rows])
-                   for j, i in enumerate(ids) if ids.index(i) == j}
-        flat = [stacked[i] for i in ids]
-        n_k = len(rows[0][0])
-        return self._to_device((flat[:n_k], flat[n_k:]))
+        if chunk_size % bs == 0:  # each chunk is whole scheduler blocks: one block table
+            per = chunk_size // bs
+            table = torch.tensor([ids[i * per:(i + 1) * per] for ids, i in chunks],
+                                 dtype=torch.int64)
+            blocks = table[:, pos // bs]
+        else:
+            blocks = torch.stack([torch.as_tensor(ids, dtype=torch.int64)[
+                (pos + i * chunk_size) // bs] for ids, i in chunks])
+            pos = torch.stack([pos + i * chunk_size for _, i in chunks])
+        return self._to_device(self._host_slots(blocks, (pos % bs).expand(blocks.shape)))
 
-    def _host_slots(self, blocks: torch.Tensor, pos: torch.Tensor) -> tuple[list, list]:
-        blocks = blocks[pos // self.block_size]
-        within = pos % self.block_size
+    def _host_slots(self, blocks: torch.Tensor, within: torch.Tensor) -> tuple[list, list]:
+        """(kernel block, *position factors) for K and V of tokens at scheduler block
+        `blocks`, position `within` it (tensors of one shape)."""
         kblock = blocks * (self.block_size // self.kernel_block) + within // self.kernel_block
         n = within % self.kernel_block
         out, seen = [], {}
