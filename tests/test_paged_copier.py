@@ -156,19 +156,29 @@ def _gather(paged, block_ids, start, end) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("async_store", [True, False])
-def test_staged_store_commits_every_chunk_through_a_small_ring(server, async_store, device):
-    """10 chunks of two requests through a 4-slot ring (batches of 2, so stores wait for the
-    background thread to free slots): every chunk lands in the server as gathered."""
+@pytest.mark.parametrize("mode", ["async", "pipelined", "direct"])
+def test_staged_store_commits_every_chunk_through_a_small_ring(server, mode, device):
+    """10 chunks of two requests through a 4-slot ring (batches of 2, so async stores wait
+    for the background thread to free slots), 3 of them already in the server: every chunk
+    lands as gathered. Modes: background commit; commit in this thread with one-chunk gather
+    pieces pipelined with the copies (the GPU default); direct gathers into shared memory
+    (the CPU default)."""
     paged, _ = _filled_cache(64, seed=1, device=device)
     req_a, req_b = list(range(0, 64, 2)), list(range(1, 64, 2))
     todo = {f"a{i}".encode().ljust(16, b"."): (req_a, i) for i in range(4)}
     todo |= {f"b{i}".encode().ljust(16, b"."): (req_b, i) for i in range(6)}
-    copier = PagedCopier(paged, LAYOUT, MODEL, async_store=async_store,
-                         staging_bytes=4 * LAYOUT.chunk_bytes * 4 // 3)
+    kw = {"async": dict(async_store=True), "pipelined": dict(async_store=False, staged=True),
+          "direct": dict(async_store=False, staged=device == "cuda")}[mode]
+    copier = PagedCopier(paged, LAYOUT, MODEL, staging_bytes=4 * LAYOUT.chunk_bytes * 4 // 3,
+                         **kw)
+    copier.PIPELINE_PIECE = 1
     with KVClient(server.url) as c:
         c.register(MODEL, LAYOUT)
         c.delete(MODEL, list(todo))
+        early = {k: todo[k] for k in list(todo)[3:9:2]}  # three of them stored first
+        copier.store_chunks(c, early)
+        copier.flush()
+        assert c.lookup(MODEL, list(early)) == 3
         copier.store_chunks(c, todo)
         assert copier._store_ring().capacity == 4
         copier.flush()

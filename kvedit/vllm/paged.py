@@ -451,6 +451,14 @@ class DeviceStreams:
             free.record(torch.cuda.current_stream(self.device))
             self._free[half] = free
 
+    def store_after_current(self) -> None:
+        """Store copies queued from now on wait for the work queued so far on the current
+        stream (a gather into staging); the host does not wait."""
+        if self.cuda:
+            gathered = torch.cuda.Event()
+            gathered.record(torch.cuda.current_stream(self.device))
+            self.store_stream.wait_event(gathered)
+
     def store_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Device staging -> host slot, queued on the store stream (or inline on the CPU)."""
         if not self.cuda:

@@ -247,11 +247,12 @@ class PagedCopier:
     background path there too: the tests run it on any machine)."""
 
     STAGING_TIMEOUT = 30.0  # s a store waits for staging slots before it is dropped
+    PIPELINE_PIECE = 4  # chunks per gather in a pipelined store (its copies hide the next)
     MAX_RING_SLOTS, MAX_LOAD_PIECE = 128, 16  # chunks; beyond this more staging buys nothing
 
     def __init__(self, paged: PagedKV, layout: ModelLayout, model: str, tp_rank: int = 0,
                  pin_shm: bool = True, *, async_store: bool | None = None,
-                 staging_bytes: int | None = None):
+                 staging_bytes: int | None = None, staged: bool | None = None):
         self.paged, self.layout, self.model, self.tp_rank = paged, layout, model, tp_rank
         self.pin_shm = pin_shm
         self.pinned: set[int] = set()  # host allocations already page-locked for the GPU
@@ -261,7 +262,9 @@ class PagedCopier:
         if async_store is None:  # interim switch until the connector settings carry one
             async_store = os.environ.get(ASYNC_STORE_ENV) == "1"
         self.async_store = async_store
-        self.staged = on_gpu or self.async_store
+        # staged: through device staging (the GPU path); staged=True on the CPU runs that
+        # same path there (tests)
+        self.staged = (on_gpu or self.async_store) if staged is None else staged
         self.staging_bytes = staging_bytes or default_staging_bytes(paged.device)
         self._ring: StagingRing | None = None  # allocated on the first staged store
         self._load_buf: torch.Tensor | None = None
@@ -355,12 +358,10 @@ class PagedCopier:
             batch = keys[i:i + step]
             if not self.staged:
                 self._store_direct(client, batch, todo)
-                continue
-            job = self._gather(client, batch, todo)
-            if self.async_store:
-                self._submit(job)
+            elif self.async_store:
+                self._submit(self._gather(client, batch, todo))
             else:
-                self._finish(job)
+                self._store_pipelined(client, batch, todo)
         self.stats.stores += 1
         self.stats.chunks += len(keys)
         self.stats.main_s += time.perf_counter() - t0
@@ -379,6 +380,38 @@ class PagedCopier:
             for j, buf in handle.writable():  # refused past the server's write TTL
                 block_ids, chunk = todo[keys[j]]
                 self.paged.gather(self.paged.slots(block_ids, chunk * c, (chunk + 1) * c), buf)
+
+    def _store_pipelined(self, client, keys: list[bytes],
+                         todo: dict[bytes, tuple[list[int], int]]) -> None:
+        """GPU, commit in this thread: ask the server which chunks it lacks, then gather
+        those in pieces of PIPELINE_PIECE chunks into staging and copy each piece to its
+        shared-memory slots on the store stream as soon as its gather is done, so the
+        gathers (and their launches) overlap the device->host copies; commit once every copy
+        landed (which also means every gather is done: vLLM may reuse the blocks)."""
+        ring = self._store_ring()
+        start = ring.take(len(keys), self.STAGING_TIMEOUT)
+        try:
+            self._pin(client)  # before the write TTL starts: it can take seconds
+            with client.prepare_store(self.model, keys, tp_rank=self.tp_rank) as handle:
+                missing = list(handle.missing)
+                if not missing:
+                    return
+                slots = self.paged.chunk_slots([todo[keys[i]] for i in missing],
+                                               self.layout.chunk_size)
+                targets = handle.writable()  # checks the write TTL before each chunk
+                try:
+                    for a in range(0, len(missing), self.PIPELINE_PIECE):
+                        b = min(len(missing), a + self.PIPELINE_PIECE)
+                        rows = tuple([t[a:b] for t in side] for side in slots)
+                        self.paged.gather_chunks(rows, ring.buf[start + a:start + b])
+                        self._streams.store_after_current()
+                        for j in range(a, b):
+                            _, buf = next(targets)
+                            self._streams.store_copy(buf, ring.buf[start + j])
+                finally:  # every copy landed before the commit (or the abort frees the slots)
+                    self._streams.store_done()
+        finally:
+            ring.give(start, len(keys))
 
     def _store_ring(self) -> StagingRing:
         if self._ring is None:
