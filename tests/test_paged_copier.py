@@ -274,18 +274,19 @@ def test_pinning_holds_the_mapping_and_unpins_a_replaced_segment(monkeypatch):
     paged_mod.unpin_host(seg)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("async_store", [False, True])
-def test_stores_after_a_server_restart_land_in_the_new_segment(async_store):
-    """The GPU suite's failure mode on the H200: after the server restarted (new shared-memory
-    segment), chunks stored through the page-locked path read back as zeros. Store, restart,
-    store again: every chunk reads back as gathered, and the old segment is unregistered."""
-    paged, _ = _filled_cache(64, seed=5, device="cuda")
+def test_stores_after_a_server_restart_land_in_the_new_segment(async_store, device):
+    """The GPU suite's failure on the H200: after the server restarted (a new shared-memory
+    file), chunks stored through the page-locked path read back as zeros. Store, restart,
+    store again: every chunk reads back as gathered, through the copier's own mapping of
+    the new file (on the CPU the same staged path runs without page-locking)."""
+    paged, _ = _filled_cache(64, seed=5, device=device)
     ids = list(range(0, 64, 2))
-    copier = PagedCopier(paged, LAYOUT, MODEL, async_store=async_store,
+    copier = PagedCopier(paged, LAYOUT, MODEL, async_store=async_store, staged=True,
                          staging_bytes=16 * LAYOUT.chunk_bytes)
     with start_server(0.25, chunk_size=CHUNK) as srv:
+        idents = []
         for round_ in range(2):
             with KVClient(srv.url) as c:
                 c.register(MODEL, LAYOUT)
@@ -295,7 +296,9 @@ def test_stores_after_a_server_restart_land_in_the_new_segment(async_store):
                 with c.retrieve(MODEL, list(todo)) as got:
                     for t, (_, i) in zip(got.tensors, todo.values()):
                         assert torch.equal(t, _gather(paged, ids, i * CHUNK, (i + 1) * CHUNK))
-                assert copier._pinned_seg is c.segment()[1]
+                assert copier._map.current(c.segment()[0])
+                idents.append(copier._map.ident)
             if round_ == 0:
                 srv.restart()
+        assert idents[0] != idents[1]  # the restarted server's file, mapped anew
     copier.close()

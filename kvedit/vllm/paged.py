@@ -29,6 +29,8 @@ Layouts (from vLLM 0.32's attention backends; tests check them against vLLM's ow
 """
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 import time
 from collections import deque
@@ -330,6 +332,55 @@ def unpin_host(t: torch.Tensor) -> None:
         entry = _PINNED.pop(ptr, None)
         if entry is not None and entry[1]:
             _cudart_call(lambda rt: rt.cudaHostUnregister(ptr))
+
+
+class HostMapping:
+    """This process's own mapping of the server's shared-memory file, page-locked once for
+    the GPU (pin=True). The connector's DMA copies go through it rather than through the
+    client's mapping: the client unmaps its segment when the server restarts, and a
+    registered range that gets unmapped and mapped again at the same address still looks
+    page-locked to CUDA, whose copies then go to the old segment's pages (on the H200 the
+    GPU suite's stores after test_server_outage read back as zeros). This mapping lives
+    until close(), which unregisters it first; `current` says whether it still maps the
+    file now at its path (a restarted server makes a new file)."""
+
+    def __init__(self, path: str, pin: bool):
+        st = os.stat(path)
+        self.path, self.ident = path, (st.st_dev, st.st_ino)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, st.st_size)
+        finally:
+            os.close(fd)
+        self.bytes: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.pinned = pin_host(self.bytes) if pin else False
+
+    def current(self, path: str) -> bool:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        return path == self.path and (st.st_dev, st.st_ino) == self.ident
+
+    def view_of(self, t: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+        """The bytes of `t` (a contiguous view into the client's mapping `seg` of the same
+        file) as a tensor of this mapping."""
+        off, nbytes = t.data_ptr() - seg.data_ptr(), t.numel() * t.element_size()
+        if not t.is_contiguous() or off < 0 or off + nbytes > self.bytes.numel():
+            raise ValueError(f"kvedit: a host tensor of {nbytes} bytes at offset {off} is not "
+                             f"a contiguous part of the {self.bytes.numel()}-byte segment")
+        return self.bytes[off:off + nbytes].view(t.dtype).view(t.shape)
+
+    def close(self) -> None:
+        if self.bytes is None:
+            return
+        if self.pinned:
+            unpin_host(self.bytes)
+        self.bytes = None
+        try:
+            self._mm.close()
+        except BufferError:  # views still alive elsewhere: the mapping goes with them
+            pass
 
 
 class StagingRing:

@@ -21,8 +21,8 @@ import torch
 from kvedit.layout import ModelLayout
 from kvedit.vllm.link import ServerLink
 from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
-from kvedit.vllm.paged import (DeviceStreams, PagedKV, StagingRing, default_staging_bytes,
-                               pin_host, unpin_host, wait_for_device)
+from kvedit.vllm.paged import (DeviceStreams, HostMapping, PagedKV, StagingRing,
+                               default_staging_bytes, wait_for_device)
 from kvedit.vllm.query_capture import STATS, QueryCapture, capture_unavailable
 from kvedit.vllm.settings import ConnectorSettings, model_layout
 
@@ -256,7 +256,7 @@ class PagedCopier:
         self.paged, self.layout, self.model, self.tp_rank = paged, layout, model, tp_rank
         self.pin_shm = pin_shm
         self.pinned: set[int] = set()  # host allocations already page-locked for the GPU
-        self._pinned_seg: torch.Tensor | None = None  # the server segment pinned now
+        self._map: HostMapping | None = None  # our page-locked mapping of the segment
         self._pin_lock = threading.Lock()
         on_gpu = paged.device.type == "cuda"
         if async_store is None:  # interim switch until the connector settings carry one
@@ -278,12 +278,12 @@ class PagedCopier:
     def load_run(self, client, run: ChunkRun) -> int:
         """Copy the run's chunks into the paged blocks; return the first token not loaded."""
         c = self.layout.chunk_size
-        self._pin(client)  # before the lease: pinning a large segment takes seconds
+        self._host(client)  # before the lease: pinning a large segment takes seconds
         with client.retrieve(self.model, run.keys[self.tp_rank], tp_rank=self.tp_rank) as got:
             loaded = run.start
             try:
                 if self.staged:
-                    return self._load_staged(run, got.tensors)
+                    return self._load_staged(run, self._on_host(client, got.tensors))
                 for i, chunk in enumerate(got.tensors):
                     lo = max(run.start, (run.first + i) * c)
                     hi = min(run.end, (run.first + i + 1) * c)
@@ -391,11 +391,12 @@ class PagedCopier:
         ring = self._store_ring()
         start = ring.take(len(keys), self.STAGING_TIMEOUT)
         try:
-            self._pin(client)  # before the write TTL starts: it can take seconds
+            self._host(client)  # before the write TTL starts: it can take seconds
             with client.prepare_store(self.model, keys, tp_rank=self.tp_rank) as handle:
                 missing = list(handle.missing)
                 if not missing:
                     return
+                host = self._on_host(client, handle.buffers)
                 slots = self.paged.chunk_slots([todo[keys[i]] for i in missing],
                                                self.layout.chunk_size)
                 targets = handle.writable()  # checks the write TTL before each chunk
@@ -406,8 +407,8 @@ class PagedCopier:
                         self.paged.gather_chunks(rows, ring.buf[start + a:start + b])
                         self._streams.store_after_current()
                         for j in range(a, b):
-                            _, buf = next(targets)
-                            self._streams.store_copy(buf, ring.buf[start + j])
+                            next(targets)  # the write TTL check
+                            self._streams.store_copy(host[j], ring.buf[start + j])
                 finally:  # every copy landed before the commit (or the abort frees the slots)
                     self._streams.store_done()
         finally:
@@ -441,10 +442,11 @@ class PagedCopier:
         does this when async_store); its staging slots are free again afterwards."""
         ring, t0 = self._store_ring(), time.perf_counter()
         try:
-            self._pin(job.client)  # before the write TTL starts: it can take seconds
+            self._host(job.client)  # before the write TTL starts: it can take seconds
             with job.client.prepare_store(self.model, job.keys, tp_rank=self.tp_rank) as handle:
+                host = self._on_host(job.client, handle.buffers)
                 try:
-                    for j, buf in handle.writable():  # refused past the server's write TTL
+                    for (j, _), buf in zip(handle.writable(), host):  # refused past the TTL
                         self._streams.store_copy(buf, ring.buf[job.start + j])
                 finally:  # every copy landed before the commit (or the abort frees the slots)
                     self._streams.store_done()
@@ -477,31 +479,46 @@ class PagedCopier:
             raise err
 
     def close(self) -> None:
-        """Let the background thread finish what it holds, then stop it."""
+        """Let the background thread finish what it holds, then stop it; unmap our segment
+        mapping."""
         if self._worker is not None and self._worker.is_alive():
             self._jobs.put(None)
             self._worker.join(timeout=self.STAGING_TIMEOUT)
+        with self._pin_lock:
+            if self._map is not None:
+                self._map.close()
+                self._map = None
 
-    def _pin(self, client) -> None:
-        """On a GPU, page-lock the server's shared-memory segment once (DMA copies run about
-        4x faster than from pageable memory; bench connector --paged measures it). This
-        populates the whole segment, so it costs RAM and one pause proportional to its size
-        (5-6 s for 16 GiB on the H200). A restarted server means a new segment: the old one
-        is unregistered first (paged.pin_host says why that matters)."""
-        seg = client.segment() if self.paged.device.type == "cuda" and self.pin_shm else None
-        if seg is None:  # nothing shared to pin over the socket
-            return
-        buf = seg[1]
-        with self._pin_lock:  # loads (vLLM's thread) and stores (background) both pin
-            if self._pinned_seg is not None and self._pinned_seg is buf:
-                return
-            old, self._pinned_seg = self._pinned_seg, buf
-            self.pinned.add(buf.untyped_storage().data_ptr())
+    def _host(self, client) -> HostMapping | None:
+        """Our own mapping of the client's current segment (None over the socket, or on the
+        CPU's direct path), made and page-locked on first use and again after a server
+        restart (HostMapping says why not the client's mapping). Page-locking populates the
+        whole segment: one pause proportional to its size (5-6 s for 16 GiB on the H200)."""
+        seg = client.segment() if self.staged else None
+        if seg is None:
+            return None
+        path = seg[0]
+        with self._pin_lock:  # loads (vLLM's thread) and stores (background) both map
+            if self._map is not None and self._map.current(path):
+                return self._map
+            old, self._map = self._map, None
             if old is not None:
-                unpin_host(old)
-                self.pinned.discard(old.untyped_storage().data_ptr())
+                old.close()
             t0 = time.perf_counter()
-            ok = pin_host(buf)
-        logger.info("kvedit: page-locking the server segment (%.1f GiB) %s in %.1f s",
-                    buf.untyped_storage().nbytes() / 2**30, "done" if ok else "FAILED",
-                    time.perf_counter() - t0)
+            pin = self.paged.device.type == "cuda" and self.pin_shm
+            self._map = HostMapping(path, pin)
+            if pin:
+                self.pinned.add(self._map.bytes.untyped_storage().data_ptr())
+                logger.info("kvedit: page-locking the server segment (%.1f GiB) %s in %.1f s",
+                            self._map.bytes.numel() / 2**30,
+                            "done" if self._map.pinned else "FAILED", time.perf_counter() - t0)
+            return self._map
+
+    def _on_host(self, client, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`tensors` (views into the client's segment) as views of our own mapping."""
+        m, seg = self._host(client), client.segment()
+        if m is None or seg is None:
+            return tensors
+        if not m.current(seg[0]):  # the client re-attached since: follow it
+            m = self._host(client)
+        return [m.view_of(t, seg[1]) for t in tensors]
