@@ -52,6 +52,11 @@ def register(bsub) -> None:
                    help="only time paged gather/scatter copies (GPU if available)")
     p.add_argument("--chunks", type=int, default=16,
                    help="--paged: chunks per timed batch (default 16, 36 MiB each)")
+    p.add_argument("--separate-layers", action="store_true",
+                   help="--paged: one allocation per layer, as vLLM allocates its KV cache "
+                        "(default: all layers in one buffer)")
+    p.add_argument("--no-query-capture", dest="query_capture", action="store_false",
+                   help="skip the query-capture arm (e.g. on vLLM 0.26, which has none)")
     p.add_argument("--model", default=None, help="model dir (default: the tiny Qwen3)")
     p.add_argument("--dtype", default="float32", help="vLLM --dtype (default float32)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0,
@@ -67,23 +72,27 @@ def register(bsub) -> None:
 
 
 def run(args) -> int:
-    result = (paged_bench(chunks=args.chunks) if args.paged else
+    result = (paged_bench(chunks=args.chunks, separate_layers=args.separate_layers)
+              if args.paged else
               vllm_bench(args.tokens, args.prompts, args.rounds, model=args.model,
                          dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
                          server_gb=args.server_gb, vllm_args=args.vllm_arg,
-                         window=args.query_window))
+                         window=args.query_window if args.query_capture else 0))
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
 
 # ---- paged copies -------------------------------------------------------------------------
 def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
-                chunk: int = 256, chunks: int = 16, device: str | None = None) -> dict:
+                chunk: int = 256, chunks: int = 16, device: str | None = None,
+                separate_layers: bool = False) -> dict:
     """GB/s of PagedKV.gather / scatter for Qwen3-8B-shaped bf16 chunks (36 MiB each).
 
     Block 16 and FlashAttention's NHD order on CUDA, block 128 and the CPU backend's layout
-    on CPU. On CUDA the host copies are timed too: device <-> pageable host memory (what a
-    store into / load from the server's shared memory costs) and pinned host memory.
+    on CPU; `separate_layers`: one allocation per layer (vLLM's own allocation: one index
+    op per layer), else one buffer for all layers (one op per K/V). On CUDA the host copies
+    are timed too: device <-> pageable host memory and pinned host memory; gathers in 16-byte
+    elements (what the connector uses) and in bf16 elements.
     """
     import torch
 
@@ -95,14 +104,24 @@ def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
     nblocks = 2 * tokens // block
     perm = (0, 1, 3, 2, 4) if kind == "cuda" else (0, 1, 2, 3, 4)  # LBNHC / LBHNC
     logical = (num_layers, nblocks, kv_heads, block, 2 * head_dim)
-    buf = torch.randn([logical[i] for i in perm], dtype=torch.bfloat16, device=device)
-    view = buf.permute(*[perm.index(i) for i in range(5)])
-    paged = PagedKV([view[i] for i in range(num_layers)], kind, head_dim, block)
+    if separate_layers:
+        lperm, lshape = tuple(i - 1 for i in perm[1:]), logical[1:]  # one layer's order
+        bufs = [torch.randn([lshape[i] for i in lperm], dtype=torch.bfloat16, device=device)
+                for _ in range(num_layers)]
+        layers = [b.permute(*[lperm.index(i) for i in range(4)]) for b in bufs]
+    else:
+        buf = torch.randn([logical[i] for i in perm], dtype=torch.bfloat16, device=device)
+        view = buf.permute(*[perm.index(i) for i in range(5)])
+        layers = [view[i] for i in range(num_layers)]
+    paged = PagedKV(layers, kind, head_dim, block)
+    narrow = PagedKV(layers, kind, head_dim, block, wide=False)
     block_ids = torch.randperm(nblocks)[: tokens // block].tolist()
     slots = [paged.slots(block_ids, c * chunk, (c + 1) * chunk) for c in range(chunks)]
+    batch = paged.chunk_slots([(block_ids, c) for c in range(chunks)], chunk)
     shape = (2, num_layers, chunk, kv_heads * head_dim)
-    dev = [torch.empty(shape, dtype=torch.bfloat16, device=device) for _ in range(chunks)]
-    nbytes = chunks * dev[0].numel() * dev[0].element_size()
+    staged = torch.empty((chunks, *shape), dtype=torch.bfloat16, device=device)
+    dev = list(staged.unbind(0))
+    nbytes = staged.numel() * staged.element_size()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def timed(fn, reps: int = 5) -> float:
@@ -118,9 +137,14 @@ def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
 
     out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
            "layout": kind, "block_size": block, "chunk_bytes": nbytes // chunks,
-           "chunks": chunks,
+           "chunks": chunks, "separate_layers": separate_layers,
+           "layer_groups": len(paged.groups), "wide_ratio": paged.ratio,
            "gather_GBps": timed(lambda: [paged.gather(s, d) for s, d in zip(slots, dev)]),
-           "scatter_GBps": timed(lambda: [paged.scatter(s, d) for s, d in zip(slots, dev)])}
+           "scatter_GBps": timed(lambda: [paged.scatter(s, d) for s, d in zip(slots, dev)]),
+           "gather_narrow_GBps": timed(lambda: [narrow.gather(s, d)
+                                                for s, d in zip(slots, dev)]),
+           "gather_batch_GBps": timed(lambda: paged.gather_chunks(batch, staged)),
+           "scatter_batch_GBps": timed(lambda: paged.scatter_chunks(batch, staged))}
     # Baseline: a plain contiguous copy of the same bytes on the same device.
     src = [torch.empty_like(d) for d in dev]
     out["memcpy_GBps"] = timed(lambda: [d.copy_(s) for s, d in zip(src, dev)])
@@ -145,7 +169,12 @@ def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
         # between the GPU and pinned host memory (no gather, no server).
         out["pinned_d2h_GBps"] = timed(lambda: [h.copy_(d) for d, h in zip(dev, host)])
         out["pinned_h2d_GBps"] = timed(lambda: [d.copy_(h) for d, h in zip(dev, host)])
-    out.update(_through_server(paged, block_ids, shape, chunk, chunks, sync, nbytes))
+    for async_store in (True, False):
+        res = _through_server(paged, block_ids, shape, chunk, chunks, sync, nbytes,
+                              async_store=async_store)
+        out.update(res if async_store else
+                   {"store_via_server_sync_GBps": res["store_via_server_GBps"],
+                    "breakdown_sync_ms": res["breakdown_ms"]})
     if device == "cuda":
         out["store_via_server_vs_pinned_copy"] = out["store_via_server_GBps"] / out["pinned_d2h_GBps"]
         out["load_via_server_vs_pinned_copy"] = out["load_via_server_GBps"] / out["pinned_h2d_GBps"]
@@ -155,14 +184,15 @@ def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
 
 
 def _through_server(paged, block_ids: list[int], shape, chunk: int, n: int, sync,
-                    nbytes: int, reps: int = 5) -> dict:
+                    nbytes: int, reps: int = 5, async_store: bool = True) -> dict:
     """The connector's own store and load code (kvedit.vllm.worker_side.PagedCopier, what
     wait_for_save and start_load_kv run) through a real kvedit server: paged -> its shared
     memory (prepare_store / commit) and back (retrieve / release), fresh keys each time.
+    A store is timed until committed (the background thread flushed).
 
     Best of `reps`; deleting the previous round's keys is outside the timed part. The
     breakdown times the server round trips alone (the same requests, no copies) and the
-    gathers / scatters alone, so the copies' share is the rest."""
+    batched gathers / scatters alone, so the copies' share is the rest."""
     import os
 
     import torch
@@ -176,8 +206,8 @@ def _through_server(paged, block_ids: list[int], shape, chunk: int, n: int, sync
     layout = ModelLayout(num_layers=shape[1], num_kv_heads=paged.num_heads,
                          head_dim=paged.head_dim, dtype="bfloat16", chunk_size=chunk)
     pool_gb = 3 * n * layout.chunk_bytes / 2**30 + 0.5
-    copier = PagedCopier(paged, layout, "bench")
-    slots = [paged.slots(block_ids, c * chunk, (c + 1) * chunk) for c in range(n)]
+    copier = PagedCopier(paged, layout, "bench", async_store=async_store)
+    batch = paged.chunk_slots([(block_ids, c) for c in range(n)], chunk)
     with start_server(pool_gb, chunk_size=chunk) as server, KVClient(server.url) as client:
         client.register("bench", layout)
         keys: list[bytes] = []
@@ -189,6 +219,7 @@ def _through_server(paged, block_ids: list[int], shape, chunk: int, n: int, sync
 
         def store():
             copier.store_chunks(client, {k: (block_ids, c) for c, k in enumerate(keys)})
+            copier.flush()
 
         def load():
             run = ChunkRun(req_id="bench", first=0, keys=[keys], start=0, end=n * chunk,
@@ -205,15 +236,7 @@ def _through_server(paged, block_ids: list[int], shape, chunk: int, n: int, sync
             with client.retrieve("bench", keys) as got:
                 assert len(got.tensors) == n
 
-        staged = torch.empty(shape, dtype=paged.dtype, device=paged.device)
-
-        def gathers_only():
-            for s in slots:
-                paged.gather(s, staged)
-
-        def scatters_only():
-            for s in slots:
-                paged.scatter(s, staged)
+        staged = torch.empty((n, *shape), dtype=paged.dtype, device=paged.device)
 
         def best(fn, setup=None) -> float:
             times = []
@@ -232,7 +255,9 @@ def _through_server(paged, block_ids: list[int], shape, chunk: int, n: int, sync
         t_load = best(load)
         t_store_rpc = best(store_rpc_only, fresh)
         t_load_rpc = best(load_rpc_only)
-        t_gather, t_scatter = best(gathers_only), best(scatters_only)
+        t_gather = best(lambda: paged.gather_chunks(batch, staged))
+        t_scatter = best(lambda: paged.scatter_chunks(batch, staged))
+        copier.close()
         return {"transfer_mode": client.transfer_mode,
                 "store_via_server_GBps": nbytes / t_store / 1e9,
                 "load_via_server_GBps": nbytes / t_load / 1e9,
@@ -353,7 +378,8 @@ def vllm_bench(tokens: int, n_prompts: int, rounds: int, *, model: str | None = 
                                         "no_capture": []}
         cpu: dict[str, list[float]] = {"capture": [], "no_capture": []}  # CPU s per batch
         last: list[int] = []
-        _prefill_tput(with_conn, [fresh() for _ in range(2)], window)  # warm the capture path
+        if window:
+            _prefill_tput(with_conn, [fresh() for _ in range(2)], window)  # warm capture
         for r in range(rounds):
             # ABBA order, fresh prompts each time (no prefix hit anywhere).
             for name in (("without", "with") if r % 2 == 0 else ("with", "without")):
@@ -361,7 +387,7 @@ def vllm_bench(tokens: int, n_prompts: int, rounds: int, *, model: str | None = 
                 tput[name].append(_prefill_tput(vp, [fresh() for _ in range(n_prompts)]))
             # Query capture on every request vs on none, same vLLM: two pairs per round in
             # ABBA order (this ratio is the one most exposed to noise: it is near 1).
-            for name in ("capture", "no_capture", "no_capture", "capture"):
+            for name in ("capture", "no_capture", "no_capture", "capture") if window else ():
                 prompts = [fresh() for _ in range(n_prompts)]
                 c0 = _tree_cpu_seconds(with_conn.pid)
                 tput[name].append(_prefill_tput(with_conn, prompts,
@@ -376,7 +402,7 @@ def vllm_bench(tokens: int, n_prompts: int, rounds: int, *, model: str | None = 
                 dt, usage = _complete(with_conn, p)
                 hit.append(dt)
                 hit_tokens.append(usage["prompt_tokens_details"]["cached_tokens"])
-        query_bytes = _query_bytes(server, with_conn.model, last, window)
+        query_bytes = _query_bytes(server, with_conn.model, last, window) if window else 0
     # Each ratio is taken within a pair measured back to back (so both sides saw about the
     # same load from other work on a shared machine); the median ratio is reported.
     med = statistics.median
@@ -391,6 +417,16 @@ def vllm_bench(tokens: int, n_prompts: int, rounds: int, *, model: str | None = 
         "prefill_median_tok_s_without_connector": med(tput["without"]),
         "prefill_with_store_vs_without": med(w / o for w, o in zip(tput["with"],
                                                                    tput["without"])),
+        **(_capture_fields(tput, cpu, window, query_bytes) if window else {}),
+        "targets": {"hit_ttft_vs_recompute": "<= 0.3", "prefill_with_store_vs_without": ">= 0.9",
+                    "prefill_with_query_capture_vs_without": ">= 0.95"},
+    }
+
+
+def _capture_fields(tput: dict, cpu: dict, window: int, query_bytes: int) -> dict:
+    """The query-capture arm's figures (absent with --no-query-capture)."""
+    med = statistics.median
+    return {
         "query_window": window,
         "prefill_median_tok_s_query_capture": med(tput["capture"]),
         "prefill_median_tok_s_no_query_capture": med(tput["no_capture"]),
@@ -403,6 +439,4 @@ def vllm_bench(tokens: int, n_prompts: int, rounds: int, *, model: str | None = 
         "prefill_cpu_with_query_capture_vs_without": med(n / c for c, n in zip(
             cpu["capture"], cpu["no_capture"])),
         "query_bytes_per_request": query_bytes,
-        "targets": {"hit_ttft_vs_recompute": "<= 0.3", "prefill_with_store_vs_without": ">= 0.9",
-                    "prefill_with_query_capture_vs_without": ">= 0.95"},
     }
