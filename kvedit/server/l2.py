@@ -32,11 +32,17 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
 import msgspec
-import redis
 
 from kvedit.layout import ModelLayout
 from kvedit.server.config import redacted
-from kvedit.server.l2_redis import ERRORS, RedisChunks, layout_tag, redis_key
+
+try:   # the `l2` extra: only a server started with --l2-url needs it
+    import redis
+
+    from kvedit.server.l2_redis import ERRORS, RedisChunks, layout_tag, redis_key
+except ImportError as e:
+    redis = None
+    _MISSING_EXTRA = e
 
 log = logging.getLogger("kvedit.server")
 BACKOFF_MIN, BACKOFF_MAX = 0.2, 5.0   # seconds between pings while Redis is unreachable
@@ -114,6 +120,9 @@ class L2Counters:
 class L2Tier:
     def __init__(self, host: L2Host, url: str, *, prefix: str, ttl: float, timeout: float,
                  max_queue_bytes: int, write_on: str = "commit"):
+        if redis is None:
+            raise RuntimeError(f"--l2-url needs the `l2` extra (redis, xxhash), which is not "
+                               f"installed ({_MISSING_EXTRA}): pip install 'kvedit[l2]'")
         self.host, self.url, self.prefix, self.write_on = host, url, prefix, write_on
         self.max_queue_bytes = max_queue_bytes
         self.counters = L2Counters()

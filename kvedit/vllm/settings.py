@@ -29,6 +29,11 @@ class ConnectorSettings:
     retry_interval: float = 1.0        # seconds between reconnect attempts while unavailable
     rope_is_neox: bool | None = None   # override the GPT-J/NeoX guess from the model type
     pin_shm: bool = True               # GPU: page-lock the server's shared memory for DMA
+    # GPU stores: commit from a background thread (faster prefill, but a request sent right
+    # after a response may miss chunks still in flight: docs/gpu.md), and the device staging
+    # ring's size in bytes (0: 3/4 of min(2 GiB, GPU memory / 32)).
+    async_store: bool = False
+    gpu_staging_bytes: int = 0
     kvedit_secret_file: str = ""       # the server's shared secret; "": $KVEDIT_SECRET(_FILE)
     # Query capture (docs/queries.md): "auto" hooks attention where the vLLM is supported and
     # otherwise warns each asking request; "on" refuses to start on an unsupported vLLM;

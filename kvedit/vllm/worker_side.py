@@ -10,7 +10,6 @@ gather into device staging and a background thread copies and commits (PagedCopi
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -29,7 +28,6 @@ from kvedit.vllm.settings import ConnectorSettings, model_layout
 logger = logging.getLogger("vllm.kvedit")
 # "1": stores commit from a background thread (PagedCopier); a chunk then becomes visible in
 # the server a few ms after the step, so a request sent right after the response may miss it.
-ASYNC_STORE_ENV = "KVEDIT_ASYNC_STORE"
 
 
 class WorkerSide:
@@ -106,8 +104,10 @@ class WorkerSide:
                                  f"layers x {layout.hidden}, KV cache has "
                                  f"{self.paged.num_layers} x {self.paged.hidden}")
             self.layout = layout
-            self.copier = PagedCopier(self.paged, layout, self.model, self.tp_rank,
-                                      self.settings.pin_shm)
+            s = self.settings
+            self.copier = PagedCopier(self.paged, layout, self.model, self.tp_rank, s.pin_shm,
+                                      async_store=s.async_store,
+                                      staging_bytes=s.gpu_staging_bytes or None)
         client.register(self.model, self.layout)
         http = self.settings.kvedit_http_url
         logger.info("kvedit: registered %s (rank %d) with %s%s: %s", self.model, self.tp_rank,
@@ -194,6 +194,8 @@ class WorkerSide:
         return errors
 
     def close(self) -> None:
+        if self.copier is not None:
+            self.copier.close()   # joins the store thread, unpins the copier's mapping
         if self.link is not None:
             self.link.close()
 
@@ -253,7 +255,7 @@ class PagedCopier:
     MAX_RING_SLOTS, MAX_LOAD_PIECE = 128, 16  # chunks; beyond this more staging buys nothing
 
     def __init__(self, paged: PagedKV, layout: ModelLayout, model: str, tp_rank: int = 0,
-                 pin_shm: bool = True, *, async_store: bool | None = None,
+                 pin_shm: bool = True, *, async_store: bool = False,
                  staging_bytes: int | None = None, staged: bool | None = None):
         self.paged, self.layout, self.model, self.tp_rank = paged, layout, model, tp_rank
         self.pin_shm = pin_shm
@@ -261,9 +263,7 @@ class PagedCopier:
         self._map: HostMapping | None = None  # our page-locked mapping of the segment
         self._pin_lock = threading.Lock()
         on_gpu = paged.device.type == "cuda"
-        if async_store is None:  # interim switch until the connector settings carry one
-            async_store = os.environ.get(ASYNC_STORE_ENV) == "1"
-        self.async_store = async_store
+        self.async_store = bool(async_store)
         # staged: through device staging (the GPU path); staged=True on the CPU runs that
         # same path there (tests)
         self.staged = (on_gpu or self.async_store) if staged is None else staged
