@@ -19,8 +19,9 @@ from kvedit.client import KVClient
 from kvedit.layout import ModelLayout
 from kvedit.server.launch import start_server
 from kvedit.vllm.metadata import ChunkRun
-from kvedit.vllm.paged import PagedKV, StagingRing
-from kvedit.vllm.worker_side import PagedCopier
+from kvedit.vllm.gpu_memory import StagingRing
+from kvedit.vllm.paged import PagedKV
+from kvedit.vllm.copier import PagedCopier
 from tests.test_paged_layouts import CHUNK, HD, L, make_layers, read_ref, setup, write_ref
 
 MODEL = "copier-model"
@@ -257,7 +258,7 @@ class _FakeCudart:
 def test_pinning_holds_the_mapping_and_unpins_a_replaced_segment(monkeypatch):
     """pin_host registers an allocation once and keeps a reference to it (so its address
     cannot be reused by a new mapping while registered); unpin_host unregisters it."""
-    from kvedit.vllm import paged as paged_mod
+    from kvedit.vllm import gpu_memory
 
     fake = _FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
@@ -265,13 +266,13 @@ def test_pinning_holds_the_mapping_and_unpins_a_replaced_segment(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
     seg = torch.zeros(1 << 16, dtype=torch.uint8)
     ptr = seg.untyped_storage().data_ptr()
-    assert paged_mod.pin_host(seg[100:200]) and paged_mod.pin_host(seg)
+    assert gpu_memory.pin_host(seg[100:200]) and gpu_memory.pin_host(seg)
     assert fake.calls == [("register", ptr)]  # the whole allocation, once
-    assert paged_mod._PINNED[ptr][0] is not None  # held: the mapping stays while registered
-    paged_mod.unpin_host(seg)
-    assert fake.calls[-1] == ("unregister", ptr) and ptr not in paged_mod._PINNED
-    assert paged_mod.pin_host(seg) and fake.calls[-1] == ("register", ptr)
-    paged_mod.unpin_host(seg)
+    assert gpu_memory._PINNED[ptr][0] is not None  # held: the mapping stays while registered
+    gpu_memory.unpin_host(seg)
+    assert fake.calls[-1] == ("unregister", ptr) and ptr not in gpu_memory._PINNED
+    assert gpu_memory.pin_host(seg) and fake.calls[-1] == ("register", ptr)
+    gpu_memory.unpin_host(seg)
 
 
 @pytest.mark.parametrize("device", DEVICES)

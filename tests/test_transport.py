@@ -91,7 +91,8 @@ def test_both_transports_round_trip_through_one_interface(secured, mode):
 
 SWITCH_FILES = ["kvedit/client.py", "kvedit/handles.py", "kvedit/transport.py",
                 "kvedit/datalink.py", "kvedit/sdk/chunkmap.py", "kvedit/sdk/modify.py",
-                "kvedit/sdk/context.py", "kvedit/vllm/worker_side.py", "kvedit/vllm/link.py",
+                "kvedit/sdk/context.py", "kvedit/vllm/worker_side.py", "kvedit/vllm/copier.py",
+                "kvedit/vllm/link.py",
                 "kvedit/sdk/source.py", "kvedit/sdk/contracts.py", "kvedit/sdk/driver.py",
                 "kvedit/sdk/queries.py", "kvedit/bench/connector.py"]
 
@@ -407,7 +408,8 @@ def test_connector_load_past_the_lease_ttl_is_a_load_error(short_ttl, monkeypatc
     from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
     from kvedit.vllm.paged import PagedKV
     from kvedit.vllm.settings import ConnectorSettings
-    from kvedit.vllm.worker_side import PagedCopier, WorkerSide
+    from kvedit.vllm.copier import PagedCopier
+    from kvedit.vllm.worker_side import WorkerSide
 
     block, nblocks = 128, 8
     layers = [torch.zeros(nblocks, LAYOUT.num_kv_heads, block, 2 * LAYOUT.head_dim,
@@ -476,7 +478,7 @@ def test_connector_store_splits_a_step_larger_than_the_key_limit(secured):
     """The worker's real store path (PagedCopier) with 10 chunks against a server taking 4 keys
     per request: stored in 3 requests, every chunk's bytes as gathered from the paged cache."""
     from kvedit.vllm.paged import PagedKV
-    from kvedit.vllm.worker_side import PagedCopier
+    from kvedit.vllm.copier import PagedCopier
 
     block, nblocks = 128, 24
     g = torch.Generator().manual_seed(8)
