@@ -77,7 +77,11 @@ def _run_arm(ctx, completion, samples, arm: str, cfg: AccuracyConfig, tok) -> di
     else:
         batch.run(_greedy(1), policy(arm), _greedy(most), every=cfg.every, budget=cfg.budget)
     counted = {id(st): len(st.output_token_ids) for st in streams}
-    held = max(g.prompt_tokens + len(g.token_ids) for st in streams for g in st.generations)
+    # KV a request made the engine hold: the prefill holds the whole prompt (a recall prompt
+    # can exceed B; the driver edits it before the first decode round), decode rounds <= B
+    prefill_held = max(st.generations[0].prompt_tokens + 1 for st in streams)
+    held = max((g.prompt_tokens + len(g.token_ids) for st in streams
+                for g in st.generations[1:]), default=0)
     asking = [(st, s) for st, s in zip(streams, samples) if s.question_ids]
     if asking:
         for st, s in asking:
@@ -98,7 +102,8 @@ def _run_arm(ctx, completion, samples, arm: str, cfg: AccuracyConfig, tok) -> di
             rec["ok"] = score.complete
         records.append(rec)
     batch.release()
-    return {"wall_s": wall, "max_request_tokens_count_phase": held, "records": records}
+    return {"wall_s": wall, "max_prefill_tokens": prefill_held,
+            "max_decode_request_tokens": held, "records": records}
 
 
 def _summary(records, arm: str) -> dict:
