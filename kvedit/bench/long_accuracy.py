@@ -92,9 +92,12 @@ def _run_arm(ctx, completion, samples, arm: str, cfg: AccuracyConfig, tok) -> di
     records = []
     for st, s in zip(streams, samples):
         n = counted[id(st)]
-        score = s.score_count(tok.decode(st.output_token_ids[:n]))
+        text = tok.decode(st.output_token_ids[:n])
+        score = s.score_count(text)
         rec = {"task": s.task, "index": s.index, "arm": arm, "generated": n,
                "count_fraction": score.fraction, "count_complete": score.complete}
+        if not score.complete:
+            rec["slip"] = _around_slip(text, score.produced)
         if s.question_ids:
             answer = tok.decode(st.output_token_ids[n:])
             rec.update(depth=s.depth, answer=answer, ok=s.recalled(answer))
@@ -104,6 +107,15 @@ def _run_arm(ctx, completion, samples, arm: str, cfg: AccuracyConfig, tok) -> di
     batch.release()
     return {"wall_s": wall, "max_prefill_tokens": prefill_held,
             "max_decode_request_tokens": held, "records": records}
+
+
+def _around_slip(text: str, produced: int) -> str:
+    """The generated text around the first number that broke the count."""
+    import re
+
+    found = list(re.finditer(r"\d+", text))
+    at = found[produced].start() if produced < len(found) else len(text)
+    return text[max(0, at - 40):at + 40]
 
 
 def _summary(records, arm: str) -> dict:

@@ -22,9 +22,9 @@ variants in separate processes). Use --repeats 5 or more: the first repeats pay 
 Where fn runs. The arms above call the synchronous `batch.modify` from the main thread, so a
 synchronous fn runs in that thread (main malloc arena). `drop_half_cat_async` runs the same
 edit through the async API (`asyncio.run(batch.amodify(fn))`, no waiting caller): fn runs
-in the SDK's fn pool (kvedit.sdk.alloc: threads checked to allocate from the main arena);
-`drop_half_cat_io_thread` wraps it in an async fn that runs it in the context's I/O pool (any
-thread's arena: what amodify did before the fn pool), for a same-run comparison.
+in the SDK's fn pool (kvedit.sdk.alloc: threads checked to allocate from the main arena).
+`--no-keep-freed-memory` runs it where amodify ran it before the pool (the context's I/O
+threads, each with its own arena): compare the two runs.
 """
 from __future__ import annotations
 
@@ -83,16 +83,6 @@ def _drop_half_cat(kv, tokens, layout):
     tail = len(tokens) - quarter
     return torch.cat([kv[:, :, :quarter], kv[:, :, tail:]], dim=2), \
         tokens[:quarter] + tokens[tail:]
-
-
-class _InIOThread:
-    """drop_half_cat run by an async fn in the context's I/O thread pool (worker arenas)."""
-
-    def __init__(self, ctx):
-        self.ctx = ctx
-
-    async def __call__(self, kv, tokens, layout):
-        return await self.ctx.call(_drop_half_cat, kv, tokens, layout)
 
 
 def _modify(batch, fn, how: str):
@@ -189,8 +179,7 @@ def run(args) -> int:
                          ("identity", _identity, args.repeats, "sync"),
                          ("drop_half", _drop_half, args.repeats, "sync"),
                          ("drop_half_cat", _drop_half_cat, args.repeats, "sync"),
-                         ("drop_half_cat_async", _drop_half_cat, args.repeats, "async"),
-                         ("drop_half_cat_io_thread", _InIOThread(ctx), args.repeats, "async"))
+                         ("drop_half_cat_async", _drop_half_cat, args.repeats, "async"))
                 for name, fn, repeats, how in edits:
                     for _ in range(repeats):  # other work on a shared host drifts: pair
                         seed += 1             # each modify with a memcpy timed just before

@@ -89,16 +89,18 @@ def fill_small_cache() -> None:
 
 
 def _brk_heap() -> tuple[int, int] | None:
-    """The main arena's heap ([heap] in /proc/self/maps) as (start, end), if any."""
+    """The main arena's heap as (start, end): the span of the [heap] lines of
+    /proc/self/maps (madvise, e.g. torch's huge pages, splits it into several)."""
+    spans = []
     try:
         with open("/proc/self/maps") as f:
             for line in f:
                 if line.rstrip().endswith("[heap]"):
                     lo, hi = line.split()[0].split("-")
-                    return int(lo, 16), int(hi, 16)
+                    spans.append((int(lo, 16), int(hi, 16)))
     except OSError:
-        pass
-    return None
+        return None
+    return (min(lo for lo, _ in spans), max(hi for _, hi in spans)) if spans else None
 
 
 def on_main_arena() -> bool:
