@@ -32,8 +32,8 @@ it; `bounds` names both.
 
 Accuracy (`--accuracy-model smollm2`, the default when `kvedit model smollm2` has built it):
 after the speed arms, a second engine pair on SmolLM2 runs the long-generation tasks of
-kvedit.harness.eval.longgen with no budget and with each policy under a budget
-(kvedit.bench.long_accuracy); `accuracy` holds each arm's accuracy per task with Wilson
+kvedit.harness.eval.longgen with no budget, in decode rounds without edits, and with each
+policy under a budget (kvedit.bench.long_accuracy); `accuracy` holds each arm's accuracy per task with Wilson
 intervals and wall time. `--accuracy-model none` skips it; `accuracy.skipped` says why when
 it did not run.
 """
@@ -73,8 +73,9 @@ def register(bsub) -> None:
                    help="numbers each sample counts (~5 tokens each)")
     a.add_argument("--accuracy-every", type=int, default=64, help="K of the budgeted arms")
     a.add_argument("--accuracy-budget", type=int, default=512, help="B of the budgeted arms")
-    a.add_argument("--accuracy-arms", default="none,streaming,keynorm",
-                   help="comma-separated: none (no budget) and policies (streaming, keynorm)")
+    a.add_argument("--accuracy-arms", default="none,rounds,streaming,keynorm",
+                   help="comma-separated: none (no budget), rounds (decode rounds of K, no "
+                        "edit) and policies under the budget (streaming, keynorm)")
     p.set_defaults(func=_main)
 
 

@@ -3,6 +3,9 @@ with and without a per-stream KV budget, on `kvedit eval`'s model (SmolLM2).
 
 Arms, each on fresh streams of the same samples (greedy, stopping at EOS or max_tokens):
 - none: prefill, then one decode of the whole count;
+- rounds: the budgeted driver's decode rounds of K tokens with no edit (budget unlimited):
+  what re-sending the sequence every K tokens alone changes (bf16: a round recomputes the
+  tail chunk, so greedy decoding may take another branch), apart from what a budget drops;
 - one per policy: `BatchedStream.run(..., every=K, budget=B)` with that policy (the budgeted
   driver edits each stream whenever the next round would make it hold more than B tokens).
 Recall samples then get their question appended (`Stream.append`) and decode the answer; in
@@ -19,7 +22,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ARMS = ("none", "streaming", "keynorm")
+ARMS = ("none", "rounds", "streaming", "keynorm")
+UNLIMITED = 10**9  # the rounds arm's budget: never reached, so never an edit
 
 
 @dataclass
@@ -75,7 +79,11 @@ def _run_arm(ctx, completion, samples, arm: str, cfg: AccuracyConfig, tok) -> di
         batch.prefill(_greedy(1))
         batch.decode(_greedy(most))
     else:
-        batch.run(_greedy(1), policy(arm), _greedy(most), every=cfg.every, budget=cfg.budget)
+        budget = UNLIMITED if arm == "rounds" else cfg.budget
+        m = batch.run(_greedy(1), policy("streaming" if arm == "rounds" else arm),
+                      _greedy(most), every=cfg.every, budget=budget)
+        if arm == "rounds" and m.edit_rounds:
+            raise RuntimeError(f"the rounds arm edited {m.edit_rounds} times; it must not")
     counted = {id(st): len(st.output_token_ids) for st in streams}
     # KV a request made the engine hold: the prefill holds the whole prompt (a recall prompt
     # can exceed B; the driver edits it before the first decode round), decode rounds <= B
