@@ -125,14 +125,14 @@ class FnPool:
     work: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
 
     def start(self, probe: bool) -> None:
-        found, parked, go = 0, 0, threading.Event()
+        found, go = 0, threading.Event()
         while probe and found < self.size and self.probes < PROBES_PER_THREAD * self.size:
             verdict: queue.SimpleQueue = queue.SimpleQueue()
             self._thread(verdict, go)
             self.probes += 1
-            # a thread's first malloc attaches its arena for good: keep it or park it
-            ok = verdict.get()
-            found, parked = found + ok, parked + (not ok)
+            # a thread's first malloc attaches its arena for good: keep it, or park it
+            # (so the next new thread is handed the next arena, not this one again)
+            found += verdict.get()
         go.set()  # parked threads exit: their arenas go back to glibc's free list
         self.main_arena = probe and found == self.size
         for _ in range(self.size - found):  # not found: plain threads, any arena
