@@ -33,9 +33,9 @@ it; `bounds` names both.
 Accuracy (`--accuracy-model smollm2`, the default when `kvedit model smollm2` has built it):
 after the speed arms, a second engine pair on SmolLM2 runs the long-generation tasks of
 kvedit.harness.eval.longgen with no budget, in decode rounds without edits, and with each
-policy under a budget (kvedit.bench.long_accuracy); `accuracy` holds each arm's accuracy per task with Wilson
-intervals and wall time. `--accuracy-model none` skips it; `accuracy.skipped` says why when
-it did not run.
+policy under a budget (kvedit.bench.long_accuracy); `accuracy` holds each arm's accuracy
+per task with Wilson intervals and wall time. `--accuracy-model none` skips it;
+`accuracy.skipped` says why when it did not run.
 """
 from __future__ import annotations
 

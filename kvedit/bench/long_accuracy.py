@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ARMS = ("none", "rounds", "streaming", "keynorm")
@@ -37,7 +37,6 @@ class AccuracyConfig:
     arms: tuple[str, ...] = ARMS
     tasks: tuple[str, ...] = ("count", "recall")
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def cached_model() -> tuple[Path | None, str]:
@@ -167,6 +166,5 @@ def run(cfg: AccuracyConfig, model_dir: Path, log) -> dict:
                 arms[arm] = r
         finally:
             kvedit.close(ctx)
-    return {"model": model_dir.name, "config": {k: v for k, v in asdict(cfg).items()
-                                                 if k != "extra"},
-            "arms": arms, "elapsed_s": time.perf_counter() - t0}
+    return {"model": model_dir.name, "config": asdict(cfg), "arms": arms,
+            "elapsed_s": time.perf_counter() - t0}
