@@ -117,3 +117,26 @@ def test_failed_mid_decode_edit_leaves_the_stream_decodable(ctx, post, vllm_serv
     reset_prefix_cache(vllm_server)
     batch.decode({**GREEDY, "max_tokens": 50})
     assert s.output_token_ids == ref
+
+
+def test_appended_turn_after_an_edit_continues_like_the_full_sequence(ctx, post, vllm_server):
+    """Stream.append (a user's next turn after a long output): the next decode sends the
+    edited sequence plus the appended tokens, and continues exactly like a direct request on
+    that sequence; the appended tokens are computed by the engine, not taken from a cache."""
+    p = prompt(C + 40)
+    turn = prompt(37)
+    s = create_request(ctx, post, p, cache_salt="append")
+    batch = BatchedStream([s], progress=False)
+    batch.prefill(GREEDY)
+    batch.decode({**GREEDY, "max_tokens": C})
+    generated = list(s.output_token_ids)
+    batch.modify(lambda kv, t: (kv[:, :, :C], t[:C]))   # drop all but the first chunk
+    s.append(turn)
+    assert s.prompt == p[:C] + (p + generated)[2 * C:] + turn and not s.done
+    ref, _ = direct(post, s.prompt, 30)
+    reset_prefix_cache(vllm_server)
+    batch.decode({**GREEDY, "max_tokens": 30})
+    assert s.output_token_ids == generated + ref
+    assert s.generations[-1].prompt_tokens == len(s.prompt) - 30
+    with pytest.raises(ValueError, match="appended token ids"):
+        s.append(["not a token"])

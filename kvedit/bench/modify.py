@@ -18,10 +18,18 @@ reuse by default (kvedit.sdk.alloc) and the synchronous modify runs fn in the ca
 thread, so drop_half_cat's torch.cat reuses the previous output's pages after the first
 repeats; `--no-keep-freed-memory` measures malloc's default (process-wide: run the two
 variants in separate processes). Use --repeats 5 or more: the first repeats pay fresh pages.
+
+Where fn runs. The arms above call the synchronous `batch.modify` from the main thread, so a
+synchronous fn runs in that thread (main malloc arena). `drop_half_cat_async` runs the same
+edit through the async API (`asyncio.run(batch.amodify(fn))`, no waiting caller): fn runs
+in the SDK's fn pool (kvedit.sdk.alloc: threads checked to allocate from the main arena).
+`--no-keep-freed-memory` runs it where amodify ran it before the pool (the context's I/O
+threads, each with its own arena): compare the two runs.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -75,6 +83,11 @@ def _drop_half_cat(kv, tokens, layout):
     tail = len(tokens) - quarter
     return torch.cat([kv[:, :, :quarter], kv[:, :, tail:]], dim=2), \
         tokens[:quarter] + tokens[tail:]
+
+
+def _modify(batch, fn, how: str):
+    """batch.modify from this (main) thread, or the async API (no waiting caller)."""
+    return batch.modify(fn) if how == "sync" else asyncio.run(batch.amodify(fn))
 
 
 class _Memcpy:
@@ -133,7 +146,7 @@ def run(args) -> int:
     import torch
 
     from kvedit.layout import ModelLayout
-    from kvedit.sdk.alloc import keep_freed_memory
+    from kvedit.sdk.alloc import fn_pool, keep_freed_memory
     from kvedit.sdk.context import connect
 
     lay = ModelLayout(num_layers=args.layers, num_kv_heads=args.kv_heads,
@@ -162,22 +175,25 @@ def run(args) -> int:
                          keep_freed_memory=not args.no_keep_freed_memory) as ctx:
                 memcpy = _Memcpy(kv_bytes)
                 results, ratios, baselines, seed = {}, {}, [], 0
-                edits = (("identity_cold", _identity, 1), ("identity", _identity, args.repeats),
-                         ("drop_half", _drop_half, args.repeats),
-                         ("drop_half_cat", _drop_half_cat, args.repeats))
-                for name, fn, repeats in edits:
+                edits = (("identity_cold", _identity, 1, "sync"),
+                         ("identity", _identity, args.repeats, "sync"),
+                         ("drop_half", _drop_half, args.repeats, "sync"),
+                         ("drop_half_cat", _drop_half_cat, args.repeats, "sync"),
+                         ("drop_half_cat_async", _drop_half_cat, args.repeats, "async"))
+                for name, fn, repeats, how in edits:
                     for _ in range(repeats):  # other work on a shared host drifts: pair
                         seed += 1             # each modify with a memcpy timed just before
                         batch = _streams(ctx, client, args.streams, args.tokens, seed)
                         batch.modify_concurrency = args.modify_concurrency
                         baselines.append(memcpy.warm())
-                        m = batch.modify(fn)
+                        m = _modify(batch, fn, how)
                         ratios.setdefault(name, []).append(baselines[-1] / m.duration)
                         if name not in results or m.duration < results[name].duration:
                             results[name] = m
                         client.delete(model, [k for s in batch for k in s.keys])
                 transfer, track = client.transfer_mode, ctx.pool.cow
                 keep_freed = not args.no_keep_freed_memory and keep_freed_memory()
+                pool = fn_pool()
                 warm, fresh = statistics.median(baselines), memcpy.fresh()
     finally:
         if server is not None:
@@ -189,6 +205,8 @@ def run(args) -> int:
                    "modify_concurrency": args.modify_concurrency, "transfer_mode": transfer,
                    "track_writes": track,
                    "keep_freed_memory": keep_freed,
+                   "fn_pool": {"threads": pool.size, "main_arena": pool.main_arena,
+                               "threads_started": pool.probes} if pool else None,
                    "torch_threads": torch.get_num_threads(),
                    "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"},
         "kv_bytes": kv_bytes,

@@ -9,28 +9,52 @@ modify`. With `mallopt(M_MMAP_MAX, 0)` large blocks come from the heap instead, 
 reuses touched pages. fn may still allocate whatever it likes; the cost is that the process
 keeps its peak heap (the largest modify's working set) instead of returning it to the OS.
 
+That works only in the main arena (the brk heap). A thread other than the main one gets its
+own arena, whose heaps are at most 64 MiB: a larger request is a direct mmap whatever
+M_MMAP_MAX says, unmapped again on free. So synchronous fns run where their allocations come
+from the main arena:
+- a synchronous `batch.modify(...)` from the main thread runs fn in that thread
+  (kvedit.sdk.loop.in_caller);
+- otherwise (the async API, the budgeted driver, a caller that is not the main thread) fn
+  runs in the fn pool here: `fn_pool()` threads that were checked to allocate from the main
+  arena. glibc hands a new thread an arena round-robin once no new arena may be created, so
+  with `M_ARENA_MAX=1` a new thread lands on the main arena every few threads; the pool
+  starts threads until it has enough that do (the probe: an untouched 80 MiB tensor lies in
+  the brk heap), parking the others meanwhile, then lets the others go. If that fails (the
+  process already had more than 8 arenas, so glibc fixed its arena limit before), the pool
+  runs fn in plain threads and `fn_pool().main_arena` is False.
+
 Process-wide and glibc-only: `connect(keep_freed_memory=True)` (the default) applies it
-once; `False` leaves malloc alone. It helps allocations of the main thread's arena: a
-synchronous `batch.modify(...)` runs a synchronous fn in the calling thread
-(kvedit.sdk.loop.in_caller), so fn's torch.cat output reuses the previous one's pages.
-Worker-thread arenas (the async API, where fn runs in the context's thread pool) serve a
-request larger than a thread heap (64 MiB) with a direct mmap whatever M_MMAP_MAX says, so
-there it changes nothing. Measured (`kvedit bench modify --json --repeats 9`, two processes
-back to back): drop_half_cat 0.55x memcpy median (repeats 0.35, 0.43, then 0.50-0.62) vs
-0.35 (0.31-0.36) with --no-keep-freed-memory; the process's RSS stayed flat over 30
-repeated 150 MB allocations.
+once; `False` leaves malloc alone. The costs: the process keeps its peak heap, and with
+M_ARENA_MAX=1 threads created later share the existing arenas (more lock contention for
+programs that malloc heavily from many threads).
+
+Measured (`kvedit bench modify --json --repeats 9`): see docs/sdk.md "decode-time editing".
+Not used: torch's THP_MEM_ALLOC_ENABLE=1 (huge pages for large CPU tensors; this kernel's
+THP mode is `madvise`) helps a fresh torch.cat in a worker thread (0.26 -> 0.55x a warm copy
+in a micro-benchmark) but c10 reads it once, at the first CPU allocation, so a library
+cannot turn it on after torch has run; a user may set it in the environment.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
+import os
+import queue
 import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 from kvedit.sdk import libc
 
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameter numbers
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's mallopt parameter numbers
 TRIM_THRESHOLD = 2**31 - 1             # never trim the heap top back to the kernel
+PROBE_BYTES = 80 << 20                 # above a thread heap's 64 MiB: only the main arena
+PROBES_PER_THREAD = 16                 # thread starts allowed per pool thread to find one
 
 _lock = threading.Lock()
 _applied: bool | None = None
+_pool: FnPool | None = None
 
 
 def keep_freed_memory() -> bool:
@@ -40,5 +64,121 @@ def keep_freed_memory() -> bool:
         if _applied is None:
             _applied = libc.mallopt is not None and \
                 bool(libc.mallopt(M_MMAP_MAX, 0)) and \
-                bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+                bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)) and \
+                bool(libc.mallopt(M_ARENA_MAX, 1))
         return _applied
+
+
+def fill_small_cache() -> None:
+    """Fill this thread's glibc tcache (7 free chunks per size up to 1 KiB).
+
+    torch allocates with posix_memalign, which carves an aligned block out of a larger
+    chunk and frees the few bytes left at its end; while the thread's tcache has room, that
+    tail is parked there, still "in use" for the heap, between the block and the rest of the
+    heap. The freed block then cannot merge with its neighbours, and the next request of the
+    same size (again with alignment slack) does not fit in it: the heap grew by one block per
+    call until the cache held 7 such tails (a pool thread: 7 x 151 MB in bench modify). With
+    the cache full the tail goes to a fast bin, merged at the next large malloc, and the
+    freed block is reused at once. Costs ~0.1 ms per call."""
+    if not _applied or libc.malloc is None or libc.free is None:
+        return
+    chunks = [libc.malloc(n) for n in range(8, 1033, 16) for _ in range(7)]
+    for c in chunks:
+        if c:
+            libc.free(c)
+
+
+def _brk_heap() -> tuple[int, int] | None:
+    """The main arena's heap as (start, end): the span of the [heap] lines of
+    /proc/self/maps (madvise, e.g. torch's huge pages, splits it into several)."""
+    spans = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if line.rstrip().endswith("[heap]"):
+                    lo, hi = line.split()[0].split("-")
+                    spans.append((int(lo, 16), int(hi, 16)))
+    except OSError:
+        return None
+    return (min(lo for lo, _ in spans), max(hi for _, hi in spans)) if spans else None
+
+
+def on_main_arena() -> bool:
+    """Does the calling thread allocate a large tensor from the main arena's brk heap?
+    (With M_MMAP_MAX=0 the main arena grows that heap; any other arena mmaps the block.)
+    The probe is not touched: it costs address space, not pages."""
+    import torch
+
+    p = torch.empty(PROBE_BYTES, dtype=torch.uint8)
+    heap = _brk_heap()
+    return heap is not None and heap[0] <= p.data_ptr() < heap[1]
+
+
+@dataclass
+class FnPool:
+    """Threads that run synchronous edit fns from one queue. `main_arena`: every one of them
+    allocates from the main arena (so kept freed blocks are reused), found after `probes`
+    thread starts."""
+    size: int
+    main_arena: bool = False
+    probes: int = 0
+    work: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+
+    def start(self, probe: bool) -> None:
+        found, go = 0, threading.Event()
+        while probe and found < self.size and self.probes < PROBES_PER_THREAD * self.size:
+            verdict: queue.SimpleQueue = queue.SimpleQueue()
+            self._thread(verdict, go)
+            self.probes += 1
+            # a thread's first malloc attaches its arena for good: keep it, or park it
+            # (so the next new thread is handed the next arena, not this one again)
+            found += verdict.get()
+        go.set()  # parked threads exit: their arenas go back to glibc's free list
+        self.main_arena = probe and found == self.size
+        for _ in range(self.size - found):  # not found: plain threads, any arena
+            self._thread(None, go)
+
+    def _thread(self, verdict, go) -> None:
+        threading.Thread(target=self._serve, args=(verdict, go), name="kvedit-fn",
+                         daemon=True).start()
+
+    def _serve(self, verdict, go) -> None:
+        if verdict is not None:
+            ok = on_main_arena()
+            verdict.put(ok)
+            if not ok:
+                go.wait()
+                return
+        while True:
+            fut, call = self.work.get()
+            if fut.set_running_or_notify_cancel():
+                fill_small_cache()
+                try:
+                    fut.set_result(call())
+                except BaseException as e:  # handed to the awaiting coroutine
+                    fut.set_exception(e)
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        fut: Future = Future()
+        self.work.put((fut, functools.partial(fn, *args, **kwargs)))
+        return fut
+
+
+def fn_pool() -> FnPool | None:
+    """The process's fn pool, made on first use; None unless keep_freed_memory() is in
+    effect (then fn runs in the context's thread pool, as any blocking call)."""
+    global _pool
+    with _lock:
+        if _pool is None and _applied:
+            pool = FnPool(size=max(2, min(8, os.cpu_count() or 2)))
+            pool.start(probe=True)
+            _pool = pool
+        return _pool
+
+
+async def run_fn(ctx, fn, /, *args, **kwargs):
+    """fn(*args, **kwargs) in the fn pool (or the context's pool without one)."""
+    pool = fn_pool()
+    if pool is None:
+        return await ctx.call(fn, *args, **kwargs)
+    return await asyncio.wrap_future(pool.submit(fn, *args, **kwargs))

@@ -1,12 +1,13 @@
 """libc through ctypes, loaded once for the SDK: memcpy/memcmp (rowcopy), mmap/munmap
-(chunkmap) and mallopt (allocator tuning). ctypes releases the GIL around each call.
+(chunkmap) and mallopt/malloc/free (allocator tuning, kvedit.sdk.alloc). ctypes releases
+the GIL around each call.
 Every name is None where this process has no such symbol; callers then use torch/numpy or
 skip the optimisation."""
 from __future__ import annotations
 
 import ctypes
 
-memcpy = memcmp = mmap = munmap = mallopt = None
+memcpy = memcmp = mmap = munmap = mallopt = malloc = free = None
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
 except OSError:  # pragma: no cover - no dynamic libc (static or exotic platform)
@@ -26,6 +27,8 @@ mmap = _fn("mmap", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_
                                      ctypes.c_int, ctypes.c_int, ctypes.c_long])
 munmap = _fn("munmap", ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t])
 mallopt = _fn("mallopt", ctypes.c_int, [ctypes.c_int, ctypes.c_int])  # glibc only
+malloc = _fn("malloc", ctypes.c_void_p, [ctypes.c_size_t])
+free = _fn("free", None, [ctypes.c_void_p])
 
 
 def errno() -> int:

@@ -8,9 +8,10 @@ While a synchronous call waits, its thread runs the user's synchronous edit func
 (`in_caller`): fn then runs in the thread that called `batch.modify(...)`, and its
 allocations come from that thread's malloc arena (the main arena for the main thread, whose
 freed large blocks kvedit.sdk.alloc can keep for reuse; worker-thread arenas map every large
-block afresh). The async API has no waiting caller: fn runs in the context's thread pool;
-so does the budgeted run's (kvedit.sdk.driver: small edits overlapping decode, which ran
-~20x slower in the caller thread in `bench long`).
+block afresh). The async API has no waiting caller: fn runs in kvedit.sdk.alloc's fn pool
+(threads checked to allocate from the main arena too); so does the budgeted run's
+(kvedit.sdk.driver: small edits overlapping decode, which ran ~20x slower in the caller
+thread in `bench long`).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import queue
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
+
+from kvedit.sdk.alloc import fill_small_cache
 
 T = TypeVar("T")
 _lock = threading.Lock()
@@ -77,6 +80,7 @@ async def in_caller(fn, *args, **kwargs):
 
     def item() -> None:
         try:
+            fill_small_cache()  # so fn's large blocks are reused at once (kvedit.sdk.alloc)
             result = fn(*args, **kwargs)
         except BaseException as e:  # handed to the awaiting coroutine, never lost
             loop.call_soon_threadsafe(_settle, done, None, e)

