@@ -91,8 +91,10 @@ class WorkerSide:
                                  f"vLLM's block size {self.block_size}")
             # with TP the SDK gathers the ranks' heads: it needs the model's total count
             layout = model_layout(self.vllm_config, chunk, self.tp_rank,
-                                  self.settings.rope_is_neox).with_total_kv_heads(
-                self.vllm_config.model_config.get_total_num_kv_heads())
+                                  self.settings.rope_is_neox)
+            if layout.tp_size > 1:
+                layout = layout.with_total_kv_heads(
+                    self.vllm_config.model_config.get_total_num_kv_heads())
             if layout.num_layers != self.paged.num_layers or layout.hidden != self.paged.hidden:
                 raise ValueError(f"kvedit connector: model config says {layout.num_layers} "
                                  f"layers x {layout.hidden}, KV cache has "
