@@ -84,13 +84,10 @@ async def edit_and_store(stream, region, res, apply: Apply, wait_timeout: float 
     try:
         got = await ctx.call(store_ranks, ctx, edited.tokens[:m * ctx.chunk_size],
                              stream.cache_salt, pieces)
-    except KVError as e:
+    except Exception as e:   # a KVError says what it is; anything else is named by its type
+        why = e if isinstance(e, KVError) else f"{type(e).__name__}: {e}"
         raise ModifyError(stream, f"storing the edited KV on the tensor-parallel ranks failed "
-                                  f"({e}); no rank uses it, the original KV is kept") from e
-    except Exception as e:
-        raise ModifyError(stream, f"storing the edited KV on the tensor-parallel ranks failed "
-                                  f"({type(e).__name__}: {e}); no rank uses it, the original "
-                                  f"KV is kept") from e
+                                  f"({why}); no rank uses it, the original KV is kept") from e
     ctx.remember(got.keys)
     res.retrieve_s, res.fn_s, res.store_s = t1 - t0, t2 - t1, time.perf_counter() - t2
     return edited.tokens, Stored(got.salt, got.keys[0], got.stored, got.reused, got.compared)
