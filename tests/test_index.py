@@ -223,7 +223,7 @@ def test_quarantine_ends_at_session_gone_or_its_deadline():
 
 
 def test_recently_expired_ids_are_bounded(monkeypatch):
-    monkeypatch.setattr(I.T, "GONE_CAP", 3)
+    monkeypatch.setattr("kvedit.server.index_types.GONE_CAP", 3)   # pending.py reads it
     ix, clock = make(write_ttl=1.0)
     sids = [ix.prepare("m", 0, [], CH, A).store_id for _ in range(5)]
     clock.t += 2
@@ -345,10 +345,11 @@ def test_eviction_skips_many_leased_objects_at_the_head(policy):
     lid = ix.lease("m", 0, [k(i) for i in range(leased)], A).lease_id
     # the leased objects are not in the eviction order at all: nothing to walk past
     assert ix.evictable() == n - leased
-    ix._by_rank = _Counting(ix._by_rank)     # every object the eviction looks at
+    order = ix.order                         # white box: every object the eviction looks at
+    order._by_rank = _Counting(order._by_rank)
     p = ix.prepare("m", 0, [k(n + i) for i in range(256)], CH, B)
     assert len(p.missing) == 256 and ix.counters.evictions == 256
-    assert ix._by_rank.examined == 256       # not 256 + 2500 leased ones
+    assert order._by_rank.examined == 256    # not 256 + 2500 leased ones
     assert ix.leading_ready("m", 0, [k(i) for i in range(leased)]) == leased
     assert ix.leading_ready("m", 0, [k(leased + i) for i in range(256)]) == 0
     assert ix.leading_ready("m", 0, [k(leased + 256)]) == 1
@@ -425,10 +426,11 @@ def test_pages_follow_commit_order_with_a_model_filter_and_survive_deletes():
 # ---- counters --------------------------------------------------------------------------------
 def _recount(ix: Index) -> dict:
     objs = {id(o): o for o in ix.objects.values()}
-    for p in [*ix.stores.values(), *ix.leases.values(), *ix._cut.values()]:
+    cut = list(ix.pending.cut.values())            # cut transfers awaiting finish_*
+    for p in [*ix.stores.values(), *ix.leases.values(), *cut]:
         objs.update({id(o): o for o in p.objs})
     live = list(ix.objects.values())
-    q = list(ix._quarantine.values())
+    q = list(ix.pending.quarantined.values())
     pins: dict[int, int] = {}                       # object -> quarantines naming it
     for e in q:
         for o in e.objs:
@@ -437,7 +439,7 @@ def _recount(ix: Index) -> dict:
     assert all(o.pins == pins.get(i, 0) for i, o in objs.items())
     ready = sum(o.state == I.READY for o in live)
     held = [o for o in objs.values()
-            if o.live or o.leases or id(o) in pins or any(o in p.objs for p in ix._cut.values())]
+            if o.live or o.leases or id(o) in pins or any(o in p.objs for p in cut)]
     assert ix.alloc.used == sum(ix.alloc.rounded(o.nbytes) for o in held)   # none leaked
     assert len({o.offset for o in held}) == len(held)   # no slot given to two objects
     q_bytes = sum(ix.alloc.rounded(o.nbytes) for i, o in objs.items() if i in pins)
@@ -445,7 +447,7 @@ def _recount(ix: Index) -> dict:
             "leased": sum(1 for o in objs.values() if o.leases),
             "leases": len(ix.leases), "pending_stores": len(ix.stores),
             "transfers": sum(p.busy for p in [*ix.stores.values(), *ix.leases.values()])
-            + sum(p.busy for p in ix._cut.values()),
+            + sum(p.busy for p in cut),
             "quarantined_objects": len(pins), "quarantined_bytes": q_bytes,
             "pool_used": ix.alloc.used, "pool_free": ix.alloc.capacity - ix.alloc.used,
             "evictable": sum(1 for o in live
@@ -453,7 +455,7 @@ def _recount(ix: Index) -> dict:
 
 
 def _finish(ix: Index, pid: int) -> None:
-    p = ix._cut.get(pid) or ix.stores.get(pid) or ix.leases.get(pid)
+    p = ix.pending.cut.get(pid) or ix.stores.get(pid) or ix.leases.get(pid)
     (ix.finish_put if p.kind == "store" else ix.finish_get)(pid, False)
 
 
@@ -524,9 +526,9 @@ def test_counters_equal_a_recount_after_random_operations(seed):
         got = {key: getattr(c, key) for key in _recount(ix) if key != "evictable"}
         assert got == {key: v for key, v in _recount(ix).items() if key != "evictable"}, step
         assert ix.evictable() == _recount(ix)["evictable"]
-        assert c.ready == len(ix._pages) == len(ix._by_seq)
+        assert c.ready == len(ix.pages) == ix.page(None, None, 1).total
     # drain: everything ends; every slot comes back
-    for pid in [*ix._cut, *ix.stores, *ix.leases]:
+    for pid in [*ix.pending.cut, *ix.stores, *ix.leases]:
         _finish(ix, pid)
     for _ in range(2):   # pendings expire, then their quarantine does
         clock.t += 1000

@@ -1,6 +1,7 @@
 """What the index hands out and refuses with: refusals (each a protocol error code), the
 state of objects and pending stores/leases, the counters, and the named results of index.py.
-Import them from kvedit.server.index (it re-exports every name here)."""
+Shared by index.py, pending.py, eviction.py and pages.py; other modules import them from
+kvedit.server.index (it re-exports every name here)."""
 from __future__ import annotations
 
 import time
@@ -12,6 +13,7 @@ from kvedit.protocol import ErrorCode, ObjectKind
 WRITING, READY = "writing", "ready"
 Ident = tuple[str, int, bytes]          # (model, tp_rank, key)
 Kind = Literal["store", "lease"]
+GoneReason = Literal["expired", "cut", "failed"]   # how a store/lease ended early
 GONE_CAP = 16384        # recently ended ids remembered for store_expired/lease_expired replies
 FINISH_GRACE = 2.0      # seconds a store has left after its PUT finished, for the Commit to come
 
@@ -100,7 +102,7 @@ class Pending:
 class Gone:
     """A store/lease id that ended other than by commit/abort/release (for late replies)."""
     holder: bytes
-    reason: Literal["expired", "cut", "failed"]
+    reason: GoneReason
 
 
 @dataclass(slots=True)
@@ -114,7 +116,9 @@ class Quarantined:
 
 @dataclass(slots=True)
 class Counters:
-    """Everything /status, /stats and /metrics show about the index, kept as things change."""
+    """Everything /status, /stats and /metrics show about the index, kept as things change.
+    One writer per field: pending.py writes pending_stores, leases, transfers, expired_*,
+    cut_transfers and quarantined_*; index.py writes the rest (objects, pool, evictions)."""
     objects: int = 0            # live objects (ready + writing)
     ready: int = 0
     writing: int = 0
