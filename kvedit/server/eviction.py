@@ -27,6 +27,7 @@ from kvedit.server.ordered import SortedInts
 class EvictionOrder:
     def __init__(self, policy: str):
         self.policy = policy                            # "LRU", "FIFO" or "none" (config.py)
+        self._lru = policy == "LRU"
         self._tick = 1                                  # the next rank
         self._by_size: dict[int, SortedInts] = {}       # slot size -> ranks in the order
         self._sizes: list[int] = []                     # its keys, ascending
@@ -47,7 +48,7 @@ class EvictionOrder:
     def touch(self, objs: list[Obj]) -> None:
         """`objs` (none of them in the order) were just used: LRU moves their place to the
         most recently used end; FIFO keeps it (their commit)."""
-        if self.policy == "LRU":
+        if self._lru:
             self.stamp(objs)
 
     def enter(self, objs: list[Obj]) -> None:

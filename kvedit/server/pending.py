@@ -88,7 +88,7 @@ class Pendings:
     def held(self, kind: Kind, pid: int, holder: bytes) -> Pending:
         """The live store/lease `pid` of `holder`, or the right refusal. A late call of the
         holder on an id that ended early acknowledges it: its quarantine ends."""
-        p = self._table(kind).get(pid)
+        p = (self.stores if kind == "store" else self.leases).get(pid)
         if p is not None:
             if p.holder != holder:
                 raise NotHolder(f"{kind} {pid} belongs to another client session")
@@ -124,10 +124,11 @@ class Pendings:
     def close(self, p: Pending, failed: bool = False) -> None:
         """The store/lease ends (commit, abort, release, a finished transfer); `failed`: its
         data-link transfer failed, and a later call of the holder is told so."""
-        del self._table(p.kind)[p.id]
         if p.kind == "store":
+            del self.stores[p.id]
             self.counters.pending_stores -= 1
         else:
+            del self.leases[p.id]
             self.counters.leases -= 1
         if failed:
             self._remember(p, "failed")
