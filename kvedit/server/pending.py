@@ -14,7 +14,10 @@ here, against one deadline heap:
   commit/abort/release gets `store_expired`/`lease_expired`, not `unknown_*`.
 - quarantine: the objects of an expired store or lease get a pin each (`Obj.pins`) while the
   holder may still touch their slots through shm; the pin goes when the holder acknowledges
-  (that late call), its session is gone, or `quarantine_ttl` passes.
+  (that late call), its session is gone, or `quarantine_ttl` passes. A pinned object is in
+  no eviction order and keeps its slot (a delete only hides it, as under a lease). So a late
+  shm writer scribbles only on memory nobody else owns, and a late shm reader reads the
+  key's bytes or freed-but-unused memory, never another key's new bytes.
 It never touches the object tables, the eviction order or the allocator: objects whose last
 pin went are handed to the `let_go` callback (Index: back to the eviction order or freed),
 and the object side of an early end (hide, unlease) is the Index's, driven by `pop_due`.
