@@ -169,9 +169,14 @@ async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False
     await _wait_stored(stream, region, wait_timeout)
     if stream.ctx.tp is None:
         extra = await query_kwargs(stream, fn, wait_timeout)  # {} unless fn takes `queries`
-        async with cpu_slots:
-            new_tokens, stored = await _edit_and_store(stream, fn, region, res, fn_in_caller,
-                                                       extra)
+        held: list[KVSource] = []
+        try:
+            async with cpu_slots:
+                new_tokens, stored = await _edit_and_store(stream, fn, region, res,
+                                                           fn_in_caller, extra, held)
+        finally:  # after the slot: an unmapping (5-10 ms) does not hold up the next stream
+            for source in held:
+                await asyncio.get_running_loop().run_in_executor(None, source.release)
     else:   # tensor parallel: every rank's chunks, gathered for fn
         new_tokens, stored = await _tp_edit_and_store(stream, fn, region, res, fn_in_caller,
                                                       wait_timeout, cpu_slots)
@@ -253,11 +258,13 @@ async def _apply(stream: Stream, fn, kv: torch.Tensor, tokens: list[int],
 
 
 async def _edit_and_store(stream: Stream, fn, region: _Region, res: ModifyResult,
-                          fn_in_caller: bool, extra: dict) -> tuple[list[int], Stored]:
-    """Retrieve, fn, store; returns the edited tokens and what was stored."""
-    ctx = stream.ctx
+                          fn_in_caller: bool, extra: dict,
+                          held: list[KVSource]) -> tuple[list[int], Stored]:
+    """Retrieve, fn, store; returns the edited tokens and what was stored. The source is
+    closed here and appended to `held`: the caller releases it (KVSource.release)."""
     t0 = time.perf_counter()
     source, kv = await _open(stream, region)
+    held.append(source)
     edited = None
     try:
         res.bytes_retrieved = kv.numel() * kv.element_size()
@@ -271,7 +278,7 @@ async def _edit_and_store(stream: Stream, fn, region: _Region, res: ModifyResult
         return edited.tokens, stored
     finally:  # a buffer is reused (a mapping released) only once fn keeps no reference
         kv = edited = None
-        await asyncio.get_running_loop().run_in_executor(None, source.close)
+        source.close()
 
 
 async def _store(stream: Stream, source: KVSource, given: KVGeometry, edited: Edited,
