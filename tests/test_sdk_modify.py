@@ -314,6 +314,23 @@ def test_mapped_kv_kept_by_fn_stays_valid_until_dropped(kv_server, engine):
     ctx.close()
 
 
+@pytest.mark.skipif(not __import__("kvedit.sdk.buffers", fromlist=["x"])._cow_supported(),
+                    reason="needs /proc/self/pagemap (Linux)")
+def test_mapped_kv_is_released_when_modify_returns(kv_server, engine):
+    """The thread that ran fn keeps nothing of it (a pool thread used to hold its last job's
+    kv until the next job, and with it the mapped chunks' read lease): once modify returns,
+    the server holds no lease of this edit, sync or async."""
+    ctx = connect(kv_server.url, None, MODEL, timeout=5)  # tracking on: kv is mapped from shm
+    leases = ctx.client.stats()["leases"]
+    batch = prefilled(ctx, engine, 2 * C, count=2)
+    m = batch.modify(lambda kv, t: (kv[:, :, C:].clone(), t[C:]))
+    assert m.chunks_stored == 2 and ctx.pool._bufs == []   # mapped, a new tensor stored
+    assert ctx.client.stats()["leases"] == leases
+    m = asyncio.run(batch.amodify(lambda kv, t: (kv * 2, t)))
+    assert m.chunks_stored == 2 and ctx.client.stats()["leases"] == leases
+    ctx.close()
+
+
 def test_pool_hands_out_the_smallest_free_buffer_that_fits():
     from kvedit.sdk.buffers import BufferPool
 
