@@ -13,11 +13,12 @@ That works only in the main arena (the brk heap). A thread other than the main o
 own arena, whose heaps are at most 64 MiB: a larger request is a direct mmap whatever
 M_MMAP_MAX says, unmapped again on free. So synchronous fns run where their allocations come
 from the main arena:
-- a synchronous `batch.modify(...)` from the main thread runs fn in that thread
-  (kvedit.sdk.loop.in_caller);
-- otherwise (the async API, the budgeted driver, a caller that is not the main thread) fn
-  runs in the fn pool here: `fn_pool()` threads that were checked to allocate from the main
-  arena. glibc hands a new thread an arena round-robin once no new arena may be created, so
+- in the fn pool here (`batch.modify`, the async API and the budgeted driver alike;
+  `pool_reuses_memory()`): `fn_pool()` threads that were checked to allocate from the main
+  arena, two streams' fns side by side;
+- only if the pool could not get such threads, a synchronous `batch.modify(...)` runs fn in
+  its waiting thread (kvedit.sdk.loop.in_caller: the main arena when that is the main
+  thread, one fn at a time). glibc hands a new thread an arena round-robin once no new arena may be created, so
   with `M_ARENA_MAX=1` a new thread lands on the main arena every few threads; the pool
   starts threads until it has enough that do (the probe: an untouched 80 MiB tensor lies in
   the brk heap), parking the others meanwhile, then lets the others go. If that fails (the
