@@ -188,8 +188,8 @@ def pool_reuses_memory() -> bool:
     """Does the fn pool run fn where kept freed blocks are reused (every thread on the main
     arena)? Then it is where modify runs a synchronous fn, even with a waiting caller: two
     streams' fns run at once instead of one after the other in the caller's thread
-    (`kvedit bench modify`: drop_half_cat through the pool, amodify, ran at 0.50-0.55x
-    memcpy where the same fn in the caller ran at 0.42-0.44 on the same quiet host)."""
+    (`kvedit bench modify`, 6 runs alternating with the tree that ran it in the caller:
+    drop_half_cat 0.48-0.62x memcpy vs 0.42-0.49; docs/sdk.md "where the time goes")."""
     pool = fn_pool()
     return pool is not None and pool.main_arena
 
