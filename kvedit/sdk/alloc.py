@@ -188,7 +188,7 @@ def pool_reuses_memory() -> bool:
     """Does the fn pool run fn where kept freed blocks are reused (every thread on the main
     arena)? Then it is where modify runs a synchronous fn, even with a waiting caller: two
     streams' fns run at once instead of one after the other in the caller's thread
-    (`kvedit bench modify`, 6 runs alternating with the tree that ran it in the caller:
+    (`kvedit bench modify`, 6 runs, 5 alternating with the tree that ran it in the caller:
     drop_half_cat 0.48-0.62x memcpy vs 0.42-0.49; docs/sdk.md "where the time goes")."""
     pool = fn_pool()
     return pool is not None and pool.main_arena
