@@ -18,12 +18,13 @@ from the main arena:
   arena, two streams' fns side by side;
 - only if the pool could not get such threads, a synchronous `batch.modify(...)` runs fn in
   its waiting thread (kvedit.sdk.loop.in_caller: the main arena when that is the main
-  thread, one fn at a time). glibc hands a new thread an arena round-robin once no new arena may be created, so
-  with `M_ARENA_MAX=1` a new thread lands on the main arena every few threads; the pool
-  starts threads until it has enough that do (the probe: an untouched 80 MiB tensor lies in
-  the brk heap), parking the others meanwhile, then lets the others go. If that fails (the
-  process already had more than 8 arenas, so glibc fixed its arena limit before), the pool
-  runs fn in plain threads and `fn_pool().main_arena` is False.
+  thread, one fn at a time).
+The pool: glibc hands a new thread an arena round-robin once no new arena may be created,
+so with `M_ARENA_MAX=1` a new thread lands on the main arena every few threads; the pool
+starts threads until it has enough that do (the probe: an untouched 80 MiB tensor lies in
+the brk heap), parking the others meanwhile, then lets the others go. If that fails (the
+process already had more than 8 arenas, so glibc fixed its arena limit before), the pool
+runs fn in plain threads and `fn_pool().main_arena` is False.
 
 Process-wide and glibc-only: `connect(keep_freed_memory=True)` (the default) applies it
 once; `False` leaves malloc alone. The costs: the process keeps its peak heap, and with
