@@ -314,6 +314,23 @@ def test_mapped_kv_kept_by_fn_stays_valid_until_dropped(kv_server, engine):
     ctx.close()
 
 
+@pytest.mark.skipif(not __import__("kvedit.sdk.buffers", fromlist=["x"])._cow_supported(),
+                    reason="needs /proc/self/pagemap (Linux)")
+def test_mapped_kv_is_released_when_modify_returns(kv_server, engine):
+    """The thread that ran fn keeps nothing of it (a pool thread used to hold its last job's
+    kv until the next job, and with it the mapped chunks' read lease): once modify returns,
+    the server holds no lease of this edit, sync or async."""
+    ctx = connect(kv_server.url, None, MODEL, timeout=5)  # tracking on: kv is mapped from shm
+    leases = ctx.client.stats()["leases"]
+    batch = prefilled(ctx, engine, 2 * C, count=2)
+    m = batch.modify(lambda kv, t: (kv[:, :, C:].clone(), t[C:]))
+    assert m.chunks_stored == 2 and ctx.pool._bufs == []   # mapped, a new tensor stored
+    assert ctx.client.stats()["leases"] == leases
+    m = asyncio.run(batch.amodify(lambda kv, t: (kv * 2, t)))
+    assert m.chunks_stored == 2 and ctx.client.stats()["leases"] == leases
+    ctx.close()
+
+
 def test_pool_hands_out_the_smallest_free_buffer_that_fits():
     from kvedit.sdk.buffers import BufferPool
 
@@ -399,26 +416,74 @@ def test_failed_store_leaves_stream_and_kv_unchanged():
             small.close()
 
 
-def test_sync_modify_runs_a_sync_fn_in_the_calling_thread_async_in_the_pool(ctx, engine):
-    """kvedit.sdk.loop.in_caller: the thread waiting in batch.modify runs fn (its malloc arena
-    can reuse large freed blocks); the async API has no waiting caller: the pool runs it."""
+def test_a_sync_fn_runs_in_the_fn_pool_side_by_side_for_sync_and_async_modify(ctx, engine):
+    """kvedit.sdk.alloc.pool_reuses_memory: where the fn pool's threads allocate from the main
+    malloc arena (glibc here), modify runs a synchronous fn there for batch.modify too, not
+    in the waiting caller's thread: two streams' fns run at the same time (a barrier that
+    both must reach proves it; in one thread the first would wait for the second forever)."""
     import threading
 
-    seen = []
+    from kvedit.sdk.alloc import pool_reuses_memory
+
+    assert pool_reuses_memory()  # connect() applied keep_freed_memory; glibc gives the pool
+    seen, both = [], threading.Barrier(2, timeout=20)
 
     def record(kv, tokens):
-        seen.append(threading.current_thread())
+        seen.append(threading.current_thread().name)
+        both.wait()
         return kv, tokens
 
     batch = prefilled(ctx, engine, 2 * C, count=2)
     batch.modify(record)
-    assert seen == [threading.current_thread()] * 2
+    assert seen == ["kvedit-fn"] * 2
 
     def boom(kv, tokens):
-        raise KeyError("from the caller thread")
+        raise KeyError("from a pool thread")
 
     with pytest.raises(BatchError, match="fn raised KeyError"):
         batch.modify(boom)
     seen.clear()
+    both.reset()
     asyncio.run(batch.amodify(record))
-    assert len(seen) == 2 and threading.current_thread() not in seen
+    assert seen == ["kvedit-fn"] * 2
+
+
+CALLER_SCRIPT = """
+import json, sys, threading
+import torch
+from kvedit.client import KVClient
+from kvedit.layout import ModelLayout
+from kvedit.sdk.alloc import fn_pool
+from kvedit.sdk.batch import BatchedStream
+from kvedit.sdk.context import connect
+from kvedit.sdk.stream import create_request
+
+url, model = sys.argv[1], sys.argv[2]
+lay = ModelLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", chunk_size=256)
+seen = []
+def record(kv, tokens):
+    seen.append(threading.current_thread() is threading.main_thread())
+    return kv, tokens
+with KVClient(url) as c:
+    c.register(model, lay)
+with connect(url, None, model, timeout=10, keep_freed_memory=False) as ctx:
+    s = create_request(ctx, None, list(range(1000, 1512)))
+    ctx.client.store(model, s.keys, [torch.ones(lay.chunk_shape)] * 2)
+    BatchedStream([s], progress=False).modify(record)
+print(json.dumps({"seen": seen, "pool": fn_pool() is not None}))
+"""
+
+
+def test_without_kept_memory_a_sync_fn_runs_in_the_calling_thread(kv_server):
+    """connect(keep_freed_memory=False) in a fresh process: no fn pool, so batch.modify
+    runs a synchronous fn in the thread waiting in it (kvedit.sdk.loop.in_caller)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", CALLER_SCRIPT, kv_server.url, "caller-model"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"seen": [True], "pool": False}

@@ -14,17 +14,21 @@ before it, since other work on a shared host makes timings drift; the median of 
 mode, fn's kv is mapped copy-on-write from the stored chunks (kvedit.sdk.chunkmap), so there
 is no retrieve copy; `--no-track-writes` measures the copy path (one copy into the context's
 reused buffers, byte-compare of reused chunks). connect() keeps large freed blocks for
-reuse by default (kvedit.sdk.alloc) and the synchronous modify runs fn in the calling
-thread, so drop_half_cat's torch.cat reuses the previous output's pages after the first
-repeats; `--no-keep-freed-memory` measures malloc's default (process-wide: run the two
-variants in separate processes). Use --repeats 5 or more: the first repeats pay fresh pages.
+reuse by default (kvedit.sdk.alloc) and fn runs in the SDK's fn pool, whose threads
+allocate from the main malloc arena, so drop_half_cat's torch.cat reuses the previous
+output's pages once the heap has room for the outputs in flight; `--no-keep-freed-memory`
+measures malloc's default (process-wide: run the two variants in separate processes). Use
+--repeats 5 or more: the first repeats pay fresh pages (heap growth for the first outputs,
+and the lazy server pool's first touch of new slots; docs/sdk.md, "where the time goes").
 
-Where fn runs. The arms above call the synchronous `batch.modify` from the main thread, so a
-synchronous fn runs in that thread (main malloc arena). `drop_half_cat_async` runs the same
-edit through the async API (`asyncio.run(batch.amodify(fn))`, no waiting caller): fn runs
-in the SDK's fn pool (kvedit.sdk.alloc: threads checked to allocate from the main arena).
-`--no-keep-freed-memory` runs it where amodify ran it before the pool (the context's I/O
-threads, each with its own arena): compare the two runs.
+Where fn runs. The arms above call the synchronous `batch.modify` from the main thread;
+`drop_half_cat_async` runs the same edit through the async API
+(`asyncio.run(batch.amodify(fn))`, no waiting caller). Both run a synchronous fn in the fn
+pool (kvedit.sdk.alloc.pool_reuses_memory; two streams' fns side by side), so the two arms
+differ only in the caller and in order: drop_half_cat is the first arm whose fn allocates,
+so its first repeats pay the heap's growth. With `--no-keep-freed-memory` there is no pool:
+the sync arm runs fn in the calling thread (main arena, one fn at a time), the async arm in
+the context's I/O threads (each with its own arena, fresh pages every time).
 """
 from __future__ import annotations
 

@@ -13,16 +13,18 @@ That works only in the main arena (the brk heap). A thread other than the main o
 own arena, whose heaps are at most 64 MiB: a larger request is a direct mmap whatever
 M_MMAP_MAX says, unmapped again on free. So synchronous fns run where their allocations come
 from the main arena:
-- a synchronous `batch.modify(...)` from the main thread runs fn in that thread
-  (kvedit.sdk.loop.in_caller);
-- otherwise (the async API, the budgeted driver, a caller that is not the main thread) fn
-  runs in the fn pool here: `fn_pool()` threads that were checked to allocate from the main
-  arena. glibc hands a new thread an arena round-robin once no new arena may be created, so
-  with `M_ARENA_MAX=1` a new thread lands on the main arena every few threads; the pool
-  starts threads until it has enough that do (the probe: an untouched 80 MiB tensor lies in
-  the brk heap), parking the others meanwhile, then lets the others go. If that fails (the
-  process already had more than 8 arenas, so glibc fixed its arena limit before), the pool
-  runs fn in plain threads and `fn_pool().main_arena` is False.
+- in the fn pool here (`batch.modify`, the async API and the budgeted driver alike;
+  `pool_reuses_memory()`): `fn_pool()` threads that were checked to allocate from the main
+  arena, two streams' fns side by side;
+- only if the pool could not get such threads, a synchronous `batch.modify(...)` runs fn in
+  its waiting thread (kvedit.sdk.loop.in_caller: the main arena when that is the main
+  thread, one fn at a time).
+The pool: glibc hands a new thread an arena round-robin once no new arena may be created,
+so with `M_ARENA_MAX=1` a new thread lands on the main arena every few threads; the pool
+starts threads until it has enough that do (the probe: an untouched 80 MiB tensor lies in
+the brk heap), parking the others meanwhile, then lets the others go. If that fails (the
+process already had more than 8 arenas, so glibc fixed its arena limit before), the pool
+runs fn in plain threads and `fn_pool().main_arena` is False.
 
 Process-wide and glibc-only: `connect(keep_freed_memory=True)` (the default) applies it
 once; `False` leaves malloc alone. The costs: the process keeps its peak heap, and with
@@ -154,9 +156,16 @@ class FnPool:
             if fut.set_running_or_notify_cancel():
                 fill_small_cache()
                 try:
-                    fut.set_result(call())
+                    result = call()
                 except BaseException as e:  # handed to the awaiting coroutine
+                    call = None
                     fut.set_exception(e)
+                else:
+                    call = None   # fn's arguments (kv) go before its result is handed over
+                    fut.set_result(result)
+            # nothing of this job may outlive it here: a kv kept alive by this thread until
+            # its next job would hold its buffer (not reusable) or its mapped chunks' lease
+            fut = call = result = None
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         fut: Future = Future()
@@ -174,6 +183,16 @@ def fn_pool() -> FnPool | None:
             pool.start(probe=True)
             _pool = pool
         return _pool
+
+
+def pool_reuses_memory() -> bool:
+    """Does the fn pool run fn where kept freed blocks are reused (every thread on the main
+    arena)? Then it is where modify runs a synchronous fn, even with a waiting caller: two
+    streams' fns run at once instead of one after the other in the caller's thread
+    (`kvedit bench modify`, 6 runs, 5 alternating with the tree that ran it in the caller:
+    drop_half_cat 0.48-0.62x memcpy vs 0.42-0.49; docs/sdk.md "where the time goes")."""
+    pool = fn_pool()
+    return pool is not None and pool.main_arena
 
 
 async def run_fn(ctx, fn, /, *args, **kwargs):

@@ -99,7 +99,11 @@ class MappedKV:
         self._lease.check_lease()
 
     def close(self) -> None:
-        """modify is done with it: unmapped and released now, unless fn's tensors live on."""
+        """Nothing to hand back for reuse: the mapping is only this edit's (see release)."""
+
+    def release(self) -> None:
+        """Unmapped and the lease released now, unless fn's tensors live on (then with the
+        last of them)."""
         self.view = None
 
 
@@ -137,6 +141,6 @@ def map_chunks(client, model: str, keys: list[bytes], layout) -> MappedKV | None
         got.release()
         raise
     if not torch.equal(m.view[:64], got.tensors[0].reshape(-1).view(torch.uint8)[:64]):
-        m.close()  # the segment was replaced meanwhile (server restart): not our chunks
+        m.release()  # the segment was replaced meanwhile (server restart): not our chunks
         return None
     return m

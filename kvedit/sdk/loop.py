@@ -4,14 +4,15 @@ A dedicated loop thread (instead of `asyncio.run` per call) keeps HTTP connectio
 between calls and works from code that already runs a loop (Jupyter). It is one thread in all,
 not one per stream.
 
-While a synchronous call waits, its thread runs the user's synchronous edit functions
-(`in_caller`): fn then runs in the thread that called `batch.modify(...)`, and its
-allocations come from that thread's malloc arena (the main arena for the main thread, whose
-freed large blocks kvedit.sdk.alloc can keep for reuse; worker-thread arenas map every large
-block afresh). The async API has no waiting caller: fn runs in kvedit.sdk.alloc's fn pool
-(threads checked to allocate from the main arena too); so does the budgeted run's
-(kvedit.sdk.driver: small edits overlapping decode, which ran ~20x slower in the caller
-thread in `bench long`).
+Synchronous edit functions normally run in kvedit.sdk.alloc's fn pool (threads checked to
+allocate from the main malloc arena, whose freed large blocks can be kept for reuse; two
+streams' fns run side by side), whether the caller waits in `batch.modify(...)` or uses the
+async API. Only where that pool has no main-arena threads (`alloc.pool_reuses_memory()`
+False) does a waiting synchronous call lend its own thread (`in_caller`): fn then runs in
+the thread that called `batch.modify(...)` (the main arena for the main thread; worker-thread
+arenas map every large block afresh), one fn at a time. The budgeted run never uses the
+caller (kvedit.sdk.driver: small edits overlapping decode ran ~20x slower there in
+`bench long`).
 """
 from __future__ import annotations
 

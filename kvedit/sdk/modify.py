@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from kvedit.handles import KVError
-from kvedit.sdk.alloc import run_fn
+from kvedit.sdk.alloc import pool_reuses_memory, run_fn
 from kvedit.sdk.contracts import Edited, check_result, fn_kwargs, is_async_fn
 from kvedit.sdk.errors import ModifyError
 from kvedit.sdk.geometry import KVGeometry
@@ -154,8 +154,11 @@ def _fill(h, kv: torch.Tensor) -> None:
 async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False,
                         wait_timeout: float = 60.0, fn_in_caller: bool = True) -> ModifyResult:
     """Apply fn to one stream's KV (see the module docstring for the exact semantics).
-    `fn_in_caller`: a synchronous fn runs in the thread waiting in a synchronous SDK call,
-    when there is one (kvedit.sdk.loop.in_caller), else in the context's pool."""
+    Where a synchronous fn runs: in the fn pool when its threads allocate from the main
+    malloc arena (kvedit.sdk.alloc: freed blocks are reused and the streams' fns run side by
+    side); otherwise, with `fn_in_caller`, in the thread waiting in a synchronous SDK call
+    when there is one (kvedit.sdk.loop.in_caller: the main arena too, one fn at a time),
+    else in the pool's plain threads or the context's I/O threads."""
     if stream.released:
         raise ModifyError(stream, "the stream was released (arelease); it holds no KV any more")
     region = _region(stream)
@@ -166,9 +169,14 @@ async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False
     await _wait_stored(stream, region, wait_timeout)
     if stream.ctx.tp is None:
         extra = await query_kwargs(stream, fn, wait_timeout)  # {} unless fn takes `queries`
-        async with cpu_slots:
-            new_tokens, stored = await _edit_and_store(stream, fn, region, res, fn_in_caller,
-                                                       extra)
+        held: list[KVSource] = []
+        try:
+            async with cpu_slots:
+                new_tokens, stored = await _edit_and_store(stream, fn, region, res,
+                                                           fn_in_caller, extra, held)
+        finally:  # after the slot: an unmapping (5-10 ms) does not hold up the next stream
+            for source in held:
+                await asyncio.get_running_loop().run_in_executor(None, source.release)
     else:   # tensor parallel: every rank's chunks, gathered for fn
         new_tokens, stored = await _tp_edit_and_store(stream, fn, region, res, fn_in_caller,
                                                       wait_timeout, cpu_slots)
@@ -237,8 +245,8 @@ async def _apply(stream: Stream, fn, kv: torch.Tensor, tokens: list[int],
     try:
         if is_async_fn(fn):
             out = await fn(kv, list(tokens), **kwargs)
-        elif in_caller_ok and has_caller():  # the thread waiting in batch.modify(...) runs it
-            out = await in_caller(fn, kv, list(tokens), **kwargs)
+        elif in_caller_ok and not pool_reuses_memory() and has_caller():
+            out = await in_caller(fn, kv, list(tokens), **kwargs)  # the waiting caller runs it
         else:
             out = await run_fn(ctx, fn, kv, list(tokens), **kwargs)  # kvedit.sdk.alloc
     except Exception as e:
@@ -250,11 +258,13 @@ async def _apply(stream: Stream, fn, kv: torch.Tensor, tokens: list[int],
 
 
 async def _edit_and_store(stream: Stream, fn, region: _Region, res: ModifyResult,
-                          fn_in_caller: bool, extra: dict) -> tuple[list[int], Stored]:
-    """Retrieve, fn, store; returns the edited tokens and what was stored."""
-    ctx = stream.ctx
+                          fn_in_caller: bool, extra: dict,
+                          held: list[KVSource]) -> tuple[list[int], Stored]:
+    """Retrieve, fn, store; returns the edited tokens and what was stored. The source is
+    closed here and appended to `held`: the caller releases it (KVSource.release)."""
     t0 = time.perf_counter()
     source, kv = await _open(stream, region)
+    held.append(source)
     edited = None
     try:
         res.bytes_retrieved = kv.numel() * kv.element_size()
@@ -268,7 +278,7 @@ async def _edit_and_store(stream: Stream, fn, region: _Region, res: ModifyResult
         return edited.tokens, stored
     finally:  # a buffer is reused (a mapping released) only once fn keeps no reference
         kv = edited = None
-        await asyncio.get_running_loop().run_in_executor(None, source.close)
+        source.close()
 
 
 async def _store(stream: Stream, source: KVSource, given: KVGeometry, edited: Edited,
@@ -276,7 +286,10 @@ async def _store(stream: Stream, source: KVSource, given: KVGeometry, edited: Ed
     ctx, c = stream.ctx, stream.ctx.chunk_size
     m = len(edited.tokens) // c
     try:
-        written = await ctx.call(source.written_pages)
+        # The page map can only vouch for chunks fn returned where kv had them: for an output
+        # elsewhere (torch.cat) reading it (~2.4 ms per 300 MB of kv) would tell nothing.
+        in_place = given.same_place(KVGeometry.of(edited.kv))
+        written = await ctx.call(source.written_pages) if in_place else None
         untouched = untouched_chunks(written, given, edited.kv, range(min(region.n, m)), c)
         ctx.pool.note_outcome(written, len(untouched) / region.n + source.spares_copy)
         return await ctx.call(store_kv, ctx, edited.tokens[:m * c], stream.cache_salt,

@@ -1,7 +1,10 @@
 """Where modify's kv comes from: one small protocol, two implementations, chosen once.
 
 `open_kv(ctx, keys)` returns a KVSource: `kv` (the [2, L, T, D] tensor fn gets), the pages fn
-wrote, which chunks fn handed back untouched, a lease check before commit, and `close()`.
+wrote, which chunks fn handed back untouched, a lease check before commit, `close()` (cheap:
+hands back what the next stream's edit reuses, so modify calls it while the stream still
+holds its CPU slot) and `release()` (what only this edit used, an unmapping of 5-10 ms:
+modify calls it once the slot is free for the next stream).
 - MappedKV (kvedit.sdk.chunkmap): shm mode with write tracking; kv is the stored chunks
   themselves, mapped copy-on-write (no copy).
 - CopiedKV (here): one row-wise copy into a pooled buffer (kvedit.sdk.buffers), tracked
@@ -32,7 +35,12 @@ class KVSource(Protocol):
         """Raise KVError("lease_expired") if kv's bytes may no longer be the chunks'."""
 
     def close(self) -> None:
-        """modify is done with kv (fn may still hold it: then freed with its last user)."""
+        """modify is done with kv: hand back what the next edit reuses (a pooled buffer;
+        fn may still hold kv: then it is reused after its last user). Cheap."""
+
+    def release(self) -> None:
+        """After close: let go of what only this edit used (a mapping and its read lease;
+        freed with fn's last reference if fn kept kv). May take milliseconds."""
 
 
 class CopiedKV:
@@ -51,6 +59,9 @@ class CopiedKV:
 
     def close(self) -> None:
         self._pool.give(self._buf)
+
+    def release(self) -> None:
+        """Nothing left: the buffer went back to the pool at close()."""
 
 
 def open_kv(ctx, keys: list[bytes]) -> tuple[KVSource, torch.Tensor]:
