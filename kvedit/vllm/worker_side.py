@@ -5,7 +5,8 @@ with the server. Loads run before the forward (vLLM calls start_load_kv first wh
 has synchronous loads); stores run in wait_for_save after the forward and read the blocks
 before it returns, so vLLM cannot hand them to another request first. On the CPU stores
 copy from the paged blocks straight into the server's shared-memory slots; on a GPU they
-gather into device staging and a background thread copies and commits (PagedCopier).
+gather into device staging and a background thread copies and commits (PagedCopier; the
+scheduler side makes a new request wait for keys still in flight: inflight.py).
 """
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ class WorkerSide:
             self.layout = layout
             s = self.settings
             self.copier = PagedCopier(self.paged, layout, self.model, self.tp_rank, s.pin_shm,
-                                      async_store=s.async_store,
+                                      async_store=s.background_commit(
+                                          self.paged.device.type == "cuda"),
                                       staging_bytes=s.gpu_staging_bytes or None)
         client.register(self.model, self.layout)
         http = self.settings.kvedit_http_url
