@@ -231,9 +231,14 @@ def test_server_outage(vllm_server, kv_server):
         assert down["cached"] == 0
         assert down["logprobs"] == pytest.approx(reference["logprobs"], abs=TOL)
         complete(vllm_server, prompt_of(CHUNK + 5, seed=6), max_tokens=1)
+        # One clear warning for the outage, however many requests ran during it (a
+        # background commit, CUDA's default, fails after the client's timeout: wait for it).
+        deadline = time.monotonic() + 30.0
+        while len(re.findall(warning, vllm_server.log_path.read_text())) == warned:
+            assert time.monotonic() < deadline, "the worker side never noticed the outage"
+            time.sleep(0.2)
     finally:
         kv_server.restart()  # the session's server: same ports, empty
-    # One clear warning for the outage, however many requests ran during it.
     assert len(re.findall(warning, vllm_server.log_path.read_text())) == warned + 1
     with KVClient(kv_server.url) as c:
         _wait_registered(c)

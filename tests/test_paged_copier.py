@@ -239,6 +239,25 @@ def test_a_failed_background_store_is_raised_by_the_next_store(server):
     copier.close()
 
 
+def test_a_failed_background_store_is_reported_at_once_with_on_error(server):
+    """With on_error (what the connector passes: its link's failure handler) the error is
+    handed over by the background thread itself, without another store, and not raised
+    again by flush()."""
+    paged, _ = _filled_cache(32, seed=5)
+    seen: list[BaseException] = []
+    reported = threading.Event()
+    copier = PagedCopier(paged, LAYOUT, "never-registered-2", async_store=True,
+                         staging_bytes=8 * LAYOUT.chunk_bytes,
+                         on_error=lambda e: (seen.append(e), reported.set()))
+    with KVClient(server.url) as c:
+        copier.store_chunks(c, {b"y".ljust(16, b"."): (list(range(16)), 0)})
+        assert reported.wait(30.0)
+        assert "never-registered-2" in str(seen[0]) or "unknown" in str(seen[0])
+        copier.flush()  # handed over already: nothing left to raise
+        assert copier._store_ring().in_use == 0
+    copier.close()
+
+
 class _FakeCudart:
     """Records cudaHostRegister / cudaHostUnregister (CUDA cannot run here: a stand-in for
     the runtime only; the real registration runs in the CUDA test below)."""

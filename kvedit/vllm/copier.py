@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -86,8 +87,13 @@ class PagedCopier:
 
     def __init__(self, paged: PagedKV, layout: ModelLayout, model: str, tp_rank: int = 0,
                  pin_shm: bool = True, *, async_store: bool = False,
-                 staging_bytes: int | None = None, staged: bool | None = None):
+                 staging_bytes: int | None = None, staged: bool | None = None,
+                 on_error: Callable[[BaseException], None] | None = None):
+        """`on_error`: called (from the background thread) with the error of a failed
+        background store, at once, so an outage is noticed without waiting for the next
+        store; None keeps the error for the next store_chunks / flush to raise."""
         self.paged, self.layout, self.model, self.tp_rank = paged, layout, model, tp_rank
+        self.on_error = on_error
         self.pin_shm = pin_shm
         self.pinned: set[int] = set()  # host allocations already page-locked for the GPU
         self._map: HostMapping | None = None  # our page-locked mapping of the segment
@@ -298,12 +304,20 @@ class PagedCopier:
         while (job := self._jobs.get()) is not None:
             try:
                 self._finish(job)
-            except BaseException as e:  # reported by the next store_chunks or flush
-                if self._error is None:
+            except BaseException as e:  # reported now, or by the next store_chunks / flush
+                if self.on_error is not None:
+                    self._report(e)
+                elif self._error is None:
                     self._error = e
             finally:
                 self._jobs.task_done()
         self._jobs.task_done()
+
+    def _report(self, err: BaseException) -> None:
+        try:
+            self.on_error(err)
+        except Exception:  # the handler must not kill the store thread
+            logger.exception("kvedit: reporting a failed background store failed")
 
     def _raise_background_error(self) -> None:
         err, self._error = self._error, None

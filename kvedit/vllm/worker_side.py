@@ -105,12 +105,19 @@ class WorkerSide:
             self.copier = PagedCopier(self.paged, layout, self.model, self.tp_rank, s.pin_shm,
                                       async_store=s.background_commit(
                                           self.paged.device.type == "cuda"),
-                                      staging_bytes=s.gpu_staging_bytes or None)
+                                      staging_bytes=s.gpu_staging_bytes or None,
+                                      on_error=self._background_store_failed)
         client.register(self.model, self.layout)
         http = self.settings.kvedit_http_url
         logger.info("kvedit: registered %s (rank %d) with %s%s: %s", self.model, self.tp_rank,
                     self.settings.kvedit_url, f" (status: {http}/status)" if http else "",
                     self.layout)
+
+    def _background_store_failed(self, err: BaseException) -> None:
+        """A background commit failed: mark the outage now (one warning), not at the next
+        store, which may come much later (or after the server is back)."""
+        if self.link is not None:
+            self.link.failed(err)
 
     # ---- per step -----------------------------------------------------------------------
     def load(self, meta: KVEditMetadata) -> None:
