@@ -178,6 +178,8 @@ class SchedulerSide:
             first, last = start // c, -(-end // c)
             keys = [k[first:last] for k in self._keys(st, last)]
             meta.loads.append(ChunkRun(req_id, first, keys, start, end, list(st.block_ids)))
+            if st.stored >= first:  # the loaded whole chunks are in the server: never store
+                st.stored = max(st.stored, end // c)  # them again (a failed load resets it)
         # Chunks whose every token has KV in vLLM's blocks once this step has run, and
         # whose token ids are known (generated tokens can lag under async scheduling).
         self.queries.plan(req_id, st.block_ids, computed, scheduled, self.layouts, meta)

@@ -36,6 +36,7 @@ class ConnectorSettings:
     async_store: bool | None = None
     store_wait_s: float = 5.0
     gpu_staging_bytes: int = 0  # the device staging ring (0: 3/4 of min(2 GiB, GPU mem / 32))
+    stats_interval_s: float = 30.0     # store/load stats lines in vLLM's log (0: every one)
     kvedit_secret_file: str = ""       # the server's shared secret; "": $KVEDIT_SECRET(_FILE)
     # Query capture (docs/queries.md): "auto" hooks attention where the vLLM is supported and
     # otherwise warns each asking request; "on" refuses to start on an unsupported vLLM;

@@ -106,7 +106,8 @@ class WorkerSide:
                                       async_store=s.background_commit(
                                           self.paged.device.type == "cuda"),
                                       staging_bytes=s.gpu_staging_bytes or None,
-                                      on_error=self._background_store_failed)
+                                      on_error=self._background_store_failed,
+                                      stats_every=s.stats_interval_s)
         client.register(self.model, self.layout)
         http = self.settings.kvedit_http_url
         logger.info("kvedit: registered %s (rank %d) with %s%s: %s", self.model, self.tp_rank,
