@@ -7,9 +7,11 @@ in alternation so machine noise hits both sides of each ratio alike):
   in the server) / the same prompt's first, recomputed request on the same vLLM. Target
   <= 0.3. Where the hit's time goes: local_prefix_hit_ttft_median_s (the same prompt again,
   now from vLLM's own prefix cache: the request's fixed costs and its 1-token forward; the
-  connector loads only the chunk of the last, partial vLLM block) and load_breakdown_ms (the connector's load, medians over the hits, read from
-  the worker's log lines, stats_interval_s 0: mapping, retrieve round trip, queueing the
-  copies and scatters, waiting for the device, releasing the lease).
+  connector loads only the chunk of the last, partial vLLM block) and load_breakdown_ms
+  (the connector's load, medians over the hits, read from the worker's log lines with
+  stats_interval_s 0: mapping, retrieve round trip, queueing the copies and scatters,
+  waiting for the device, releasing the lease). --store-commit picks the connector's
+  async_store (default: background on CUDA, in the step on the CPU).
 - prefill_with_store_vs_without: prefill throughput (tokens/s) of fresh prompts sent
   together, on the vLLM with the connector storing every chunk / on a vLLM started without
   it (rounds in ABBA order). Target >= 0.9.
