@@ -103,6 +103,7 @@ def test_an_in_flight_store_past_its_deadline_is_a_miss(async_vllm, kv_server, d
     _post(async_vllm, "/reset_prefix_cache")
     again = _complete(async_vllm, prompt)
     assert again["cached"] == 0 and again["tokens"] == first["tokens"]
+    assert "in-flight stores; 0 of 2 chunks in the server" in async_vllm.log_path.read_text()
     delay_file.write_text("0")
     with KVClient(kv_server.url) as c:  # the slow commit lands in the end
         assert c.lookup(MODEL, _keys(c, prompt), wait_timeout=30 * WAIT_S) == 2

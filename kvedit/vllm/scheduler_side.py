@@ -134,8 +134,11 @@ class SchedulerSide:
             return True
         if st.waiting_since is not None:
             waited, st.waiting_since = time.monotonic() - st.waiting_since, None
-            logger.debug("kvedit: %s waited %.1f ms for in-flight stores (%d of %d chunks "
-                         "held)", st.request.request_id, 1e3 * waited, stop, len(keys[0]))
+            # still short: the deadline passed (a slow or failed store): say so, it costs a
+            # recompute; otherwise the wait did its job
+            log = logger.info if stop < len(keys[0]) else logger.debug
+            log("kvedit: %s waited %.1f ms for in-flight stores; %d of %d chunks in the server",
+                st.request.request_id, 1e3 * waited, stop, len(keys[0]))
         return False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
