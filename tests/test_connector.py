@@ -21,6 +21,10 @@ from kvedit.client import KVClient
 from kvedit.keys import request_keys
 
 MODEL, CHUNK, TOL = "tiny-qwen3", 256, 1e-3
+# A lookup right after a response waits (server side) for chunks still being committed: on
+# CUDA the connector commits stores from a background thread (settings.async_store), as the
+# SDK's modify does (it looks up with a wait too). Only a failure waits this long.
+LANDED = 30.0
 
 
 def post(vp, path: str, body: dict | None = None) -> dict:
@@ -89,7 +93,7 @@ def test_stores_full_chunks_under_expected_keys(vllm_server, client, tiny_model)
     complete(vllm_server, prompt, max_tokens=1)
     keys = keys_of(client, prompt)
     assert len(keys) == 3
-    assert client.lookup(MODEL, keys) == 3
+    assert client.lookup(MODEL, keys, wait_timeout=LANDED) == 3
     assert client.stats()["objects"] - before == 3
     layout = client.get_layout(MODEL)
     assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) == \
@@ -163,7 +167,7 @@ def test_reference_kv_tolerance(monkeypatch, on_cuda):
 def test_repeat_is_served_from_server(vllm_server, client):
     prompt = prompt_of(3 * CHUNK + 100, seed=2)
     first = complete(vllm_server, prompt)
-    assert client.lookup(MODEL, keys_of(client, prompt)) == 3
+    assert client.lookup(MODEL, keys_of(client, prompt), wait_timeout=LANDED) == 3
     reset_prefix_cache(vllm_server)  # so vLLM's own prefix cache cannot serve it
     hits = external_hits(vllm_server)
     again = complete(vllm_server, prompt)
@@ -180,6 +184,7 @@ def test_loaded_kv_is_really_used(vllm_server, client):
     first = complete(vllm_server, prompt)
     keys = keys_of(client, prompt)
     layout = client.get_layout(MODEL)
+    assert client.lookup(MODEL, keys, wait_timeout=LANDED) == 3
     assert client.delete(MODEL, keys[1:2]) == 1
     noise = torch.randn(layout.chunk_shape, generator=torch.Generator().manual_seed(0)) * 3
     assert client.store(MODEL, keys[1:2], [noise]).stored == 1
@@ -201,7 +206,7 @@ def test_different_salt_gets_no_hit(vllm_server, client):
     # The salted request stored its own chunks under other keys.
     salted_keys = keys_of(client, prompt, "tenant-b")
     assert salted_keys != keys_of(client, prompt)
-    assert client.lookup(MODEL, salted_keys) == 2
+    assert client.lookup(MODEL, salted_keys, wait_timeout=LANDED) == 2
 
 
 def _wait_registered(client, timeout: float = 60.0) -> None:
@@ -226,15 +231,20 @@ def test_server_outage(vllm_server, kv_server):
         assert down["cached"] == 0
         assert down["logprobs"] == pytest.approx(reference["logprobs"], abs=TOL)
         complete(vllm_server, prompt_of(CHUNK + 5, seed=6), max_tokens=1)
+        # One clear warning for the outage, however many requests ran during it (a
+        # background commit, CUDA's default, fails after the client's timeout: wait for it).
+        deadline = time.monotonic() + 30.0
+        while len(re.findall(warning, vllm_server.log_path.read_text())) == warned:
+            assert time.monotonic() < deadline, "the worker side never noticed the outage"
+            time.sleep(0.2)
     finally:
         kv_server.restart()  # the session's server: same ports, empty
-    # One clear warning for the outage, however many requests ran during it.
     assert len(re.findall(warning, vllm_server.log_path.read_text())) == warned + 1
     with KVClient(kv_server.url) as c:
         _wait_registered(c)
         fresh = prompt_of(2 * CHUNK + 1, seed=7)
         complete(vllm_server, fresh, max_tokens=1)
-        assert c.lookup(MODEL, keys_of(c, fresh)) == 2
+        assert c.lookup(MODEL, keys_of(c, fresh), wait_timeout=LANDED) == 2
     # Loads resume too, once the scheduler side has reconnected (it retries every second).
     deadline = time.monotonic() + 30.0
     while True:
@@ -249,7 +259,7 @@ def test_server_outage(vllm_server, kv_server):
 def test_exact_multiple_and_short_prompts(vllm_server, client):
     exact = prompt_of(2 * CHUNK, seed=8)
     first = complete(vllm_server, exact)
-    assert client.lookup(MODEL, keys_of(client, exact)) == 2
+    assert client.lookup(MODEL, keys_of(client, exact), wait_timeout=LANDED) == 2
     reset_prefix_cache(vllm_server)
     again = complete(vllm_server, exact)
     assert again["cached"] == 2 * CHUNK - 1  # the last token is always computed
@@ -269,7 +279,7 @@ def test_generated_tokens_are_stored(vllm_server, client):
     prompt = prompt_of(CHUNK - 20, seed=10)
     out = complete(vllm_server, prompt, max_tokens=40)
     tokens = prompt + out["tokens"]
-    assert client.lookup(MODEL, keys_of(client, tokens)) == 1
+    assert client.lookup(MODEL, keys_of(client, tokens), wait_timeout=LANDED) == 1
 
 
 @pytest.mark.vllm
@@ -280,7 +290,8 @@ def test_concurrent_chunked_prefills_store_every_chunk(vllm_server, client):
     prompts = [prompt_of(11 * CHUNK + 184, seed=20 + i) for i in range(5)]  # > step budget
     with ThreadPoolExecutor(len(prompts)) as pool:
         list(pool.map(lambda p: complete(vllm_server, p, max_tokens=1), prompts))
-    assert [client.lookup(MODEL, keys_of(client, p)) for p in prompts] == [11] * 5
+    assert [client.lookup(MODEL, keys_of(client, p), wait_timeout=LANDED)
+            for p in prompts] == [11] * 5
 
 
 def _worker(kv_server, tiny_model, model: str):
@@ -315,6 +326,7 @@ def test_missing_chunk_is_a_load_error_and_never_stored(kv_server, tiny_model, c
         tokens = prompt_of(2 * CHUNK, seed=11)
         keys = request_keys(model, ws.layout, tokens)
         ws.store(KVEditMetadata(stores=[ChunkRun("a", 0, [keys], 0, 2 * CHUNK, [3, 0, 5, 1])]))
+        ws.copier.flush()  # a background commit (async_store) has landed
         assert client.lookup(model, keys) == 2
         assert client.delete(model, keys[1:]) == 1  # evicted between lookup and load
         before = buf.clone()
@@ -325,6 +337,7 @@ def test_missing_chunk_is_a_load_error_and_never_stored(kv_server, tiny_model, c
         assert torch.equal(buf[:, [6, 7]], before[:, [6, 7]])
         # This step's store must not publish the blocks whose load failed.
         ws.store(KVEditMetadata(stores=[ChunkRun("b", 0, [keys], 0, 2 * CHUNK, run.block_ids)]))
+        ws.copier.flush()
         assert client.lookup(model, keys[1:]) == 0
     finally:
         ws.close()

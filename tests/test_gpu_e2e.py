@@ -241,6 +241,8 @@ def test_stored_kv_matches_transformers_layer_by_layer(vllm_server, kv_server, t
     client = KVClient(kv_server.url)
     try:
         keys = keys_of(client, prompt)
+        # the background commit (CUDA's default) may still be landing
+        assert client.lookup(MODEL, keys, wait_timeout=30.0) == 3
         with client.retrieve(MODEL, keys) as got:
             stored = torch.cat([t.clone() for t in got.tensors], dim=2)
     finally:

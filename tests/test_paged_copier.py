@@ -219,6 +219,37 @@ def test_staged_load_with_partial_first_and_last_chunk(server, device):
                                   rel=1e-6)
 
 
+@pytest.mark.parametrize("staged", [False, True])
+def test_each_load_is_timed_and_logged_in_a_line_the_bench_reads_back(server, staged, caplog):
+    """stats_every=0 (what `kvedit bench connector` sets): one log line per load whose
+    breakdown load_lines() parses back; its phases add up to no more than the total."""
+    from kvedit.vllm.copier_stats import load_lines
+
+    src, _ = _filled_cache(48, seed=6)
+    ids = list(range(48))[:3 * CHUNK // 16]
+    keys = [f"timed{i}".encode().ljust(16, b".") for i in range(3)]
+    with KVClient(server.url) as c:
+        c.register(MODEL, LAYOUT)
+        c.delete(MODEL, keys)
+        c.store(MODEL, keys, [_gather(src, ids, i * CHUNK, (i + 1) * CHUNK) for i in range(3)])
+        dst, _ = _filled_cache(48, seed=7)
+        copier = PagedCopier(dst, LAYOUT, MODEL, staged=staged, stats_every=0,
+                             staging_bytes=8 * LAYOUT.chunk_bytes)
+        with caplog.at_level("INFO", logger="vllm.kvedit"):
+            for end in (3 * CHUNK, 2 * CHUNK + 5):
+                assert copier.load_run(c, ChunkRun("r", 0, [keys], 0, end, ids)) == end
+    lines = load_lines(caplog.text)
+    assert [x["chunks"] for x in lines] == [3, 3]  # the partial last chunk is leased too
+    assert lines[0]["mb"] == pytest.approx(3 * LAYOUT.chunk_bytes / 1e6, abs=0.1)
+    for x in lines:
+        parts = sum(x[k] for k in ("map_ms", "retrieve_ms", "issue_ms", "device_wait_ms",
+                                   "release_ms"))
+        assert 0 < parts <= x["total_ms"] + 0.05  # the log rounds to 0.01 ms
+    assert copier.load_stats.loads == 2 and copier.load_stats.chunks == 6
+    assert torch.equal(_gather(dst, ids, 0, 2 * CHUNK + 5), _gather(src, ids, 0, 2 * CHUNK + 5))
+    copier.close()
+
+
 def test_a_failed_background_store_is_raised_by_the_next_store(server):
     """The background thread's error (here: a server that refuses the model) is not lost:
     flush() raises it once; the ring is free again and later stores work."""
@@ -236,6 +267,25 @@ def test_a_failed_background_store_is_raised_by_the_next_store(server):
         copier.store_chunks(c, todo)
         copier.flush()
         assert c.lookup("never-registered", list(todo)) == 1
+    copier.close()
+
+
+def test_a_failed_background_store_is_reported_at_once_with_on_error(server):
+    """With on_error (what the connector passes: its link's failure handler) the error is
+    handed over by the background thread itself, without another store, and not raised
+    again by flush()."""
+    paged, _ = _filled_cache(32, seed=5)
+    seen: list[BaseException] = []
+    reported = threading.Event()
+    copier = PagedCopier(paged, LAYOUT, "never-registered-2", async_store=True,
+                         staging_bytes=8 * LAYOUT.chunk_bytes,
+                         on_error=lambda e: (seen.append(e), reported.set()))
+    with KVClient(server.url) as c:
+        copier.store_chunks(c, {b"y".ljust(16, b"."): (list(range(16)), 0)})
+        assert reported.wait(30.0)
+        assert "never-registered-2" in str(seen[0]) or "unknown" in str(seen[0])
+        copier.flush()  # handed over already: nothing left to raise
+        assert copier._store_ring().in_use == 0
     copier.close()
 
 

@@ -127,6 +127,8 @@ def _rank_chunks(ctx, tokens, salt) -> list[torch.Tensor]:
     """Each rank's stored chunks of `tokens` (index = rank), as [2, L, n*C, rank hidden]."""
     out = []
     for r, keys in enumerate(ctx.rank_keys_for(tokens, salt)):
+        # the background commit (CUDA's default) may still be landing after a prefill
+        ctx.client.lookup(ctx.model, keys, wait_timeout=30.0, tp_rank=r)
         with ctx.client.retrieve(ctx.model, keys, tp_rank=r) as got:
             assert len(got.tensors) == len(keys), f"rank {r} lacks chunks"
             out.append(torch.cat([t.clone() for t in got.tensors], dim=2))

@@ -13,11 +13,13 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvedit.layout import ModelLayout
+from kvedit.vllm.copier_stats import LoadStats, LoadTiming, StoreStats
 from kvedit.vllm.gpu_memory import (
     DeviceStreams,
     HostMapping,
@@ -28,30 +30,6 @@ from kvedit.vllm.metadata import ChunkRun
 from kvedit.vllm.paged import PagedKV, wait_for_device
 
 logger = logging.getLogger("vllm.kvedit")
-
-
-@dataclass
-class CopierStats:
-    """Where a rank's store time goes (logged every LOG_EVERY s while storing): the time
-    vLLM's thread spends in store_chunks, the part of it waiting for the device (the
-    forward still running: not a cost of storing), and the background thread's copy +
-    commit time (overlapped with the next forward)."""
-    LOG_EVERY = 30.0
-    stores: int = 0
-    chunks: int = 0
-    main_s: float = 0.0
-    device_wait_s: float = 0.0
-    background_s: float = 0.0
-    logged_at: float = 0.0
-
-    def maybe_log(self) -> None:
-        now = time.monotonic()
-        if now - self.logged_at >= self.LOG_EVERY:
-            self.logged_at = now
-            logger.info("kvedit: store stats: %d stores, %d chunks, vLLM thread %.1f ms "
-                        "(of which waiting for the forward %.1f ms), background %.1f ms",
-                        self.stores, self.chunks, 1e3 * self.main_s,
-                        1e3 * self.device_wait_s, 1e3 * self.background_s)
 
 
 @dataclass
@@ -86,8 +64,14 @@ class PagedCopier:
 
     def __init__(self, paged: PagedKV, layout: ModelLayout, model: str, tp_rank: int = 0,
                  pin_shm: bool = True, *, async_store: bool = False,
-                 staging_bytes: int | None = None, staged: bool | None = None):
+                 staging_bytes: int | None = None, staged: bool | None = None,
+                 on_error: Callable[[BaseException], None] | None = None,
+                 stats_every: float = 30.0):
+        """`on_error`: called (from the background thread) with the error of a failed
+        background store, at once, so an outage is noticed without waiting for the next
+        store; None keeps the error for the next store_chunks / flush to raise."""
         self.paged, self.layout, self.model, self.tp_rank = paged, layout, model, tp_rank
+        self.on_error = on_error
         self.pin_shm = pin_shm
         self.pinned: set[int] = set()  # host allocations already page-locked for the GPU
         self._map: HostMapping | None = None  # our page-locked mapping of the segment
@@ -104,26 +88,40 @@ class PagedCopier:
         self._jobs: queue.Queue[_StoreJob | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None  # from the background thread, raised once
-        self.stats = CopierStats()
+        self.stats = StoreStats(every=stats_every)
+        self.load_stats = LoadStats(every=stats_every)
 
     # ---- loads ------------------------------------------------------------------------
     def load_run(self, client, run: ChunkRun) -> int:
         """Copy the run's chunks into the paged blocks; return the first token not loaded."""
         c = self.layout.chunk_size
+        keys = run.keys[self.tp_rank]
+        t = LoadTiming(len(keys), len(keys) * self.layout.chunk_bytes)
+        t0 = time.perf_counter()
         self._host(client)  # before the lease: pinning a large segment takes seconds
-        with client.retrieve(self.model, run.keys[self.tp_rank], tp_rank=self.tp_rank) as got:
+        t1 = time.perf_counter()
+        with client.retrieve(self.model, keys, tp_rank=self.tp_rank) as got:
+            t2 = time.perf_counter()
             loaded = run.start
             try:
                 if self.staged:
-                    return self._load_staged(run, self._on_host(client, got.tensors))
-                for i, chunk in enumerate(got.tensors):
-                    lo = max(run.start, (run.first + i) * c)
-                    hi = min(run.end, (run.first + i + 1) * c)
-                    src = chunk[:, :, lo - (run.first + i) * c: hi - (run.first + i) * c]
-                    self.paged.scatter(self.paged.slots(run.block_ids, lo, hi), src)
-                    loaded = hi
+                    loaded = self._load_staged(run, self._on_host(client, got.tensors))
+                else:
+                    for i, chunk in enumerate(got.tensors):
+                        lo = max(run.start, (run.first + i) * c)
+                        hi = min(run.end, (run.first + i + 1) * c)
+                        src = chunk[:, :, lo - (run.first + i) * c: hi - (run.first + i) * c]
+                        self.paged.scatter(self.paged.slots(run.block_ids, lo, hi), src)
+                        loaded = hi
             finally:  # copies done before the forward reads them and the lease is released
+                t3 = time.perf_counter()
                 wait_for_device(self.paged.device)
+            t4 = time.perf_counter()
+        t5 = time.perf_counter()
+        t.map_ms, t.retrieve_ms, t.issue_ms = 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2)
+        t.device_wait_ms, t.release_ms, t.total_ms = 1e3 * (t4 - t3), 1e3 * (t5 - t4), \
+            1e3 * (t5 - t0)
+        self.load_stats.add(t)
         return loaded
 
     def _load_staged(self, run: ChunkRun, tensors: list[torch.Tensor]) -> int:
@@ -298,12 +296,20 @@ class PagedCopier:
         while (job := self._jobs.get()) is not None:
             try:
                 self._finish(job)
-            except BaseException as e:  # reported by the next store_chunks or flush
-                if self._error is None:
+            except BaseException as e:  # reported now, or by the next store_chunks / flush
+                if self.on_error is not None:
+                    self._report(e)
+                elif self._error is None:
                     self._error = e
             finally:
                 self._jobs.task_done()
         self._jobs.task_done()
+
+    def _report(self, err: BaseException) -> None:
+        try:
+            self.on_error(err)
+        except Exception:  # the handler must not kill the store thread
+            logger.exception("kvedit: reporting a failed background store failed")
 
     def _raise_background_error(self) -> None:
         err, self._error = self._error, None

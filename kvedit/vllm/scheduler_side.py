@@ -6,15 +6,20 @@ chunks to load before the forward and which newly completed chunks to store afte
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 from kvedit.keys import request_keys
 from kvedit.layout import ModelLayout
+from kvedit.vllm.inflight import InFlightKeys
 from kvedit.vllm.link import ServerLink
 from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
 from kvedit.vllm.query_capture import capture_unavailable
 from kvedit.vllm.query_window import WindowPlanner
 from kvedit.vllm.settings import ConnectorSettings, model_layout
+
+logger = logging.getLogger("vllm.kvedit")
 
 
 @dataclass(slots=True)
@@ -25,6 +30,7 @@ class _Req:
     stored: int = 0                      # chunks [0, stored) already handed to a store
     held: int = 0                        # tokens [0, held) computed by vLLM or in the server
     load: tuple[int, int] | None = None  # token range to load on its first scheduled step
+    waiting_since: float | None = None   # first lookup answered "not yet" (in-flight store)
 
 
 class SchedulerSide:
@@ -41,6 +47,11 @@ class SchedulerSide:
         self.reqs: dict[str, _Req] = {}
         self.queries = self._window_planner(vllm_config, settings, block_size)
         self.new_request_hook = False  # vLLM calls on_new_request (0.32 does)
+        # Workers that commit stores in the background: wait for keys still in flight.
+        device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
+        self.inflight: InFlightKeys | None = None
+        if settings.background_commit(device == "cuda") and settings.store_wait_s > 0:
+            self.inflight = InFlightKeys(settings.store_wait_s)
         self.link = ServerLink(settings.kvedit_url, settings.timeout, settings.retry_interval,
                                self._on_connect, "scheduler", secret=settings.secret())
 
@@ -82,7 +93,9 @@ class SchedulerSide:
         self.new_request_hook = True
         self.queries.add(request)
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int | None:
+        """Tokens beyond `num_computed_tokens` the server holds, or None ("ask again next
+        step") while the server's run of chunks stops at one whose store is in flight."""
         if not self.new_request_hook and request.request_id not in self.reqs:
             self.queries.add(request)  # a vLLM without on_new_request: at least say no
         st = self.reqs.setdefault(request.request_id, _Req(request))
@@ -101,10 +114,32 @@ class SchedulerSide:
         except Exception as e:  # an unreachable server is a miss, never an error
             self.link.failed(e)
             return 0
+        if self._store_in_flight(st, keys, first, first + held):
+            return None
         # Leave vLLM at least one token to compute (it needs logits for the last one).
         end = min((first + held) * self.chunk, request.num_tokens - 1)
         st.held = max(end, num_computed_tokens)
         return max(0, end - num_computed_tokens)
+
+    def _store_in_flight(self, st: _Req, keys: list[list[bytes]], first: int, stop: int) -> bool:
+        """Whether chunk `stop` (the first one the server lacks) is still being stored."""
+        if self.inflight is None:
+            return False
+        for k in keys:
+            self.inflight.discard(k[first:stop])  # the server holds these
+        if stop < len(keys[0]) and any(self.inflight.pending(k[stop]) for k in keys):
+            self.inflight.stats.deferred += 1
+            if st.waiting_since is None:
+                st.waiting_since = time.monotonic()
+            return True
+        if st.waiting_since is not None:
+            waited, st.waiting_since = time.monotonic() - st.waiting_since, None
+            # still short: the deadline passed (a slow or failed store): say so, it costs a
+            # recompute; otherwise the wait did its job
+            log = logger.info if stop < len(keys[0]) else logger.debug
+            log("kvedit: %s waited %.1f ms for in-flight stores; %d of %d chunks in the server",
+                st.request.request_id, 1e3 * waited, stop, len(keys[0]))
+        return False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         st = self.reqs.get(request.request_id)
@@ -146,6 +181,8 @@ class SchedulerSide:
             first, last = start // c, -(-end // c)
             keys = [k[first:last] for k in self._keys(st, last)]
             meta.loads.append(ChunkRun(req_id, first, keys, start, end, list(st.block_ids)))
+            if st.stored >= first:  # the loaded whole chunks are in the server: never store
+                st.stored = max(st.stored, end // c)  # them again (a failed load resets it)
         # Chunks whose every token has KV in vLLM's blocks once this step has run, and
         # whose token ids are known (generated tokens can lag under async scheduling).
         self.queries.plan(req_id, st.block_ids, computed, scheduled, self.layouts, meta)
@@ -158,6 +195,9 @@ class SchedulerSide:
             keys = [k[st.stored:n_full] for k in self._keys(st, n_full)]
             meta.stores.append(ChunkRun(req_id, st.stored, keys, st.stored * c, n_full * c,
                                         list(st.block_ids)))
+            if self.inflight is not None:
+                for k in keys:
+                    self.inflight.add(k)
             st.stored = n_full
 
     def invalid_blocks(self, block_ids: set[int]) -> None:
@@ -165,7 +205,11 @@ class SchedulerSide:
         for st in self.reqs.values():
             for i, b in enumerate(st.block_ids):
                 if b in block_ids:
-                    st.stored = min(st.stored, i * self.block_size // self.chunk)
+                    bad = i * self.block_size // self.chunk
+                    if self.inflight is not None:  # the worker skips storing those chunks
+                        for k in st.keys:
+                            self.inflight.discard(k[bad:])
+                    st.stored = min(st.stored, bad)
                     break
 
     def request_finished(self, request) -> None:

@@ -29,17 +29,26 @@ class ConnectorSettings:
     retry_interval: float = 1.0        # seconds between reconnect attempts while unavailable
     rope_is_neox: bool | None = None   # override the GPT-J/NeoX guess from the model type
     pin_shm: bool = True               # GPU: page-lock the server's shared memory for DMA
-    # GPU stores: commit from a background thread (faster prefill, but a request sent right
-    # after a response may miss chunks still in flight: docs/gpu.md), and the device staging
-    # ring's size in bytes (0: 3/4 of min(2 GiB, GPU memory / 32)).
-    async_store: bool = False
-    gpu_staging_bytes: int = 0
+    # Stores commit from a background thread while the next step computes (None: on where
+    # vLLM runs on CUDA, off elsewhere; True also on the CPU, through device-style staging).
+    # A new request whose prefix is still being stored then waits for it, at most
+    # store_wait_s seconds (vLLM asks again each step; inflight.py), rather than recompute.
+    async_store: bool | None = None
+    store_wait_s: float = 5.0
+    gpu_staging_bytes: int = 0  # the device staging ring (0: 3/4 of min(2 GiB, GPU mem / 32))
+    stats_interval_s: float = 30.0     # store/load stats lines in vLLM's log (0: every one)
     kvedit_secret_file: str = ""       # the server's shared secret; "": $KVEDIT_SECRET(_FILE)
     # Query capture (docs/queries.md): "auto" hooks attention where the vLLM is supported and
     # otherwise warns each asking request; "on" refuses to start on an unsupported vLLM;
     # "off" never hooks. max_capture_bytes bounds the windows in flight per rank.
     query_capture: QueryCaptureMode = "auto"
     max_capture_bytes: int = 1 << 30
+
+    def background_commit(self, on_cuda: bool) -> bool:
+        """Whether stores commit from a background thread: async_store, else on CUDA only.
+        Both connector roles decide the same way (the scheduler side waits for in-flight
+        stores only when the workers commit in the background)."""
+        return on_cuda if self.async_store is None else bool(self.async_store)
 
     def secret(self) -> bytes | None:
         """The shared secret: kvedit_secret_file, else the environment (kvedit.auth)."""
@@ -59,6 +68,10 @@ class ConnectorSettings:
         if mode not in get_args(QueryCaptureMode):
             raise ValueError(f"kvedit connector: query_capture {mode!r}; expected one of "
                              f"{list(get_args(QueryCaptureMode))}")
+        wait = extra.get("store_wait_s", 5.0)
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 300:
+            raise ValueError(f"kvedit connector: store_wait_s {wait!r}; expected seconds "
+                             "between 0 and 300 (0: never wait for an in-flight store)")
         return cls(**extra)
 
 

@@ -5,7 +5,8 @@ with the server. Loads run before the forward (vLLM calls start_load_kv first wh
 has synchronous loads); stores run in wait_for_save after the forward and read the blocks
 before it returns, so vLLM cannot hand them to another request first. On the CPU stores
 copy from the paged blocks straight into the server's shared-memory slots; on a GPU they
-gather into device staging and a background thread copies and commits (PagedCopier).
+gather into device staging and a background thread copies and commits (PagedCopier; the
+scheduler side makes a new request wait for keys still in flight: inflight.py).
 """
 from __future__ import annotations
 
@@ -102,13 +103,22 @@ class WorkerSide:
             self.layout = layout
             s = self.settings
             self.copier = PagedCopier(self.paged, layout, self.model, self.tp_rank, s.pin_shm,
-                                      async_store=s.async_store,
-                                      staging_bytes=s.gpu_staging_bytes or None)
+                                      async_store=s.background_commit(
+                                          self.paged.device.type == "cuda"),
+                                      staging_bytes=s.gpu_staging_bytes or None,
+                                      on_error=self._background_store_failed,
+                                      stats_every=s.stats_interval_s)
         client.register(self.model, self.layout)
         http = self.settings.kvedit_http_url
         logger.info("kvedit: registered %s (rank %d) with %s%s: %s", self.model, self.tp_rank,
                     self.settings.kvedit_url, f" (status: {http}/status)" if http else "",
                     self.layout)
+
+    def _background_store_failed(self, err: BaseException) -> None:
+        """A background commit failed: mark the outage now (one warning), not at the next
+        store, which may come much later (or after the server is back)."""
+        if self.link is not None:
+            self.link.failed(err)
 
     # ---- per step -----------------------------------------------------------------------
     def load(self, meta: KVEditMetadata) -> None:

@@ -1,0 +1,96 @@
+"""What a rank's copies cost: store and load stats, written to vLLM's log.
+
+A line every `every` seconds while a rank stores or loads (connector setting
+`stats_interval_s`, default 30; 0 logs after every store and every load, which is what
+`kvedit bench connector` sets to read each load's breakdown back: `load_lines` parses them).
+On a GPU the copies run on side streams, so a phase's time is what vLLM's thread spent on it:
+`issue` is queueing the host->device copies and scatters (a pipelined load also waits there
+for each staging half to land), `device_wait` the wait at the end for the copies still
+running; their sum is the copy time the forward waits for.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("vllm.kvedit")
+
+
+@dataclass
+class StoreStats:
+    """Where a rank's store time goes: the time vLLM's thread spends in store_chunks, the
+    part of it waiting for the device (the forward still running: not a cost of storing),
+    and the background thread's copy + commit time (overlapped with the next forward)."""
+    every: float = 30.0
+    stores: int = 0
+    chunks: int = 0
+    main_s: float = 0.0
+    device_wait_s: float = 0.0
+    background_s: float = 0.0
+    logged_at: float = 0.0
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self.logged_at >= self.every:
+            self.logged_at = now
+            logger.info("kvedit: store stats: %d stores, %d chunks, vLLM thread %.1f ms "
+                        "(of which waiting for the forward %.1f ms), background %.1f ms",
+                        self.stores, self.chunks, 1e3 * self.main_s,
+                        1e3 * self.device_wait_s, 1e3 * self.background_s)
+
+
+@dataclass(slots=True)
+class LoadTiming:
+    """One load_run, in milliseconds of vLLM's thread (a load runs before the forward,
+    which waits for all of it)."""
+    chunks: int
+    nbytes: int
+    map_ms: float = 0.0          # our mapping of the server's segment (page-locking: once)
+    retrieve_ms: float = 0.0     # the retrieve round trip: the server leases the chunks
+    issue_ms: float = 0.0        # queueing copies + scatters (pipelined: incl. half waits)
+    device_wait_ms: float = 0.0  # waiting for the copies and scatters still running
+    release_ms: float = 0.0      # releasing the lease
+    total_ms: float = 0.0
+
+
+@dataclass
+class LoadStats:
+    every: float = 30.0
+    loads: int = 0
+    chunks: int = 0
+    nbytes: int = 0
+    total_s: float = 0.0
+    last: LoadTiming | None = None
+    logged_at: float = field(default=0.0)
+
+    def add(self, t: LoadTiming) -> None:
+        self.loads += 1
+        self.chunks += t.chunks
+        self.nbytes += t.nbytes
+        self.total_s += t.total_ms / 1e3
+        self.last = t
+        now = time.monotonic()
+        if now - self.logged_at >= self.every:
+            self.logged_at = now
+            logger.info("kvedit: load stats: %d loads, %d chunks, %.2f GB, %.1f ms in all; "
+                        "last: %d chunks, %.1f MB in %.2f ms (map %.2f, retrieve %.2f, "
+                        "issue %.2f, device wait %.2f, release %.2f)",
+                        self.loads, self.chunks, self.nbytes / 1e9, 1e3 * self.total_s,
+                        t.chunks, t.nbytes / 1e6, t.total_ms, t.map_ms, t.retrieve_ms,
+                        t.issue_ms, t.device_wait_ms, t.release_ms)
+
+
+_LAST_LOAD = re.compile(
+    r"kvedit: load stats: .*?last: (?P<chunks>\d+) chunks, (?P<mb>[\d.]+) MB in "
+    r"(?P<total_ms>[\d.]+) ms \(map (?P<map_ms>[\d.]+), retrieve (?P<retrieve_ms>[\d.]+), "
+    r"issue (?P<issue_ms>[\d.]+), device wait (?P<device_wait_ms>[\d.]+), "
+    r"release (?P<release_ms>[\d.]+)\)")
+
+
+def load_lines(log_text: str) -> list[dict[str, float]]:
+    """Each logged load's breakdown (the `last:` part of every load stats line), oldest
+    first: chunks, mb and the *_ms fields."""
+    return [{k: float(v) for k, v in m.groupdict().items()}
+            for m in _LAST_LOAD.finditer(log_text)]
