@@ -188,7 +188,7 @@ def test_cache_salt_isolates_streams_with_the_same_prompt(ctx, post, vllm_server
         return kv, tokens
 
     BatchedStream([a], progress=False).modify(zero_v)
-    assert ctx.client.lookup(ctx.model, b.keys) == 2
+    assert ctx.client.lookup(ctx.model, b.keys, wait_timeout=30) == 2
     reset_prefix_cache(vllm_server)
     BatchedStream([a, b], progress=False).decode({**GREEDY, "max_tokens": 5})
     assert b.output_token_ids == ref_ids  # untouched by a's edit
