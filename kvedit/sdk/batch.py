@@ -19,7 +19,7 @@ from kvedit.sdk.loop import run_sync
 from kvedit.sdk.metrics import Metrics, Span, add_generation, add_modify
 from kvedit.sdk.modify import modify_stream
 from kvedit.sdk.queries import check_window, expect
-from kvedit.sdk.stream import Generation, Stream
+from kvedit.sdk.stream import Stream
 
 
 def _progress_default() -> bool:
