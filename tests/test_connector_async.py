@@ -11,7 +11,6 @@ first sleeps for the seconds written in a file, so the commit lands well after t
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import pytest
 
@@ -19,6 +18,7 @@ from kvedit.client import KVClient
 from kvedit.keys import request_keys
 from kvedit.vllm.inflight import InFlightKeys
 from kvedit.vllm.settings import ConnectorSettings
+from tests.test_connector import post
 
 DELAY_FILE_ENV = "KVEDIT_TEST_COMMIT_DELAY_FILE"  # as tests/slow_commit_connector.py reads it
 
@@ -52,16 +52,8 @@ def async_vllm(tiny_model, kv_server, delay_file):
             yield vp
 
 
-def _post(vp, path: str, body: dict | None = None) -> dict:
-    data = json.dumps(body).encode() if body is not None else b""
-    req = urllib.request.Request(vp.base_url + path, data=data, method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
-
-
 def _complete(vp, prompt: list[int]) -> dict:
-    r = _post(vp, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2,
+    r = post(vp, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2,
                                       "temperature": 0, "logprobs": 1})
     return {"tokens": r["choices"][0]["logprobs"]["tokens"],
             "cached": r["usage"]["prompt_tokens_details"]["cached_tokens"]}
@@ -85,7 +77,7 @@ def test_a_repeat_right_after_the_response_loads_every_chunk(async_vllm, kv_serv
     delay_file.write_text("1.0")
     prompt = _prompt(3 * CHUNK + 50, seed=101)
     first = _complete(async_vllm, prompt)
-    _post(async_vllm, "/reset_prefix_cache")  # vLLM's own cache must not serve it
+    post(async_vllm, "/reset_prefix_cache")  # vLLM's own cache must not serve it
     with KVClient(kv_server.url) as c:
         assert c.lookup(MODEL, _keys(c, prompt)) < 3  # not landed yet: the race is real
     again = _complete(async_vllm, prompt)
@@ -100,14 +92,14 @@ def test_an_in_flight_store_past_its_deadline_is_a_miss(async_vllm, kv_server, d
     delay_file.write_text(str(3 * WAIT_S))
     prompt = _prompt(2 * CHUNK + 9, seed=102)
     first = _complete(async_vllm, prompt)
-    _post(async_vllm, "/reset_prefix_cache")
+    post(async_vllm, "/reset_prefix_cache")
     again = _complete(async_vllm, prompt)
     assert again["cached"] == 0 and again["tokens"] == first["tokens"]
     assert "in-flight stores; 0 of 2 chunks in the server" in async_vllm.log_path.read_text()
     delay_file.write_text("0")
     with KVClient(kv_server.url) as c:  # the slow commit lands in the end
         assert c.lookup(MODEL, _keys(c, prompt), wait_timeout=30 * WAIT_S) == 2
-    _post(async_vllm, "/reset_prefix_cache")
+    post(async_vllm, "/reset_prefix_cache")
     assert _complete(async_vllm, prompt)["cached"] == 2 * CHUNK
 
 
