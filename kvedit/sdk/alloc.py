@@ -71,21 +71,29 @@ def keep_freed_memory() -> bool:
         return _applied
 
 
-def fill_small_cache() -> None:
-    """Fill this thread's glibc tcache (7 free chunks per size up to 1 KiB).
+def settle_small_cache() -> None:
+    """Empty this thread's glibc tcache into the arena, then fill it with fresh chunks (7 per
+    size up to 1 KiB). Called before and after every fn.
 
-    torch allocates with posix_memalign, which carves an aligned block out of a larger
-    chunk and frees the few bytes left at its end; while the thread's tcache has room, that
-    tail is parked there, still "in use" for the heap, between the block and the rest of the
-    heap. The freed block then cannot merge with its neighbours, and the next request of the
-    same size (again with alignment slack) does not fit in it: the heap grew by one block per
-    call until the cache held 7 such tails (a pool thread: 7 x 151 MB in bench modify). With
-    the cache full the tail goes to a fast bin, merged at the next large malloc, and the
-    freed block is reused at once. Costs ~0.1 ms per call."""
+    torch allocates with posix_memalign, which carves an aligned block out of a larger chunk
+    and frees the few bytes left at its ends; while the thread's tcache has room, such a tail
+    is parked there, still "in use" for the heap, between the block and the rest of the heap.
+    The freed block then cannot merge with its neighbours, and the next request of the same
+    size (again with alignment slack) does not fit in it: the heap grows by a block.
+    Filling the cache before fn is not enough: fn's own small allocations take entries out
+    again, and the output's tails land in the gaps (`kvedit bench modify`: the heap grew by
+    1.4 GB over the first drop_half_cat repeats and held ten 144 MiB blocks for two outputs
+    in flight). So after fn the cache is emptied first (those tails come out with the rest)
+    and refilled, and the emptied chunks are freed with the cache full: they go to the
+    arena's bins, merged with their free neighbours at the next large malloc, and the freed
+    output block is reused whole (same bench: the heap grew by 0.4 GB and then stayed).
+    Costs ~0.2 ms per call."""
     if not _applied or libc.malloc is None or libc.free is None:
         return
-    chunks = [libc.malloc(n) for n in range(8, 1033, 16) for _ in range(7)]
-    for c in chunks:
+    sizes = range(8, 1033, 16)
+    taken = [libc.malloc(n) for n in sizes for _ in range(7)]   # the cache's entries first
+    fresh = [libc.malloc(n) for n in sizes for _ in range(7)]
+    for c in fresh + taken:  # fresh ones fill the cache; the taken ones go to the arena
         if c:
             libc.free(c)
 
@@ -154,9 +162,10 @@ class FnPool:
         while True:
             fut, call = self.work.get()
             if fut.set_running_or_notify_cancel():
-                fill_small_cache()
+                settle_small_cache()
                 try:
                     result = call()
+                    settle_small_cache()  # the output's alignment tails out of the cache
                 except BaseException as e:  # handed to the awaiting coroutine
                     call = None
                     fut.set_exception(e)

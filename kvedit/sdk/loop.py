@@ -23,7 +23,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from kvedit.sdk.alloc import fill_small_cache
+from kvedit.sdk.alloc import settle_small_cache
 
 T = TypeVar("T")
 _lock = threading.Lock()
@@ -81,8 +81,9 @@ async def in_caller(fn, *args, **kwargs):
 
     def item() -> None:
         try:
-            fill_small_cache()  # so fn's large blocks are reused at once (kvedit.sdk.alloc)
+            settle_small_cache()  # so fn's large blocks are reused at once (kvedit.sdk.alloc)
             result = fn(*args, **kwargs)
+            settle_small_cache()
         except BaseException as e:  # handed to the awaiting coroutine, never lost
             loop.call_soon_threadsafe(_settle, done, None, e)
         else:
