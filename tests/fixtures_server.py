@@ -18,7 +18,7 @@ import zmq
 from kvedit import auth, wire
 from kvedit import protocol as P
 from kvedit.client import KVClient
-from kvedit.server.launch import start_server
+from kvedit.launch.server import start_server
 from tests.kv_helpers import SMALL, chunk_for, key, matches
 
 SEED_KEYS = [key(i, "seed") for i in range(4)]

@@ -19,7 +19,7 @@ def vllm_server(tiny_model, kv_server):
     """vLLM on the tiny model, float32, connector pointed at `kv_server`, served name
     "tiny-qwen3", token ids in logprobs, prefix caching on (dev mode exposes
     POST /reset_prefix_cache so a test can force the connector path)."""
-    from kvedit.harness.vllm_launch import start_vllm
+    from kvedit.launch.vllm import start_vllm
 
     with start_vllm(tiny_model, server=kv_server, served_model_name="tiny-qwen3",
                     dtype="float32", kv_cache_gib=1, max_model_len=4096, chunk_size=CHUNK,
@@ -44,7 +44,7 @@ def smollm2_model(tmp_path_factory):
 def smollm2_vllm(smollm2_model, kv_server):
     """vLLM (bf16, connector to `kv_server`, 1 GiB KV, max_model_len 8192) on SmolLM2,
     served as "smollm2". Session-scoped: the suite starts at most one vLLM on this model."""
-    from kvedit.harness.vllm_launch import start_vllm
+    from kvedit.launch.vllm import start_vllm
 
     with start_vllm(smollm2_model, server=kv_server, served_model_name="smollm2",
                     dtype="bfloat16", kv_cache_gib=1, max_model_len=8192, chunk_size=CHUNK,

@@ -1,4 +1,4 @@
-"""kvedit's connector with a slowed background commit, for tests/test_connector_async.py.
+"""kvedit's connector with a slowed background commit, for tests/engine/test_connector_async.py.
 
 vLLM imports this module (kv_connector_module_path) in its engine process. Everything is the
 real connector; only the background thread's copy + commit of each store waits first for the

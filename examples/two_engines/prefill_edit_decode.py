@@ -35,10 +35,10 @@ import random
 import kvedit
 from kvedit.edits import DropMiddle
 from kvedit.harness.tiny_model import default_tiny_model
-from kvedit.harness.vllm_launch import start_vllm
-from kvedit.l2_wait import wait_l2_written
-from kvedit.server.launch import start_server
-from kvedit.server.redis_launch import RedisProcess
+from kvedit.launch.vllm import start_vllm
+from kvedit.client.l2_wait import wait_l2_written
+from kvedit.launch.server import start_server
+from kvedit.launch.redis import RedisProcess
 
 SERVED = "tiny-qwen3"
 

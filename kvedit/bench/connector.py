@@ -211,7 +211,7 @@ def _through_server(paged, block_ids: list[int], shape, chunk: int, n: int, sync
 
     from kvedit.client import KVClient
     from kvedit.layout import ModelLayout
-    from kvedit.server.launch import start_server
+    from kvedit.launch.server import start_server
     from kvedit.vllm.metadata import ChunkRun
     from kvedit.vllm.copier import PagedCopier
 
@@ -369,9 +369,9 @@ def vllm_bench(tokens: int, n_prompts: int, rounds: int, *, model: str | None = 
                vllm_args=(), window: int = 128, store_commit: str = "auto") -> dict:
     from kvedit.client import KVClient
     from kvedit.harness.tiny_model import default_tiny_model
-    from kvedit.harness.vllm_launch import kv_transfer_config, start_vllm
+    from kvedit.launch.vllm import kv_transfer_config, start_vllm
     from kvedit.keys import request_keys
-    from kvedit.server.launch import start_server
+    from kvedit.launch.server import start_server
     from kvedit.vllm.copier_stats import load_lines
 
     model_dir = model or default_tiny_model()

@@ -44,7 +44,7 @@ def register(bsub) -> None:
 
 
 def run(args) -> int:
-    from kvedit.server.redis_launch import RedisProcess
+    from kvedit.launch.redis import RedisProcess
 
     with RedisProcess() as redis_proc:
         out = {"chunks": args.chunks, "rounds": args.rounds}
@@ -87,7 +87,7 @@ def throughput(url: str, n: int, rounds: int) -> dict:
     import redis
 
     from kvedit.client import KVClient
-    from kvedit.server.launch import start_server
+    from kvedit.launch.server import start_server
     from kvedit.server.l2_redis import layout_tag, redis_key
 
     layout = _qwen3_8b()
@@ -151,7 +151,7 @@ def promotion_overhead(url: str, n: int = 256) -> dict:
     """Fixed cost per promoted chunk: 16 KiB chunks, so the bytes are cheap."""
     from kvedit.client import KVClient
     from kvedit.layout import ModelLayout
-    from kvedit.server.launch import start_server
+    from kvedit.launch.server import start_server
 
     import torch
     small = ModelLayout(num_layers=2, num_kv_heads=1, head_dim=32, dtype="bfloat16",
@@ -183,7 +183,7 @@ def write_modes(redis_proc, n: int) -> dict:
     import redis
 
     from kvedit.client import KVClient
-    from kvedit.server.launch import start_server
+    from kvedit.launch.server import start_server
 
     layout = _qwen3_8b()
     data = _chunks(layout, n)
@@ -227,8 +227,8 @@ def ttft_two_engines(url: str, tokens: int = 4096, rounds: int = 4) -> dict:
     from kvedit.bench.connector import _complete
     from kvedit.client import KVClient
     from kvedit.harness.tiny_model import default_tiny_model
-    from kvedit.harness.vllm_launch import start_vllm
-    from kvedit.server.launch import start_server
+    from kvedit.launch.vllm import start_vllm
+    from kvedit.launch.server import start_server
 
     model = default_tiny_model()
     rng = random.Random(0)

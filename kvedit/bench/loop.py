@@ -68,7 +68,7 @@ def _summary(lat: list[float]) -> dict:
 
 
 def measure(keys: int, seconds: float) -> dict:
-    from kvedit.server.launch import start_server
+    from kvedit.launch.server import start_server
 
     pool_gb = keys * 2 * 4096 / 2**30 + 0.01   # two sets of 4 KiB slots
     with start_server(pool_gb, extra_args=["--max-keys-per-request", str(keys)]) as srv:

@@ -163,7 +163,7 @@ def run(args) -> int:
     if args.server_url:
         url, http_url = args.server_url, None
     else:
-        from kvedit.server.launch import start_server
+        from kvedit.launch.server import start_server
 
         # one batch at a time (deleted after each modify) + drop-half output + slack
         server = start_server(kv_bytes * 1.5 / 2**30 + 0.25, chunk_size=args.chunk_size)

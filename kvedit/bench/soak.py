@@ -166,7 +166,7 @@ class _MixedRun:
 
     def __init__(self, args, secret_file: str, logdir: Path):
         from kvedit.bench.soak_procs import LAYOUT
-        from kvedit.server.launch import start_server
+        from kvedit.launch.server import start_server
         self.args, self.ttl, self.run_s = args, args.ttl, args.minutes * 60
         self.rng = random.Random(args.seed)
         self.pool_chunks = (args.pool_mb << 20) // LAYOUT.chunk_bytes
@@ -376,7 +376,7 @@ def scaling_phase(args, secret_file: str) -> dict:
     scraping (5 s), and while /metrics, /status and /cache pages are scraped back to back."""
     from kvedit.client import KVClient
     from kvedit.layout import ModelLayout
-    from kvedit.server.launch import start_server
+    from kvedit.launch.server import start_server
 
     tiny = ModelLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16",
                        chunk_size=256)          # 2 x 1 x 256 x 4 x 2 bytes = 4 KiB

@@ -92,7 +92,7 @@ def _client(cfg: dict, shm: bool):
 
 
 def _guard(t: Tally, fn) -> None:
-    from kvedit.handles import KVError
+    from kvedit.client.handles import KVError
     try:
         fn()
     except KVError as e:
@@ -104,7 +104,7 @@ def _guard(t: Tally, fn) -> None:
 def _read_and_check(t: Tally, c, keys: list[bytes], hold: float = 0.0) -> bool:
     """Retrieve, check every chunk (again after `hold` s), release. False: the lease expired
     (the server said so at release, so the bytes read are not to be used, and are not torn)."""
-    from kvedit.handles import KVError
+    from kvedit.client.handles import KVError
     r = c.retrieve(MODEL, keys)
     bad = sum(not intact(k, x) for k, x in zip(keys, r.tensors))
     t.chunks_checked += len(r.tensors)
@@ -167,7 +167,7 @@ def laggard(cfg: dict) -> dict:
     """A writer that commits after its write TTL and a reader that releases after its lease
     TTL, while workers reuse the slots: the late writer must be refused (store_expired) and
     must not have corrupted anyone; the late reader must be told (lease_expired)."""
-    from kvedit.handles import KVError
+    from kvedit.client.handles import KVError
     rng = random.Random(cfg["seed"])
     t = Tally()
     late = {"late_commits_refused": 0, "late_commits_accepted": 0,

@@ -93,7 +93,7 @@ def measure(total_gb: float, rounds: int, batch: int) -> dict:
 
     from kvedit.client import KVClient
     from kvedit.layout import ModelLayout
-    from kvedit.server.launch import start_server
+    from kvedit.launch.server import start_server
 
     lay = ModelLayout(num_layers=36, num_kv_heads=8, head_dim=128, dtype="bfloat16",
                       chunk_size=256)
@@ -166,7 +166,7 @@ def control_rtt(calls: int = 2000) -> dict:
     import statistics
 
     from kvedit.client import KVClient
-    from kvedit.server.launch import start_server
+    from kvedit.launch.server import start_server
 
     secret = "bench-" + secrets.token_hex(16)
     times: dict[str, list[float]] = {"null": [], "curve": []}

@@ -56,8 +56,8 @@ def _serve(args) -> int:
     its whole process group (API server, engine core, workers) is stopped before we return."""
     import signal
 
-    from kvedit.harness.process_group import spawn_group, stop_group
-    from kvedit.harness.vllm_launch import (_is_cpu_build, default_cpu_kv_cache_gib,
+    from kvedit.launch.process_group import spawn_group, stop_group
+    from kvedit.launch.vllm import (_is_cpu_build, default_cpu_kv_cache_gib,
                                             kv_transfer_config, mem_available_bytes,
                                             sizes_kv_itself, vllm_command, vllm_env)
 

@@ -64,7 +64,7 @@ class Engines:
 
 def block_size() -> int:
     """vLLM's KV block size: 128 on the CPU build, 16 on GPUs."""
-    from kvedit.harness.vllm_launch import _is_cpu_build
+    from kvedit.launch.vllm import _is_cpu_build
 
     return 128 if _is_cpu_build() else 16
 
@@ -85,7 +85,7 @@ def engines(*, server_url: str | None = None, server_http_url: str | None = None
         if server_url:
             url, http_url = server_url, server_http_url
         else:
-            from kvedit.server.launch import start_server
+            from kvedit.launch.server import start_server
 
             log(f"starting kvedit server (L1 {l1_size_gb} GB, chunk {chunk_size}) ...")
             server = stack.enter_context(start_server(l1_size_gb, chunk_size=chunk_size))
@@ -93,7 +93,7 @@ def engines(*, server_url: str | None = None, server_http_url: str | None = None
         if vllm_url:
             yield Engines(url, http_url, vllm_url.rstrip("/"), served_model_name, None)
             return
-        from kvedit.harness.vllm_launch import start_vllm
+        from kvedit.launch.vllm import start_vllm
         from kvedit.harness.tiny_model import default_tiny_model
 
         model_dir = model or str(default_tiny_model())

@@ -27,7 +27,7 @@ raises, returns something invalid, or the store fails, the stream is unchanged, 
 names the stream and the reason, and the original chunks are untouched (still retrievable).
 The same holds when a lease or store outlives the server's TTL (lease_expired /
 store_expired): bytes read after a lease ran out are never stored, nothing is written into
-slots past the write TTL (kvedit.handles). After a successful swap, the stream's old chunks
+slots past the write TTL (kvedit.client.handles). After a successful swap, the stream's old chunks
 that no stream of the context references any more are deleted, unless `keep_old=True`.
 
 Partial tail. Only full chunks have keys. If the edited length is not a multiple of the
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvedit.handles import KVError
+from kvedit.client.handles import KVError
 from kvedit.sdk.alloc import pool_reuses_memory, run_fn
 from kvedit.sdk.contracts import Edited, check_result, fn_kwargs, is_async_fn
 from kvedit.sdk.errors import ModifyError

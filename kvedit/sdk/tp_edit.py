@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvedit.handles import KVError, StoreHandle
+from kvedit.client.handles import KVError, StoreHandle
 from kvedit.keys import namespace, query_key
 from kvedit.sdk import queries as Q
 from kvedit.sdk.errors import MissingQueries, ModifyError

@@ -1,7 +1,7 @@
 """The OpenAPI 3.1 description of the HTTP API (served at GET /openapi.json).
 
 Hand-written rather than generated: the parameter bounds here are the ones the routes in
-kvedit/server/http.py enforce (MAX_PAGE, MAX_CURSOR), and tests/test_http_fuzz.py draws its
+kvedit/server/http.py enforce (MAX_PAGE, MAX_CURSOR), and tests/server/test_http_fuzz.py draws its
 requests from this document, so a route and its description cannot drift apart unnoticed.
 """
 from __future__ import annotations

@@ -106,7 +106,7 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
     rows: list[dict] = []
     with ExitStack() as stack:
         if "server_url" not in kw:
-            from kvedit.server.launch import start_server
+            from kvedit.launch.server import start_server
 
             log(f"starting kvedit server (L1 2 GB, chunk {cfg.chunk_size}) ...")
             server = stack.enter_context(start_server(2.0, chunk_size=cfg.chunk_size))

@@ -1,0 +1,118 @@
+"""`kvedit eval` end to end through the real path on a few samples: the session's vLLM on
+SmolLM2 prefills, the SDK modifies with each policy, vLLM decodes; plus the decode-gain arms'
+plumbing on the same vLLM (the KV-bound gain itself is what the default
+suite measures and reports, never asserted: timings are noisy)."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from kvedit.cli import main
+from kvedit.harness.eval.gain import GainConfig
+
+
+def test_eval_end_to_end_json_table_charts(kv_server, smollm2_vllm, smollm2_model, tmp_path,
+                                           capsys):
+    rc = main(["eval", "--model", str(smollm2_model), "--server-url", kv_server.url,
+               "--server-http-url", kv_server.http_url, "--vllm-url", smollm2_vllm.base_url,
+               "--served-model-name", smollm2_vllm.model, "--tasks", "passkey,vartrack",
+               "--lengths", "512", "--samples", "2", "--policies", "KeyDiff,streaming_llm",
+               "--ratios", "0.5", "--json", "--no-progress", "--out", str(tmp_path)])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out == json.loads((tmp_path / "results.json").read_text())
+    base = out["baseline"]
+    assert base["n"] == 4 and 0 <= base["accuracy"] <= 1
+    lo, hi = base["ci"]
+    assert lo <= base["accuracy"] <= hi
+    assert set(base["by_task"]) == {"passkey", "vartrack"}
+    assert base["by_task"]["passkey"]["correct"] >= 1  # real answers from the real model
+    assert [(r["policy"], r["ratio"]) for r in out["results"]] == [("KeyDiff", 0.5),
+                                                                   ("StreamingLLM", 0.5)]
+    for r in out["results"]:
+        assert r["n"] == 4 and r["ci"][0] <= r["accuracy"] <= r["ci"][1]
+        # 512 context tokens = 2 chunks of the session server's 256: exactly half survives,
+        # and at token granularity the kept 256 tokens are one whole stored chunk.
+        assert r["kept_fraction"] == 0.5 and r["stored_fraction"] == 0.5
+        assert r["decode_gain"] is None  # the gain arms need a vLLM eval starts itself
+    assert set(out["acceptance"]) == {"baseline_accuracy", "best_at_0.5_vs_baseline",
+                                      "spread_at_0.75"}
+    records = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(records) == 4 * 3  # baseline + 2 policies
+    for rec in records:  # every verdict is the check applied to the stored answer
+        numbers = set(re.findall(r"\d+", rec["output"]))
+        assert rec["ok"] == all(a in numbers for a in rec["answer"])
+    for name in ("accuracy_vs_ratio.png", "accuracy_vs_gain.png"):
+        png = (tmp_path / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_gain_arms_share_one_prefill_and_keep_what_the_policy_keeps(kv_server, smollm2_vllm):
+    from kvedit.edits import DropMiddle
+    from kvedit.harness.eval.gain import GainRun
+    from kvedit.sdk.context import connect
+    from kvedit.sdk.openai import openai_completion
+
+    cfg = GainConfig(num_prompts=2, prompt_len=512, max_tokens=8, kv_blocks=21)
+    vp = smollm2_vllm  # the session's one vLLM on SmolLM2 (not KV-bound: plumbing only)
+    with connect(kv_server.url, kv_server.http_url, vp.model, timeout=60) as ctx:
+        g = GainRun(ctx, openai_completion(vp.base_url, vp.model), vp.base_url, cfg, 128,
+                    progress=False)
+        g.prefill()
+        held = dict(ctx.refs)
+        b = g.arm()
+        d = g.arm(DropMiddle(0.5, granularity="token"))
+        assert b["kept_tokens"] == 512 and d["kept_tokens"] == 256
+        assert "modify_s" in d and "modify_s" not in b
+        assert b["tokens_per_step"] and d["tokens_per_step"]  # read from vLLM's counters
+        assert dict(ctx.refs) == held  # each arm released its own chunks, not the prefill's
+        gains = GainRun.gains(d, g.reference())
+        assert gains["decode_gain"] > 0 and gains["decode_gain_bound"] == cfg.bound(256, 128)
+        g.close()
+        assert not ctx.refs
+
+
+def test_gain_bound_counts_decode_waves():
+    cfg = GainConfig()  # 12 x (512 + 32) tokens = 5 blocks each, 12 blocks
+    assert cfg.at_once(512 + 32, 128) == 2
+    assert [cfg.bound(k, 128) for k in (384, 256, 128)] == [1.5, 2.0, 3.0]
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        GainConfig(kv_blocks=4).bound(256, 128)
+
+
+def test_eval_rejects_bad_flags(tmp_path):
+    base = ["eval", "--out", str(tmp_path), "--model", "tiny"]
+    with pytest.raises(SystemExit, match="--policies: unknown"):
+        main([*base, "--policies", "nope"])
+    with pytest.raises(SystemExit, match="--tasks: unknown"):
+        main([*base, "--tasks", "nope"])
+    with pytest.raises(SystemExit, match="multiple of 128"):
+        main([*base, "--lengths", "500"])
+    with pytest.raises(SystemExit, match="--ratios"):
+        main([*base, "--ratios", "1.5"])
+    with pytest.raises(SystemExit, match="needs the kvedit server"):
+        main([*base, "--vllm-url", "http://127.0.0.1:1"])
+
+
+def test_the_header_sink_goes_to_every_policy_with_a_sink_and_only_to_those():
+    from dataclasses import replace
+
+    from kvedit.edits import POLICIES
+    from kvedit.harness.eval.run import header_sink, make_policy, sink_policies
+    from kvedit.harness.eval.tasks import Sample
+
+    with_sink = set(sink_policies())
+    assert {"streaming_llm", "snapkv", "tova"} <= with_sink
+    assert not {"keydiff", "key_norm", "random"} & with_sink
+    for name in POLICIES:
+        pol = make_policy(name, 0.5, "token", 49)
+        assert getattr(pol, "sink", None) == (49 if name in with_sink else None)
+        # None = each policy's own default (StreamingLLM 4 attention sinks, SnapKV/TOVA 0)
+        assert getattr(make_policy(name, 0.5, "token"), "sink", None) == \
+            getattr(POLICIES[name](), "sink", None)
+    s = Sample("passkey", 512, 0.5, 0, [1] * 520, ("1",), (60,), ((1,),), 8, header=49)
+    assert header_sink([s, s], True) == 49 and header_sink([s], False) is None
+    with pytest.raises(ValueError, match="header lengths differ"):
+        header_sink([s, replace(s, header=50)], True)

@@ -1,0 +1,42 @@
+"""A short `kvedit bench soak`: the real bench, shortened (real server, client processes,
+SIGKILLs, stalls, a restart). Asserts the correctness figures; its latencies are reported by
+the bench, never asserted here."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_short_soak_keeps_every_invariant():
+    cmd = [sys.executable, "-m", "kvedit.cli", "bench", "soak", "--minutes", "0.3",
+           "--shm-clients", "1", "--socket-clients", "1", "--scale-objects", "20000",
+           "--scale-seconds", "60", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=os.environ)
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = json.loads(done.stdout)
+    detail = json.dumps({k: res.get(k) for k in (
+        "unexpected_examples", "errors_by_code", "stalls", "oversized", "late_writer_reader",
+        "victims", "status_after_clients")}, indent=1)
+    assert res["torn_reads"] == 0, detail
+    assert res["leaked_slots"] == 0 and res["pool_used_after_delete"] == 0, detail
+    assert res["leaked_leases"] == 0, detail
+    assert res["unexpected_errors"] == 0, detail
+    # it did real work, on both transports, and every hostile event happened
+    assert res["ops"] > 2000 and res["chunks_checked"] > 200, detail
+    assert all(w["ops"] > 500 for w in res["per_worker"]) and len(res["per_worker"]) == 2
+    assert res["errors_by_code"].get("store_expired", 0) >= 1      # the late writer, refused
+    assert {s["kind"] for s in res["stalls"]} == {"get", "put"}
+    assert all(s["server_closed_it"] for s in res["stalls"]), detail
+    assert res["oversized"]["too_many_keys"] == "too_many_keys"
+    assert sum("killed holding" in v for v in res["victims"]) >= 8, res["victims"]
+    assert res["restart"] is not None and res["server_exit_code"] == 0
+    assert res["hello_count"] > 100 and res["hello_p99_ms"] is not None
+    assert res["scaling"]["objects"] == res["scaling"]["ready_in_status"] == 20000
+    assert res["scaling"]["lookups"] > 50
+    assert all(v["n"] >= 3 for v in res["scaling"]["scrapes"].values()), res["scaling"]
+    assert res["http_keepalive_p50_ms"] is not None
