@@ -227,6 +227,19 @@ def test_retrieve_reads_without_changing_the_stream(kv_ctx, q_ctx, engine):
         s.retrieve(KIND.QUERY, timeout=0.2)
 
 
+def test_queries_no_longer_from_position_zero_are_refused(kv_ctx, q_ctx, engine):
+    """A second prefill captures the grown prompt's last rows: fn is not handed them."""
+    s = lmc_sdk.request.create_request([kv_ctx, q_ctx], engine, prompt(C + 30))
+    batch = lmc_sdk.batch.LMCacheBatchedStream()
+    batch.add(s)
+    batch.prefill({})
+    batch.prefill({})
+    before = s.tokens
+    with pytest.raises(LMCacheRequestStreamError, match="position 1, not 0"):
+        batch.modify(lambda t, tokens: (t[KIND.KV], tokens))
+    assert s.tokens == before
+
+
 def test_update_makes_the_given_tokens_the_sequence(kv_ctx, engine):
     """LMCache's update(): the sequence becomes exactly `tokens` (the generated tail is not
     kept, unlike modify_kv), and the next request sends them; the KV is stored under them."""
