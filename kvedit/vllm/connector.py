@@ -128,9 +128,14 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output) -> KVEditMetadata:
         return self.scheduler.build_meta(scheduler_output)
 
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        if self.scheduler is not None:  # vLLM >= 0.32: the store mode "evict" watches it
+            self.scheduler.bind_pool(gpu_block_pool)
+
     def update_connector_output(self, connector_output) -> None:
         if connector_output.invalid_block_ids:
             self.scheduler.invalid_blocks(connector_output.invalid_block_ids)
+        self.scheduler.step_done()  # (in step order) the loads of that step have run
 
     def on_new_request(self, request) -> None:
         self.scheduler.on_new_request(request)
