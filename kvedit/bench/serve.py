@@ -173,9 +173,8 @@ def start_arm(arm: str, model_dir, *, tier_bytes: int, vllm_kv_bytes: int, dtype
         elif arm.startswith("kvedit_"):
             server = stack.enter_context(start_server(tier_gib, chunk_size=chunk,
                                                       eviction=eviction))
-            cfg = json.loads(kv_transfer_config(server.url, server.http_url, chunk))
-            cfg["kv_connector_extra_config"]["store"] = arm.removeprefix("kvedit_")
-            extra += ["--kv-transfer-config", json.dumps(cfg)]
+            extra += ["--kv-transfer-config", kv_transfer_config(
+                server.url, server.http_url, chunk, store=arm.removeprefix("kvedit_"))]
         with _env(**env):
             try:
                 vp = stack.enter_context(start_vllm(model_dir, server=None, extra_args=extra,

@@ -23,6 +23,10 @@ def register(sub) -> None:
                    help="tokens per KV chunk (default: the server's)")
     s.add_argument("--no-store-generated", action="store_true",
                    help="store only prompt chunks, not chunks of generated tokens")
+    s.add_argument("--store", choices=["eager", "evict", "reuse"], default=None,
+                   help="which chunks the connector stores, when: eager (each as computed), "
+                        "evict (when vLLM is about to evict them), reuse (on a prefix's second "
+                        "sight); default: the connector's (docs/connector.md)")
     s.add_argument("--no-connector", action="store_true", help="plain vLLM, no kvedit")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -67,7 +71,8 @@ def _serve(args) -> int:
                                             sizes_kv_itself, vllm_command, vllm_env)
 
     connector = None if args.no_connector else kv_transfer_config(
-        args.kvedit_url, args.kvedit_http_url, args.chunk_size, not args.no_store_generated)
+        args.kvedit_url, args.kvedit_http_url, args.chunk_size, not args.no_store_generated,
+        store=args.store)
     kv_gib = args.kv_cache_gib
     if kv_gib is None and _is_cpu_build() and not sizes_kv_itself(args.extra):
         avail = mem_available_bytes()

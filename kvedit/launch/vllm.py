@@ -67,9 +67,12 @@ def sizes_kv_itself(extra_args) -> bool:
 
 
 def kv_transfer_config(url: str, http_url: str | None, chunk_size: int | None = None,
-                       store_generated: bool = True) -> str:
-    """The --kv-transfer-config JSON that loads kvedit's connector."""
+                       store_generated: bool = True, store: str | None = None) -> str:
+    """The --kv-transfer-config JSON that loads kvedit's connector (`store`: the store mode,
+    None: the connector's default)."""
     extra: dict = {"kvedit_url": url, "store_generated": store_generated}
+    if store:
+        extra["store"] = store
     if http_url:
         extra["kvedit_http_url"] = http_url
     if chunk_size:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from kvedit.keys import request_keys
 from kvedit.layout import ModelLayout
-from kvedit.vllm.admission import Admission, Deferred
+from kvedit.vllm.admission import STORE_ASK, Admission, Deferred
 from kvedit.vllm.inflight import InFlightKeys
 from kvedit.vllm.link import ServerLink
 from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
@@ -23,7 +23,6 @@ from kvedit.vllm.query_window import WindowPlanner
 from kvedit.vllm.settings import ConnectorSettings, model_layout
 
 logger = logging.getLogger("vllm.kvedit")
-STORE_ASK = "kvedit_store"  # kv_transfer_params key: "eager" stores this request's chunks now
 
 
 @dataclass(slots=True)
