@@ -67,9 +67,10 @@ def sizes_kv_itself(extra_args) -> bool:
 
 
 def kv_transfer_config(url: str, http_url: str | None, chunk_size: int | None = None,
-                       store_generated: bool = True, store: str | None = None) -> str:
-    """The --kv-transfer-config JSON that loads kvedit's connector (`store`: the store mode,
-    None: the connector's default)."""
+                       store_generated: bool = True, store: str | None = "eager") -> str:
+    """The --kv-transfer-config JSON that loads kvedit's connector. `store`: the store mode;
+    "eager" here (tests, the demo and the edit-path benchmarks read a request's chunks right
+    after it ran), None: the connector's own default (what `kvedit vllm serve` uses)."""
     extra: dict = {"kvedit_url": url, "store_generated": store_generated}
     if store:
         extra["store"] = store

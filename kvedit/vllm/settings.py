@@ -49,7 +49,7 @@ class ConnectorSettings:
     # blocks, "reuse" on the second sight of its prefix. A request's kv_transfer_params
     # {"kvedit_store": "eager"} stores its chunks as computed whatever the mode (the SDK's
     # prefill asks: its edit reads them next).
-    store: StoreMode = "eager"
+    store: StoreMode = "evict"
     # A lookup's hits stay leased until loaded (pins.py): at most pin_max_chunks chunks at
     # once (0: no pins), each pin at most pin_ttl_s (and a quarter of the lease TTL).
     pin_max_chunks: int = 4096
@@ -79,11 +79,13 @@ class ConnectorSettings:
         if mode not in get_args(QueryCaptureMode):
             raise ValueError(f"kvedit connector: query_capture {mode!r}; expected one of "
                              f"{list(get_args(QueryCaptureMode))}")
-        store = extra.get("store", "eager")
+        defaults = {f.name: f.default for f in fields(cls)}
+        store = extra.get("store", defaults["store"])
         if store not in STORE_MODES:
             raise ValueError(f"kvedit connector: store {store!r}; expected one of "
                              f"{list(STORE_MODES)}")
-        pins, ttl = extra.get("pin_max_chunks", 4096), extra.get("pin_ttl_s", 30.0)
+        pins = extra.get("pin_max_chunks", defaults["pin_max_chunks"])
+        ttl = extra.get("pin_ttl_s", defaults["pin_ttl_s"])
         if isinstance(pins, bool) or not isinstance(pins, int) or pins < 0:
             raise ValueError(f"kvedit connector: pin_max_chunks {pins!r}; expected a chunk "
                              "count >= 0 (0: no pins)")

@@ -52,7 +52,8 @@ from vllm.config import KVTransferConfig
 model, url, http_url = sys.argv[1:4]
 cfg = {"kv_connector": "KVEditConnector", "kv_connector_module_path": "kvedit.vllm.connector",
        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-       "kv_connector_extra_config": {"kvedit_url": url, "kvedit_http_url": http_url}}
+       "kv_connector_extra_config": {"kvedit_url": url, "kvedit_http_url": http_url,
+                                     "store": "eager"}}
 llm = LLM(model=model, served_model_name="kvedit-guarded-import", dtype="float32",
           enforce_eager=True, skip_tokenizer_init=True,
           max_model_len=1024, kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.3,
