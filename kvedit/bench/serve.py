@@ -12,7 +12,8 @@ of the working set times --tier-fraction):
 - kvedit_eager, kvedit_evict, kvedit_reuse: vLLM + the kvedit connector in each store mode
   and a kvedit server whose pool is the tier.
 An arm that cannot start says why (the root-cause line of vLLM's log) in the JSON instead of
-figures. Workloads (serve_workloads.py): long-document QA, multi-round QA, no-reuse random
+figures; one that serves without its cache (LMCache's "degraded mode") keeps its figures,
+says why, and is not counted as a peer. Workloads (serve_workloads.py): long-document QA, multi-round QA, no-reuse random
 prompts; vLLM's prefix cache is reset between them. The JSON gives each arm's figures, the
 ratios against vLLM alone and against the best peer arm (native, native_simple, lmcache:
 whichever ran best), and the acceptance fields (`half_tier`, `no_reuse`, `multi_round`),
@@ -184,6 +185,18 @@ def start_arm(arm: str, model_dir, *, tier_bytes: int, vllm_kv_bytes: int, dtype
         yield vp
 
 
+def degraded(log: str) -> str | None:
+    """Why an arm that served did so without its cache (LMCache falls back to recomputing
+    when it has no connector for the device), or None."""
+    if "degraded mode" not in log:
+        return None
+    for line in log.splitlines():
+        m = re.match(r"\s*(RuntimeError|ImportError|Exception): (.+)$", line)
+        if m:
+            return f"{m[1]}: {m[2]}"[:400]
+    return "LMCache reported degraded mode (recompute)"
+
+
 def _check_lmcache(python: str) -> None:
     r = subprocess.run([python, "-c", "import lmcache, vllm; print(vllm.__version__)"],
                        capture_output=True, text=True, timeout=300)
@@ -230,6 +243,9 @@ def serve_bench(w: Workloads, arms: list[str], *, model: str | None = None,
                                dtype=dtype, max_model_len=mlen, chunk=chunk, eviction=eviction,
                                lmcache_python=lmcache_python, vllm_args=vllm_args) as vp:
                     figures = run_arm(vp, w)
+                    why = degraded(vp.log_tail(1 << 30))
+                    if why:
+                        figures["degraded"] = why
             except ArmUnavailable as e:
                 runs[arm].append({"unavailable": str(e)})
                 continue
@@ -274,7 +290,9 @@ def _median_run(runs: list[dict]) -> dict:
     ok = [r for r in runs if "unavailable" not in r]
     if not ok:
         return {"unavailable": runs[0]["unavailable"]} if runs else {"unavailable": "not run"}
-    return {k: statistics.median(_get(r, path) for r in ok) for k, path in _KEYS.items()}
+    out = {k: statistics.median(_get(r, path) for r in ok) for k, path in _KEYS.items()}
+    why = next((r["degraded"] for r in ok if "degraded" in r), None)
+    return out | ({"degraded": why} if why else {})
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -297,7 +315,9 @@ def _ratios(arms: dict) -> dict:
 
 
 def _best_peer(arms: dict, key: str) -> str | None:
-    ran = [a for a in PEERS if a in arms and "unavailable" not in arms[a]]
+    """The best peer arm that ran with its cache (not unavailable, not degraded)."""
+    ran = [a for a in PEERS if a in arms and "unavailable" not in arms[a]
+           and "degraded" not in arms[a]]
     if not ran:
         return None
     pick = max if key.endswith("_per_s") else min
@@ -333,6 +353,8 @@ def _acceptance(arms: dict, default: str, tier_fraction: float) -> dict:
             "kvedit_ttft_vs_best_peer": _ratio(
                 get(kv, "multi_round_ttft_s"),
                 get(_best_peer(arms, "multi_round_ttft_s"), "multi_round_ttft_s"))},
-        "peers_unavailable": {a: arms[a]["unavailable"] for a in PEERS
-                              if a in arms and "unavailable" in arms[a]},
+        "peers_unavailable": {a: arms[a].get("unavailable") or f"ran without its cache: "
+                                 f"{arms[a]['degraded']}" for a in PEERS
+                              if a in arms and ("unavailable" in arms[a]
+                                                or "degraded" in arms[a])},
     }

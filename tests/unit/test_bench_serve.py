@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvedit.bench.serve import (_acceptance, _median_run, _ratios, _root_cause, max_len)
+from kvedit.bench.serve import (_acceptance, _median_run, _ratios, _root_cause, degraded,
+                                max_len)
 from kvedit.bench.serve_workloads import Workloads
 
 
@@ -78,3 +79,17 @@ def test_root_cause_is_the_first_exception_line_not_a_warning():
 def test_max_len_covers_every_workload():
     w = Workloads(doc_tokens=8192, question_tokens=32, answer_tokens=8)
     assert max_len(w) >= 8192 + 32 + 8 and max_len(w) % 256 == 0
+
+
+def test_an_arm_serving_without_its_cache_is_not_a_peer():
+    log = ("[2026-12-01 15:18:33] LMCache ERROR: Failed to initialize LMCacheManager "
+           "components: Traceback (most recent call last):\n"
+           '  File "lmcache/v1/gpu_connector/__init__.py", line 247, in CreateGPUConnector\n'
+           "RuntimeError: No supported cpu connector found.\n"
+           ". System will operate in degraded mode (recompute).\n")
+    assert degraded(log) == "RuntimeError: No supported cpu connector found."
+    assert degraded("INFO all fine") is None
+    arms = dict(ARMS, lmcache={**ARMS["lmcache"], "degraded": degraded(log)})
+    assert _ratios(arms)["query_ttft_s_best_peer"] == "native"
+    assert _acceptance(arms, "evict", 0.5)["peers_unavailable"]["lmcache"].startswith(
+        "ran without its cache: RuntimeError: No supported cpu connector")
