@@ -13,13 +13,13 @@ of the working set times --tier-fraction):
   and a kvedit server whose pool is the tier.
 An arm that cannot start says why (the root-cause line of vLLM's log) in the JSON instead of
 figures; one that serves without its cache (LMCache's "degraded mode") keeps its figures,
-says why, and is not counted as a peer. Workloads (serve_workloads.py): long-document QA, multi-round QA, no-reuse random
+says why, and is not counted as a peer. Every arm is up at once and the workloads alternate
+between them (serve_workloads.py), so load from other work hits all arms alike. Workloads (serve_workloads.py): long-document QA, multi-round QA, no-reuse random
 prompts; vLLM's prefix cache is reset between them. The JSON gives each arm's figures, the
 ratios against vLLM alone and against the best peer arm (native, native_simple, lmcache:
 whichever ran best), and the acceptance fields (`half_tier`, `no_reuse`, `multi_round`),
-where "kvedit" is the connector's default store mode. --repeats runs every arm again (in
-reverse order every other time) and reports medians; the machine's load average is recorded
-beside each arm.
+where "kvedit" is the connector's default store mode. --repeats measures again with new
+prompts and reports medians; the machine's load average is recorded beside each run.
 No torch/vllm at module level (CLI start-up).
 """
 from __future__ import annotations
@@ -31,7 +31,6 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -180,8 +179,10 @@ def start_arm(arm: str, model_dir, *, tier_bytes: int, vllm_kv_bytes: int, dtype
             try:
                 vp = stack.enter_context(start_vllm(model_dir, server=None, extra_args=extra,
                                                     python=python, **kw))
-            except RuntimeError as e:
-                raise ArmUnavailable(_root_cause(str(e))) from None
+            except RuntimeError as e:   # the whole log: the message has only its tail
+                m = re.search(r"log (\S+\.log)", str(e))
+                log = Path(m[1]).read_text(errors="replace") if m else str(e)
+                raise ArmUnavailable(_root_cause(log)) from None
         yield vp
 
 
@@ -205,14 +206,18 @@ def _check_lmcache(python: str) -> None:
                              f" pass --lmcache-python with an interpreter where it does")
 
 
-def run_arm(vp, w: Workloads) -> dict:
+def measure(targets: dict[str, str], w: Workloads, seed: int = 0) -> dict[str, dict]:
+    """Every workload on every running arm (name -> base URL), alternating between arms;
+    vLLM's prefix cache is reset on every arm before each workload."""
     from kvedit.bench.connector import post_json
 
-    out = {}
-    for name, fn in (("long_doc", long_doc_qa), ("multi_round", multi_round_qa),
-                     ("no_reuse", no_reuse)):
-        post_json(vp.base_url + "/reset_prefix_cache", {})
-        out[name] = fn(vp.base_url, vp.model, w)
+    out: dict[str, dict] = {a: {} for a in targets}
+    for name, fn, base in (("long_doc", long_doc_qa, 1), ("multi_round", multi_round_qa, 2),
+                           ("no_reuse", no_reuse, 3)):
+        for url in targets.values():
+            post_json(url + "/reset_prefix_cache", {})
+        for arm, figures in fn(targets, MODEL_NAME, w, seed=base + 10 * seed).items():
+            out[arm][name] = figures
     return out
 
 
@@ -234,24 +239,29 @@ def serve_bench(w: Workloads, arms: list[str], *, model: str | None = None,
     tier = int(tier_fraction * working_set)
     vllm_kv = max(int(vllm_kv_fraction * working_set), 2 * mlen * bpt)
     runs: dict[str, list] = {a: [] for a in arms}
-    for rep in range(repeats):
-        for arm in (arms if rep % 2 == 0 else arms[::-1]):
-            print(f"kvedit bench serve: {arm} (run {rep + 1}/{repeats})", file=sys.stderr)
-            load0, t0 = os.getloadavg()[0], time.monotonic()
+    with contextlib.ExitStack() as stack:   # every arm up at once: measured in alternation
+        running = {}
+        for arm in arms:
+            print(f"kvedit bench serve: starting {arm}", file=sys.stderr)
             try:
-                with start_arm(arm, model_dir, tier_bytes=tier, vllm_kv_bytes=vllm_kv,
-                               dtype=dtype, max_model_len=mlen, chunk=chunk, eviction=eviction,
-                               lmcache_python=lmcache_python, vllm_args=vllm_args) as vp:
-                    figures = run_arm(vp, w)
-                    why = degraded(vp.log_tail(1 << 30))
-                    if why:
-                        figures["degraded"] = why
+                running[arm] = stack.enter_context(start_arm(
+                    arm, model_dir, tier_bytes=tier, vllm_kv_bytes=vllm_kv, dtype=dtype,
+                    max_model_len=mlen, chunk=chunk, eviction=eviction,
+                    lmcache_python=lmcache_python, vllm_args=vllm_args))
             except ArmUnavailable as e:
                 runs[arm].append({"unavailable": str(e)})
-                continue
-            figures["load_avg_1m"] = [load0, os.getloadavg()[0]]
-            figures["wall_s"] = time.monotonic() - t0
-            runs[arm].append(figures)
+        targets = {a: vp.base_url for a, vp in running.items()}
+        for rep in range(repeats):
+            print(f"kvedit bench serve: measuring {list(targets)} (run {rep + 1}/{repeats})",
+                  file=sys.stderr)
+            load0 = os.getloadavg()[0]
+            figures = measure(targets, w, seed=rep)
+            for arm, f in figures.items():
+                f["load_avg_1m"] = [load0, os.getloadavg()[0]]
+                why = degraded(running[arm].log_tail(1 << 30))
+                if why:
+                    f["degraded"] = why
+                runs[arm].append(f)
     default = ConnectorSettings().store
     per_arm = {a: _median_run(rs) for a, rs in runs.items()}
     return {

@@ -3,13 +3,15 @@
 - long-document QA (as LMCache's `long-doc-qa`): N documents of L tokens; a warm-up round
   asks one question per document, then a query round asks another (same document prefix,
   new question). Prompts go one at a time, so each TTFT is that prompt's alone; the round
-  time is the round's wall time.
+  time is the sum of its prompts' times.
 - multi-round QA (as LMCache's `multi-round-qa`): U users, each with a shared system prompt
   and a history that grows by its question and the answer every round; users run
   concurrently, rounds one after another.
 - no reuse: random prompts sent together (nothing to hit): the overhead of each arm.
-Prompts are token ids drawn from a seeded generator, so every arm gets the same ones. TTFT
-is the time to the first streamed token.
+Every arm is up at once and the workloads alternate between them (each prompt, round or
+batch goes to every arm in turn), so load from other work on the machine hits all arms
+alike instead of whichever arm ran at a busy moment. Prompts are token ids drawn from a
+seeded generator: every arm gets the same ones. TTFT is the time to the first streamed token.
 """
 from __future__ import annotations
 
@@ -79,54 +81,70 @@ def _summary(results: list[dict], wall: float) -> dict:
             "cached_tokens": sum(r["cached_tokens"] for r in results)}
 
 
-def long_doc_qa(base_url: str, model: str, w: Workloads, seed: int = 1) -> dict:
+def long_doc_qa(targets: dict[str, str], model: str, w: Workloads, seed: int = 1) -> dict:
+    """Per arm (name -> base URL): the warm-up and the query round. Each prompt goes to every
+    arm in turn before the next prompt, so load from other work hits all arms alike."""
     rng = random.Random(seed)
     docs = [_ids(rng, w.doc_tokens, w.vocab) for _ in range(w.docs)]
-    rounds = {}
+    out: dict[str, dict] = {a: {} for a in targets}
     for name in ("warmup", "query"):
         questions = [_ids(rng, w.question_tokens, w.vocab) for _ in docs]
-        t0 = time.perf_counter()
-        res = [stream(base_url, model, d + q, w.answer_tokens) for d, q in zip(docs, questions)]
-        rounds[name] = _summary(res, time.perf_counter() - t0)
-    return rounds
+        res: dict[str, list] = {a: [] for a in targets}
+        for d, q in zip(docs, questions):
+            for arm, url in targets.items():
+                res[arm].append(stream(url, model, d + q, w.answer_tokens))
+        for arm in targets:   # a round's time: the sum of its prompts' (they ran one by one)
+            out[arm][name] = _summary(res[arm], sum(r["total_s"] for r in res[arm]))
+    return out
 
 
-def multi_round_qa(base_url: str, model: str, w: Workloads, seed: int = 2) -> dict:
+def multi_round_qa(targets: dict[str, str], model: str, w: Workloads, seed: int = 2) -> dict:
+    """Per arm: every user's rounds; round r of all users runs on one arm, then on the next."""
     rng = random.Random(seed)
     system = _ids(rng, w.system_tokens, w.vocab)
     questions = [[_ids(rng, w.user_tokens, w.vocab) for _ in range(w.rounds)]
                  for _ in range(w.users)]
-
-    def user(u: int) -> list[dict]:
-        history, out = list(system), []
-        for q in questions[u]:
-            prompt = history + q
-            r = stream(base_url, model, prompt, w.answer_tokens)
-            out.append(r)
-            # the answer joins the history (its ids stand in for the generated ones: the
-            # next round's prompt then shares the previous prompt as its prefix)
-            history = prompt + _ids(random.Random(len(prompt) + u), w.answer_tokens, w.vocab)
-        return out
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(w.users) as pool:
-        per_user = list(pool.map(user, range(w.users)))
-    wall = time.perf_counter() - t0
-    res = [r for rs in per_user for r in rs]
-    later = [r for rs in per_user for r in rs[1:]]   # rounds that can reuse a prefix
-    out = _summary(res, wall)
-    out["ttft_mean_after_first_round_s"] = statistics.fmean(r["ttft_s"] for r in later) \
-        if later else None
+    answers = [[_ids(rng, w.answer_tokens, w.vocab) for _ in range(w.rounds)]
+               for _ in range(w.users)]
+    history = [list(system) for _ in range(w.users)]
+    res: dict[str, list[list[dict]]] = {a: [[] for _ in range(w.users)] for a in targets}
+    for r in range(w.rounds):
+        prompts = [history[u] + questions[u][r] for u in range(w.users)]
+        for arm, url in targets.items():
+            with ThreadPoolExecutor(w.users) as pool:
+                got = list(pool.map(lambda p: stream(url, model, p, w.answer_tokens), prompts))
+            for u, g in enumerate(got):
+                res[arm][u].append(g)
+        # the answer joins the history (fixed ids stand in for the generated ones, so every
+        # arm's next prompt is the same and shares the previous prompt as its prefix)
+        history = [prompts[u] + answers[u][r] for u in range(w.users)]
+    out = {}
+    for arm in targets:
+        flat = [g for per in res[arm] for g in per]
+        later = [g for per in res[arm] for g in per[1:]]   # rounds that can reuse a prefix
+        out[arm] = _summary(flat, sum(g["total_s"] for g in flat)) | {
+            "ttft_mean_after_first_round_s": statistics.fmean(g["ttft_s"] for g in later)
+            if later else None}
     return out
 
 
-def no_reuse(base_url: str, model: str, w: Workloads, seed: int = 3) -> dict:
+def no_reuse(targets: dict[str, str], model: str, w: Workloads, seed: int = 3) -> dict:
+    """Per arm: random prompts sent together, twice (arms in ABBA order), the better run."""
     rng = random.Random(seed)
-    prompts = [_ids(rng, w.random_tokens, w.vocab) for _ in range(w.random_prompts)]
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        res = list(pool.map(lambda p: stream(base_url, model, p, w.answer_tokens), prompts))
-    wall = time.perf_counter() - t0
-    tokens = sum(map(len, prompts)) + sum(r["output_tokens"] for r in res)
-    return {"prompts": len(prompts), "wall_s": wall, "tokens_per_s": tokens / wall,
-            "ttft_mean_s": statistics.fmean(r["ttft_s"] for r in res)}
+    batches = [[_ids(rng, w.random_tokens, w.vocab) for _ in range(w.random_prompts)]
+               for _ in range(2)]
+    runs: dict[str, list[dict]] = {a: [] for a in targets}
+    order = list(targets)
+    for i, prompts in enumerate(batches):
+        for arm in (order if i % 2 == 0 else order[::-1]):
+            url = targets[arm]
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                res = list(pool.map(lambda p: stream(url, model, p, w.answer_tokens), prompts))
+            wall = time.perf_counter() - t0
+            tokens = sum(map(len, prompts)) + sum(r["output_tokens"] for r in res)
+            runs[arm].append({"wall_s": wall, "tokens_per_s": tokens / wall,
+                              "ttft_mean_s": statistics.fmean(r["ttft_s"] for r in res)})
+    return {arm: max(rs, key=lambda r: r["tokens_per_s"]) | {"prompts": w.random_prompts,
+                                                               "runs": rs}
+            for arm, rs in runs.items()}
