@@ -28,12 +28,14 @@ CONFIG = dict(
 _FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 # Real models' shapes with this tokenizer and no weight files: vLLM's `--load-format dummy`
 # initialises weights from config.json alone, so the GPU rows run at a real model's size
-# (compute, KV bytes per token) without its weights. qwen3-8b: Qwen3-8B's config.json.
+# (compute, KV bytes per token) without its weights. qwen3-8b: Qwen3-8B's layers, heads and
+# widths with this tokenizer's vocabulary (the model behind the README's GPU rows: 7.0 B
+# parameters, Qwen3-8B's 8.2 B less its larger embedding and head).
 SHAPES = {
     "qwen3-8b": dict(
-        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        vocab_size=VOCAB_SIZE, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
-        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
         initializer_range=0.02,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}),
 }

@@ -1,6 +1,7 @@
-"""`kvedit tiny-model --shape qwen3-8b DIR`: Qwen3-8B's shape (its published 8.19 B parameters,
-36 layers x 8 KV heads x 128, 144 KiB of bf16 KV per token) with the tiny tokenizer and no
-weight files, through the real command; an unknown shape is refused by name."""
+"""`kvedit tiny-model --shape qwen3-8b DIR`: Qwen3-8B's layers and widths (36 layers x 8 KV heads
+x 128, 144 KiB of bf16 KV per token; its published 8.19 B parameters less the embedding and
+head rows of the vocabulary it does not have: 7.01 B) with the tiny tokenizer and no weight
+files, through the real command; an unknown shape is refused by name."""
 from __future__ import annotations
 
 import json
@@ -33,8 +34,9 @@ def test_qwen3_8b_shape_has_its_parameter_count_and_kv_size(tmp_path):
     cfg = AutoConfig.from_pretrained(out)
     with torch.device("meta"):
         n = sum(p.numel() for p in Qwen3ForCausalLM(cfg).parameters())
-    assert 8.18e9 < n < 8.20e9
-    assert kv_bytes_per_token(out, "bfloat16") == (2 * 36 * 8 * 128 * 2, 151936)
+    qwen3_8b = 8_190_735_360                       # with its 151,936-token vocabulary
+    assert n == qwen3_8b - 2 * (151936 - 8192) * 4096
+    assert kv_bytes_per_token(out, "bfloat16") == (2 * 36 * 8 * 128 * 2, 8192)
     assert json.loads((out / "config.json").read_text())["architectures"] == \
         ["Qwen3ForCausalLM"]
 
