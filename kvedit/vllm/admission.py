@@ -5,15 +5,17 @@ field measured to hurt once the CPU tier is smaller than the live working set: e
 costs copies in vLLM's step, and the tier holds copies of what vLLM's own prefix cache still
 holds (inclusive caching), so the chunks vLLM evicts are the ones it lacks. The other two
 modes store less:
-- "evict": a chunk is stored only when vLLM is about to evict its blocks. At the end of a
-  request its unstored chunks are remembered with the prefix-cache hashes of their blocks;
-  each step, those whose blocks sit within reach of the next allocations at the head of
-  vLLM's free-block queue (twice the blocks this step takes) are stored. Why the bytes are
-  right: a block still holding its hash when the step's metadata is built was not allocated
-  by this step's schedule, so this step's forward does not write it, and the store reads it
-  after that forward, before the next step's forward can. A chunk whose block was reused
-  first (its hash reset: other tokens now) is dropped, never stored; a reach too short
-  costs such drops (misses later), never wrong bytes. The tier then
+- "evict": a chunk is stored only when vLLM evicts its blocks. At the end of a request its
+  unstored chunks are remembered with the prefix-cache hashes of their blocks. Each step the
+  chunks with a block among the first blocks of vLLM's free queue (as many as one schedule
+  can take) are watched; at the next step, a watched chunk whose hash is gone had its block
+  taken by that step's schedule, and is stored before that step's forward (the workers run
+  these stores when the step's metadata is bound, before the forward writes the block). Why
+  the bytes are right: the chunk was valid when last watched, so its block held its tokens'
+  KV until this schedule took it, and nothing writes a newly taken block before the forward
+  (vLLM zeroes or copies into new blocks only for hybrid or mixed-precision caches; those
+  blocks, named in the step's output, are never stored). A chunk taken while not watched
+  (a schedule taking more than one step's worth) is dropped: a later miss, never wrong bytes. The tier then
   holds what vLLM does not (exclusive caching). Needs vLLM's block pool (bound by vLLM
   >= 0.32 through `bind_gpu_block_pool`) and prefix caching (the hashes); without them it
   stores as "eager" does, and says so once.
@@ -80,10 +82,13 @@ class Admission:
     """The store mode's decisions for the scheduler side (one instance per engine)."""
 
     def __init__(self, mode: StoreMode, block_size: int, chunk: int, *,
-                 max_seen: int = 1 << 18, max_deferred: int = 1 << 16):
+                 max_seen: int = 1 << 18, max_deferred: int = 1 << 16,
+                 reach_blocks: int = 1024):
         self.mode, self.block_size, self.chunk = mode, block_size, chunk
         self.seen = SeenKeys(max_seen)
         self.pool = None                       # vLLM's BlockPool (bind_pool), evict mode
+        self.reach = reach_blocks              # most blocks one schedule can take
+        self.watch: set[bytes] = set()         # deferred keys near the free queue's head
         self.max_deferred = max_deferred
         self.deferred: OrderedDict[bytes, Deferred] = OrderedDict()  # by rank-0 key
         self.by_block: dict[int, set[bytes]] = {}
@@ -151,28 +156,34 @@ class Admission:
         return out
 
     # ---- per step ----------------------------------------------------------------------
-    def due(self, scheduled_tokens: int, scheduled_reqs: int) -> list[Deferred]:
-        """Remembered chunks to store in this step: those with a block among the blocks
-        vLLM will allocate next (the head of its free queue, as far as twice what this step
-        took: `scheduled_tokens` of `scheduled_reqs` requests), still holding the tokens
-        they held (same prefix-cache hash). Ones whose blocks were reused are dropped."""
+    def due(self, unsafe_blocks: set[int]) -> list[Deferred]:
+        """Remembered chunks this step's schedule just evicted (watched last step, hash gone
+        now): store them before this step's forward. `unsafe_blocks`: blocks vLLM zeroes or
+        copies into before the forward (their chunks are dropped). Then watch the chunks
+        with a block among the first `reach` blocks of the free queue."""
         if not self.deferred:
+            self.watch = set()
             return []
-        reach = 2 * max(-(-scheduled_tokens // self.block_size) + scheduled_reqs,
-                        self.chunk // self.block_size)
         out: list[Deferred] = []
+        for key in self.watch:
+            d = self.deferred.get(key)
+            if d is None or self._valid(d):
+                continue
+            self._forget(key)
+            if unsafe_blocks.isdisjoint(d.blocks):
+                out.append(d)
+            else:
+                self.dropped += 1
+        self.watch = set()
         queue = self.pool.free_block_queue
         block = queue.fake_free_list_head.next_free_block
         tail = queue.fake_free_list_tail
-        for _ in range(reach):
+        for _ in range(self.reach):
             if block is None or block is tail:
                 break
-            for key in list(self.by_block.get(block.block_id, ())):
-                d = self._forget(key)
-                if self._valid(d):
-                    out.append(d)
-                else:
-                    self.dropped += 1
+            for key in self.by_block.get(block.block_id, ()):
+                if self._valid(self.deferred[key]):
+                    self.watch.add(key)
             block = block.next_free_block
         self.stored_at_evict += len(out)
         return out

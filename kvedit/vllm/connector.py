@@ -113,7 +113,7 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
         if meta.queries:
             self.worker.store_queries()
         if meta.stores:
-            self.worker.store(meta)
+            self.worker.store(meta.stores)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()

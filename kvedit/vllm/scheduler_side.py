@@ -48,7 +48,11 @@ class SchedulerSide:
         self.model = name[0] if isinstance(name, (list, tuple)) else name
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.layouts: list[ModelLayout] | None = None
-        self.admission = Admission(settings.store, block_size, settings.chunk_size or 0)
+        sc = getattr(vllm_config, "scheduler_config", None)   # the most one schedule takes
+        reach = (getattr(sc, "max_num_batched_tokens", 8192) // block_size
+                 + getattr(sc, "max_num_seqs", 256))
+        self.admission = Admission(settings.store, block_size, settings.chunk_size or 0,
+                                   reach_blocks=reach)
         self.pins = Pins(settings.pin_max_chunks, settings.pin_ttl_s)
         self.steps = 0                    # metadata built so far (the next one's index)
         self.to_store: list[Deferred] = []  # remembered chunks to store in the next step
@@ -191,9 +195,9 @@ class SchedulerSide:
         if self.layouts is None:
             return meta
         self.pins.expire(self.link.client)
-        due = self.admission.due(out.total_num_scheduled_tokens, len(out.num_scheduled_tokens))
-        self._store_deferred([*self.to_store, *due], meta)
+        self._store_deferred(self.to_store, meta.stores)
         self.to_store = []
+        self._store_deferred(self.admission.due(_written_before_forward(out)), meta.pre_stores)
         for new in out.scheduled_new_reqs:
             st = self.reqs.get(new.req_id)
             if st is not None:
@@ -253,12 +257,17 @@ class SchedulerSide:
             for k in run.keys:
                 self.inflight.add(k)
 
-    def _store_deferred(self, chunks: list[Deferred], meta: KVEditMetadata) -> None:
-        """Store remembered chunks of finished requests (store mode "evict")."""
+    def _store_deferred(self, chunks: list[Deferred], runs: list[ChunkRun]) -> None:
+        """Store remembered chunks of finished requests (store mode "evict") in `runs` (the
+        step's stores, after its forward, or pre_stores, before it)."""
         c = self.chunk
         for d in chunks:
-            self._store(meta, ChunkRun(d.req_id, d.index, [[k] for k in d.keys], d.index * c,
-                                       (d.index + 1) * c, d.block_ids))
+            run = ChunkRun(d.req_id, d.index, [[k] for k in d.keys], d.index * c,
+                           (d.index + 1) * c, d.block_ids)
+            runs.append(run)
+            if self.inflight is not None:
+                for k in run.keys:
+                    self.inflight.add(k)
 
     def invalid_blocks(self, block_ids: set[int]) -> None:
         """vLLM will recompute from the first block that failed to load: store it again then."""
@@ -290,3 +299,12 @@ class SchedulerSide:
     def close(self) -> None:
         self.pins.release_all(self.link.client)
         self.link.close()
+
+
+def _written_before_forward(out) -> set[int]:
+    """Blocks vLLM writes before this step's forward: zeroed new blocks (hybrid and
+    mixed-precision caches) and copy-on-write destinations."""
+    blocks = set(getattr(out, "new_block_ids_to_zero", None) or ())
+    for copy in getattr(out, "kv_cache_block_copies", None) or ():
+        blocks.add(copy[1] if isinstance(copy, (tuple, list)) else getattr(copy, "dst", -1))
+    return blocks
