@@ -26,7 +26,7 @@ import zmq
 
 from kvedit import auth
 from kvedit import protocol as P
-from kvedit.client.datalink import LinkClient
+from kvedit.client.datalink import LinkClient, client_idle_timeout
 from kvedit.client.handles import (KVError, Retrieved, ServerUnavailable, StoreHandle, StoreResult,
                             ttl_margin)
 from kvedit.layout import ModelLayout
@@ -53,9 +53,10 @@ class KVClient:
 
     def __init__(self, url: str = "tcp://127.0.0.1:6555", *, use_shm: bool | None = None,
                  timeout: float = 30.0, secret: str | bytes | None = None,
-                 secret_file: str | None = None):
+                 secret_file: str | None = None, data_idle_timeout: float | None = None):
         self.url, self.timeout, self._use_shm = url, timeout, use_shm
-        self._secret = auth.load_secret(secret, secret_file)
+        self._data_idle_timeout = data_idle_timeout
+        self._secret = auth.load_secret(secret, secret_file, url=url)
         self.session = secrets.token_bytes(auth.SESSION_BYTES)
         self._ctx = zmq.Context()
         self._local = threading.local()
@@ -90,8 +91,9 @@ class KVClient:
         if self._use_shm is None and info.shm_name:
             log.info("kvedit client: socket transfers (%s)", shm)
         host = self.url.rsplit("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        idle = client_idle_timeout(info.data_idle_timeout, self._data_idle_timeout)
         self._transport = SocketTransport(LinkClient(host, info.data_port, self.timeout,
-                                                     self.session, self._secret))
+                                                     self.session, self._secret, idle))
 
     def _check_instance(self, instance: int) -> None:
         """A reply from a restarted server: re-attach before trusting its slot offsets."""
@@ -309,7 +311,16 @@ class KVClient:
                                 P.Delete(model=model, keys=list(keys), tp_rank=tp_rank)).n
 
     def stats(self) -> dict:
+        """The server's counters (Stats); this client's own are `counters()`."""
         return self._call(P.Stats()).stats
+
+    def counters(self) -> dict[str, int]:
+        """This client's own counters: data-link connections opened, idle ones replaced
+        before use (`idle_reconnects`), ones found closed by the server before use
+        (`closed_reconnects`) and transfers sent again after such a close (`retries`);
+        zeros over shared memory."""
+        out = {"connects": 0, "idle_reconnects": 0, "closed_reconnects": 0, "retries": 0}
+        return out | (self._transport.counters() if self._transport is not None else {})
 
     # ---- captured queries (issue 10): one object of kind "queries" per key -------------
     def store_queries(self, model: str, key: bytes, data: torch.Tensor,

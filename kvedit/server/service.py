@@ -27,7 +27,7 @@ from kvedit.layout import ModelLayout
 from kvedit.server.config import ServerConfig
 from kvedit.server.datalink import DataLink
 from kvedit.server.index import Index, Refused
-from kvedit.server.l2_service import L2Methods
+from kvedit.server.l2_service import L2_HOLDER, L2Methods
 from kvedit.server.metrics import Metrics
 from kvedit.server.peers import Peers, holder_of
 from kvedit.server.pool import Allocator, Arena
@@ -66,7 +66,8 @@ class Service(L2Methods):
         self.cfg, self.arena, self.instance = cfg, arena, instance
         self.index = Index(Allocator(arena.pool_offset, arena.pool_bytes), cfg.eviction_policy,
                            cfg.lease_ttl, cfg.write_ttl, quarantine_ttl=cfg.quarantine_seconds,
-                           transfer_timeout=cfg.transfer_timeout)
+                           transfer_timeout=cfg.transfer_timeout, limits=cfg.quota_limits(),
+                           exempt=frozenset({L2_HOLDER}), fence_gone=cfg.fence_gone_sessions)
         self.layouts: dict[tuple[str, int], ModelLayout] = {}
         self.lock = threading.Lock()        # shared with the data-link and HTTP threads
         self.metrics = Metrics(self.snapshot)
@@ -82,7 +83,7 @@ class Service(L2Methods):
         self.sock.setsockopt(zmq.LINGER, 0)
         # libzmq drops the connection of a peer whose message is larger (no reply possible):
         # the client checks ServerInfo.max_message_bytes before sending.
-        self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.message_bytes)
         if secret is not None:
             # the ZAP handler must run before the bind, or libzmq admits every CURVE client
             self.authenticator = auth.start_authenticator(self.ctx, secret)
@@ -101,8 +102,8 @@ class Service(L2Methods):
             pool_bytes=arena.pool_bytes, lazy=cfg.l1_use_lazy, eviction=cfg.eviction_policy,
             lease_ttl=cfg.lease_ttl, write_ttl=cfg.write_ttl,
             max_keys_per_request=cfg.max_keys_per_request,
-            max_message_bytes=cfg.max_message_bytes)
-        self._l2_init()   # second tier (--l2-url): kvedit/server/l2_service.py
+            max_message_bytes=cfg.message_bytes, data_idle_timeout=cfg.data_idle_timeout)
+        self._l2_init(secret)   # second tier (--l2-url): kvedit/server/l2_service.py
 
     # ---- loop -------------------------------------------------------------------------
     def run(self, wakeup_fd: int | None = None) -> None:
@@ -218,6 +219,14 @@ class Service(L2Methods):
             req = P.request_decoder.decode(frames[2].buffer)
             self.metrics.requests.labels(type(req).__name__).inc()
             return self._handle(ident, rid, req, frames[3:])
+        except msgspec.ValidationError as e:
+            if "$.keys" in str(e) and "length" in str(e):   # over the protocol's MAX_KEYS
+                return self._error("too_many_keys", f"more than {P.MAX_KEYS} keys in one "
+                                                    f"request, at most "
+                                                    f"{self.cfg.max_keys_per_request} "
+                                                    f"(--max-keys-per-request): split it")
+            return self._error("malformed", f"cannot decode the message frame as a kvedit "
+                                            f"request: {str(e)[:200]}")
         except msgspec.DecodeError as e:
             return self._error("malformed", f"cannot decode the message frame as a kvedit "
                                             f"request (msgpack map tagged by 't'): "
@@ -241,6 +250,7 @@ class Service(L2Methods):
                                     f" expected [request id, message] (chunk bytes go through "
                                     f"shared memory or the data link)")
         holder = holder_of(ident)
+        self.index.session_seen(holder)
         match req:
             case P.Hello():
                 return self.info
@@ -412,7 +422,8 @@ class Service(L2Methods):
 
     def _retrieve(self, req: P.Retrieve, holder: bytes):
         lay = self._layout(req.model, req.tp_rank, req.keys)
-        r = self.index.lease(req.model, req.tp_rank, req.keys, holder, req.kind)
+        r = self.index.lease(req.model, req.tp_rank, req.keys, holder, req.kind,
+                             ordered=req.with_data)   # Refused: over_quota
         self.metrics.hits.inc(len(r.objs))
         self.metrics.misses.inc(len(req.keys) - len(r.objs))
         self.metrics.retrieve_bytes.inc(r.nbytes)

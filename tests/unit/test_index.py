@@ -585,4 +585,4 @@ def test_every_refusal_is_a_protocol_error_code():
     from kvedit.protocol import ERROR_CODES
     from kvedit.server.waiters import TooManyWaits
     codes = {c.code for c in I.Refused.__subclasses__()} | {TooManyWaits.code}
-    assert len(codes) == 8 and codes <= ERROR_CODES
+    assert len(codes) == 9 and codes <= ERROR_CODES
