@@ -47,10 +47,13 @@ def raw_bytes(t: torch.Tensor):
 
 
 def client_idle_timeout(server_idle: float, asked: float | None = None) -> float:
-    """How long this client reuses an idle connection: `asked`, else DEFAULT_IDLE_TIMEOUT,
-    and never more than IDLE_SHARE of what the server announced."""
-    t = DEFAULT_IDLE_TIMEOUT if asked is None else asked
-    return min(t, IDLE_SHARE * server_idle) if server_idle > 0 else t
+    """How long this client reuses an idle connection: `asked` when given, else
+    IDLE_SHARE of what the server announced (DEFAULT_IDLE_TIMEOUT if it announced nothing).
+    Asking for more than the server keeps is allowed: a connection it closed is then found
+    closed before use (and replaced) instead."""
+    if asked is not None:
+        return asked
+    return IDLE_SHARE * server_idle if server_idle > 0 else DEFAULT_IDLE_TIMEOUT
 
 
 def _split_code(message: str) -> tuple[str, str]:

@@ -48,7 +48,12 @@ class KVClient:
     zero-copy views into it, valid until release(); over the socket the bytes travel on the
     data link and retrieved tensors live in receive buffers reused after release().
     Survives a server restart: the next reply with a new instance id re-attaches, and models
-    registered through this client are registered again on demand.
+    registered through this client are registered again on demand. Over the socket,
+    `data_idle_timeout` (default: half the server's --data-idle-timeout) is how long an idle
+    data connection is reused; one the server closed is replaced before use, and a transfer
+    that found it closed is sent again once (kvedit.client.datalink; `counters()`).
+    With no secret given (nor $KVEDIT_SECRET / $KVEDIT_SECRET_FILE), a loopback server's own
+    secret is read from this user's runtime directory (kvedit.rundir).
     """
 
     def __init__(self, url: str = "tcp://127.0.0.1:6555", *, use_shm: bool | None = None,

@@ -114,7 +114,9 @@ class ServerConfig:
             stores_per_client=self.max_stores_per_client, stores_total=self.max_stores_total,
             lease_keys_per_client=self.max_leased_keys_per_client,
             lease_keys_total=self.max_leased_keys_total,
-            bytes_per_client=int(pool * self.max_client_pool_fraction))
+            # 1: no share at all (the pool itself bounds a session), not "at most the pool"
+            bytes_per_client=(int(pool * self.max_client_pool_fraction)
+                              if self.max_client_pool_fraction < 1 else 1 << 62))
 
     def validate(self) -> None:
         """Raise ValueError naming the bad setting and what is expected."""

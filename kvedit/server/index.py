@@ -99,6 +99,10 @@ class Index:
         """Up to `limit` ready objects (of `model`) in commit order after cursor `after`."""
         return self.pages.page(model, after, limit)
 
+    def leased_keys(self) -> int:
+        """Objects kept by all leases (quota.py's total): what leases cost in memory."""
+        return self.pending.quota.total.lease_keys
+
     def evictable(self) -> int:
         """Objects in the eviction order (READY, live, not leased, not quarantined)."""
         return len(self.order)
@@ -118,8 +122,7 @@ class Index:
             objs.append(o)
         distinct = list(dict.fromkeys(objs)) if len(objs) > 1 else objs
         kept = objs if ordered else distinct
-        nbytes = sum(o.slot for o in distinct)
-        self.pending.admit("lease", holder, len(kept), nbytes)
+        self.pending.admit("lease", holder, kept, distinct=distinct)   # OverQuota
         first = []   # newly leased
         for o in kept:
             if o.leases == 0:
@@ -128,7 +131,7 @@ class Index:
         self.counters.leased += len(first)
         self.order.leave(first)
         self.order.touch(distinct)   # LRU: their place when their last lease goes
-        p = self.pending.open("lease", holder, kept, nbytes)
+        p = self.pending.open("lease", holder, kept, distinct=distinct)
         return Leased(p.id, objs, [o.offset for o in objs], sum(o.nbytes for o in objs))
 
     def release(self, lease_id: int, holder: bytes) -> Released:
@@ -166,7 +169,7 @@ class Index:
                 seen.add(k)
                 missing.append(i)
         slot = self.alloc.rounded(nbytes)
-        self.pending.admit("store", holder, len(missing), len(missing) * slot)  # OverQuota
+        self.pending.admit("store", holder, [], len(missing) * slot)   # OverQuota
         try:
             offsets = self._alloc(nbytes, len(missing))
         finally:

@@ -101,9 +101,9 @@ class Pending:
     deadline: float
     started: float
     transfer_deadline: float | None = None   # set while the data link moves its bytes
-    keys: int = 0            # objects counted against the quota
-    nbytes: int = 0          # slot bytes counted against the quota
-    counted: bool = False    # still counted (quota.py's take, not yet give)
+    nbytes: int = 0          # a store: the slot bytes it pins (quota.py)
+    repeats: bool = False    # a lease whose objs list an object more than once (ordered)
+    counted: bool = False    # still counted against its holder's quota (take, not yet give)
 
     @property
     def busy(self) -> bool:

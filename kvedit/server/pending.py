@@ -85,22 +85,25 @@ class Pendings:
         self._tiebreak = itertools.count()
 
     # ---- life of a store/lease --------------------------------------------------------
-    def admit(self, kind: Kind, holder: bytes, keys: int, nbytes: int) -> None:
-        """OverQuota if a store/lease of `keys` objects pinning `nbytes` slot bytes would take
-        `holder` over a cap (quota.py). Call before allocating or leasing anything."""
-        self.quota.admit(kind, holder, keys, nbytes)
+    def admit(self, kind: Kind, holder: bytes, objs: list[Obj], nbytes: int = 0,
+              distinct: list[Obj] | None = None) -> None:
+        """OverQuota if a lease keeping `objs` (`distinct`: each once, when known), or a
+        store of `nbytes` slot bytes, would take `holder` over a cap (quota.py). Call before
+        allocating or leasing anything."""
+        self.quota.admit(kind, holder, objs, nbytes, distinct)
 
-    def open(self, kind: Kind, holder: bytes, objs: list[Obj], nbytes: int | None = None
-             ) -> Pending:
-        """A new store (prepared) or lease of `holder` over `objs` (admitted: `admit`),
-        pinning `nbytes` slot bytes (None: each object's slot once), due at its TTL."""
+    def open(self, kind: Kind, holder: bytes, objs: list[Obj], nbytes: int | None = None,
+             distinct: list[Obj] | None = None) -> Pending:
+        """A new store (prepared) or lease of `holder` over `objs` (admitted: `admit`), due
+        at its TTL; a store pins `nbytes` slot bytes (None: its objects' slots); a lease
+        pins its `distinct` objects (None: `objs` holds each once)."""
         if nbytes is None:
-            nbytes = sum(o.slot for o in dict.fromkeys(objs))
+            nbytes = sum(o.slot for o in objs) if kind == "store" else 0
         now = self.clock()
         ttl = self.write_ttl if kind == "store" else self.lease_ttl
-        p = Pending(kind, self._new_id(), holder, objs, now + ttl, now, keys=len(objs),
-                    nbytes=nbytes, counted=True)
-        self.quota.take(kind, holder, p.keys, nbytes)
+        p = Pending(kind, self._new_id(), holder, objs, now + ttl, now, nbytes=nbytes,
+                    counted=True, repeats=distinct is not None and len(distinct) != len(objs))
+        self.quota.take(p, objs if distinct is None else distinct)
         self._push(p.deadline, kind, p.id)
         if kind == "store":
             self.stores[p.id] = p
@@ -294,7 +297,7 @@ class Pendings:
         """`p` left every table: it no longer counts against its holder's quota."""
         if p.counted:
             p.counted = False
-            self.quota.give(p.kind, p.holder, p.keys, p.nbytes)
+            self.quota.give(p)
 
     def _end_early(self, p: Pending, reason: GoneReason) -> None:
         """Expired or cut: counted as expired, remembered for the holder's late call. Still

@@ -24,6 +24,7 @@ import zmq
 from kvedit import __version__, auth
 from kvedit import protocol as P
 from kvedit.layout import ModelLayout
+from kvedit.server import layout_limits
 from kvedit.server.config import ServerConfig
 from kvedit.server.datalink import DataLink
 from kvedit.server.index import Index, Refused
@@ -31,6 +32,7 @@ from kvedit.server.l2_service import L2_HOLDER, L2Methods
 from kvedit.server.metrics import Metrics
 from kvedit.server.peers import Peers, holder_of
 from kvedit.server.pool import Allocator, Arena
+from kvedit.server.trim import HeapTrim
 from kvedit.server.waiters import TooManyWaits, Waiter, Waiters, wait_key
 
 log = logging.getLogger("kvedit.server")
@@ -77,6 +79,7 @@ class Service(L2Methods):
         self._cuts: dict[int, Callable[[], None]] = {}  # store/lease id -> cut its transfer
         self.stop_requested = False
         self._frozen_objects = 0            # index size at the last gc.freeze()
+        self.trim = HeapTrim()              # freed heap back to the OS after a burst
         self.ctx = zmq.Context()
         self.authenticator = None
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -169,6 +172,7 @@ class Service(L2Methods):
         for w in self.waiters.expired(now):
             self._answer_waiter(w)
         self._freeze_gc()
+        self.trim.observe(self.waiters.keys + self.index.leased_keys())
 
     def _freeze_gc(self) -> None:
         """Keep full GC passes off the index. CPython runs a gen-2 pass whenever long-lived
@@ -326,6 +330,7 @@ class Service(L2Methods):
                                         f"{self.cfg.max_model_name} (--max-model-name)")
         try:
             layout.validate()
+            layout_limits.check(layout)
         except ValueError as e:
             raise Fail("bad_layout", str(e)) from None
         if layout.chunk_size != self.cfg.chunk_size:
@@ -496,7 +501,7 @@ class Service(L2Methods):
         return self.index.snapshot() | {
             "models": len(self.layouts), "waiting_lookups": len(self.waiters),
             "parked_keys": self.waiters.keys, "data_conns": self.data.connections(),
-            "zmq_conns": self.peers.connected(),
+            "zmq_conns": self.peers.connected(), "heap_trims": self.trim.trims,
             "transfer_mode": "shm" if self.cfg.shm_name else "socket",
             "uptime_s": round(time.time() - self.started, 3),
         } | (self.l2.snapshot() if self.l2 is not None else {})
