@@ -361,10 +361,12 @@ def oversized(cfg: dict) -> dict:
     peer = RawPeer(cfg)
     peer.call(P.Register(model=MODEL, layout=LAYOUT))
     out = {}
-    many = P.Retrieve(model=MODEL, keys=[i.to_bytes(16, "little") for i in range(200_000)])
+    info = peer.call(P.Hello())
+    many = P.Retrieve(model=MODEL, keys=[i.to_bytes(16, "little")
+                                         for i in range(info.max_keys_per_request + 1)])
     r = peer.call(many, timeout=30)
     out["too_many_keys"] = r.code if isinstance(r, P.Error) else repr(r)[:100]
-    cap = peer.call(P.Hello()).max_message_bytes
+    cap = info.max_message_bytes
     tiny = P.encoder.encode(P.Lookup(model=MODEL, keys=[b"x"] * ((cap - 200) // 3)))
     t0 = time.perf_counter()
     r = peer.call(tiny, timeout=30)
@@ -417,7 +419,7 @@ def leaseflood(cfg: dict) -> dict:
     peer, codes = RawPeer(cfg), Codes()
     k = key(cfg["keys"] + (1 << 40))   # outside the workers' keys: its bytes are not checked
     flood = None
-    for _ in _paced(cfg, cfg.get("rate", 50.0)):
+    for _ in _paced(cfg, cfg.get("rate", 10.0)):
         if flood is None:
             info = peer.call(P.Hello(), 2.0)
             if info is None:

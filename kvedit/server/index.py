@@ -114,6 +114,7 @@ class Index:
         repeated in the request costs nothing more); `ordered` (a data-link retrieve) keeps
         them in key order, repeats included, for the GET that sends them.
         OverQuota (nothing leased) past the holder's or the total caps (quota.py)."""
+        self.pending.admit("lease", holder, [])   # a session at its lease cap: refused cheaply
         objs, get = [], self.table(kind).get
         for k in keys:   # the leading ready objects
             o = get((model, tp_rank, k))
