@@ -144,7 +144,8 @@ class LinkClient:
     def _io(self, what: str, fn):
         """Run fn(conn) on this thread's connection; errors -> KVError and a fresh connection.
         A reused connection that broke before the reply began is retried once (module doc)."""
-        for attempt in (0, 1):
+        retried = False
+        while True:
             conn, reused = self._conn()
             try:
                 out = fn(conn)
@@ -153,14 +154,14 @@ class LinkClient:
                 raise
             except OSError as e:
                 self._drop()
-                if isinstance(e, Unanswered) and reused and attempt == 0:
+                if isinstance(e, Unanswered) and reused and not retried:
+                    retried = True
                     self._count("retries")
                     continue
                 raise ServerUnavailable("data_link", f"data link {what} to {self.host}:"
                                                      f"{self.port} failed: {e}") from None
             self._local.used = time.monotonic()
             return out
-        raise AssertionError("unreachable")
 
     @classmethod
     def _refused(cls, conn: socket.socket) -> None:

@@ -161,7 +161,10 @@ class KVClient:
             if left <= 0 or not sock.poll(max(1, int(left * 1000))):
                 self._drop_sock()
                 hint = (" (with a secret set, a server with another secret or none never "
-                        "answers: CURVE drops the connection)" if self._secret else "")
+                        "answers: CURVE drops the connection)" if self._secret else
+                        " (no secret found: a server with one, the default, never answers; "
+                        "give secret_file=, $KVEDIT_SECRET_FILE, or run as the server's user "
+                        "for a loopback server's own file, kvedit.rundir)")
                 raise ServerUnavailable("timeout", f"no reply from the kvedit server at "
                                                    f"{self.url} within {timeout or self.timeout}"
                                                    f" s to {type(msg).__name__}{hint}")

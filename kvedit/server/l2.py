@@ -223,6 +223,11 @@ class L2Tier:
                 self._enqueue(_Write(obj, rk, obj.nbytes, bytes(view)))
                 self._cv.notify()
 
+    @property
+    def queue_bytes(self) -> int:
+        """Bytes of the writes waiting (a plain read: the loop's memory estimate, trim.py)."""
+        return self._queued_bytes
+
     def can_probe(self) -> bool:
         """Whether a lookup that misses L1 should wait for L2 (up, reader not swamped)."""
         return self.up and self._probes_queued < MAX_PROBES

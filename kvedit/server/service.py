@@ -41,6 +41,7 @@ MAX_QUOTED_NAME = 80      # characters of a client-given name quoted back in an 
 BURST = 256               # messages handled before housekeeping runs again
 FREEZE_MIN_OBJECTS = 50_000  # below this a full GC pass is cheap enough (< ~10 ms)
 FREEZE_GROWTH = 1.1       # freeze again when the index grew by this factor
+KEY_BYTES = 64            # what a parked or leased key costs the heap, about (trim.py)
 
 
 class Fail(Exception):
@@ -172,7 +173,8 @@ class Service(L2Methods):
         for w in self.waiters.expired(now):
             self._answer_waiter(w)
         self._freeze_gc()
-        self.trim.observe(self.waiters.keys + self.index.leased_keys())
+        self.trim.observe(KEY_BYTES * (self.waiters.keys + self.index.leased_keys())
+                          + (self.l2.queue_bytes if self.l2 is not None else 0))
 
     def _freeze_gc(self) -> None:
         """Keep full GC passes off the index. CPython runs a gen-2 pass whenever long-lived

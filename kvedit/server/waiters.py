@@ -30,6 +30,7 @@ from kvedit import protocol as P
 from kvedit.protocol import ErrorCode
 
 Ident = tuple[str, int, bytes] | tuple[str, int, bytes, str]
+STALE_ENTRIES = 64   # stale deadline entries kept before a compaction (each holds its keys)
 
 
 def wait_key(model: str, tp_rank: int, key: bytes, kind: str = "kv") -> Ident:
@@ -154,6 +155,7 @@ class Waiters:
             if not parked:
                 del self._by_key[w.parked_on]
             self._unpark(w)
+        self._compact()
         return ws
 
     def next_deadline(self) -> float | None:
@@ -185,15 +187,21 @@ class Waiters:
         self.keys -= len(w.req.keys)
 
     def _push(self, w: Waiter) -> None:
-        h = self._deadlines
-        heapq.heappush(h, (w.deadline, next(self._seq), w))
+        heapq.heappush(self._deadlines, (w.deadline, next(self._seq), w))
         w.queued = True
-        if len(h) > 2 * self._n + 1024:   # answered waiters leave stale entries: drop them
-            keep = []
-            for e in h:
-                if e[2].parked_on is not None:
-                    keep.append(e)
-                else:
-                    e[2].queued = False
-            heapq.heapify(keep)
-            self._deadlines = keep
+        self._compact()
+
+    def _compact(self) -> None:
+        """Answered and dropped waiters leave stale heap entries, and each keeps its lookup's
+        keys alive: drop them once they outnumber the parked ones (plus a few)."""
+        h = self._deadlines
+        if len(h) <= 2 * self._n + STALE_ENTRIES:
+            return
+        keep = []
+        for e in h:
+            if e[2].parked_on is not None:
+                keep.append(e)
+            else:
+                e[2].queued = False
+        heapq.heapify(keep)
+        self._deadlines = keep
