@@ -23,9 +23,21 @@ from kvedit import auth, wire
 from kvedit import protocol as P
 from kvedit.client import KVClient
 from kvedit.client.handles import ServerUnavailable
-from kvedit.launch.server import start_server
+from kvedit.launch.server import ServerProcess, free_port, start_server
 from tests.fixtures_server import close_dealer, dealer
 from tests.kv_helpers import SMALL, chunk_for, key, matches
+
+
+def plain_server() -> ServerProcess:
+    """`kvedit server` with no flag about secrets: only its ports, pool and segment name
+    (the test harness's start_server runs servers --insecure)."""
+    port, http_port = free_port(), free_port()
+    shm = f"kvedit-{os.getpid()}-{port}"
+    env = {k: v for k, v in os.environ.items() if k not in (auth.SECRET_ENV,
+                                                            auth.SECRET_FILE_ENV)}
+    return ServerProcess(["--l1-size-gb", "0.02", "--port", str(port), "--http-port",
+                          str(http_port), "--shm-name", shm], "127.0.0.1", port, http_port,
+                         shm, env=env)
 
 
 @pytest.fixture
@@ -40,7 +52,7 @@ def rundir(tmp_path, monkeypatch):
 
 
 def test_a_server_without_flags_makes_a_secret_its_user_s_clients_find(rundir):
-    s = start_server(0.02, own_secret=True)
+    s = plain_server()
     try:
         path = rundir / f"{s.port}.secret"
         st = os.stat(path)
@@ -155,7 +167,7 @@ def _as_uid(uid: int, fn) -> dict:
 
 
 def test_another_user_is_refused_at_every_door(rundir, other_uid):
-    s = start_server(0.02, own_secret=True)
+    s = plain_server()
     try:
         with KVClient(s.url) as c:   # this user: fine
             c.register("m", SMALL)
