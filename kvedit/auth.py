@@ -31,7 +31,8 @@ from zmq.utils import z85
 from kvedit import rundir
 
 __all__ = ["AuthError", "SECRET_ENV", "SECRET_FILE_ENV", "NONCE_BYTES", "SESSION_BYTES",
-           "MAC_BYTES", "load_secret", "make_secret", "generate_secret", "l2_mac_key", "curve_keys", "curve_server",
+           "MAC_BYTES", "load_secret", "make_secret", "generate_secret", "l2_mac_key",
+           "curve_keys", "curve_server",
            "start_authenticator", "curve_client", "server_handshake", "client_handshake",
            "handshake_mac", "http_authorized", "bearer_header"]
 log = logging.getLogger("kvedit.auth")

@@ -1,4 +1,4 @@
-"""`kvedit bench soak`: minutes (or hours) of mixed, hostile and unlucky load on one loopback server.
+"""`kvedit bench soak`: minutes or hours of mixed, hostile and unlucky load on a loopback server.
 
 Shared-memory and socket clients (separate processes, kvedit/bench/soak_procs.py) store,
 look up, retrieve and delete random keys of a working set larger than the pool (eviction

@@ -2,7 +2,8 @@
 
 Every resource a client can make the server hold has a bound here (models, keys per request,
 message size, parked lookups, data connections, what one session holds, HTTP connections)
-and a deadline (TTLs, transfer timeouts, quarantine, the HTTP head timeout). docs/protocol.md lists them with the error code a client gets at the bound.
+and a deadline (TTLs, transfer timeouts, quarantine, the HTTP head timeout). docs/protocol.md
+lists them with the error code a client gets at the bound.
 """
 from __future__ import annotations
 
