@@ -40,9 +40,12 @@ def serve(cfg: ServerConfig, secret: bytes | None = None) -> int:
     try:
         service = Service(cfg, arena, instance, secret)
         http = HttpApi(service, cfg.host, cfg.http_port, secret=secret)
+        _hand_over_secret(cfg, secret)   # every port is bound: this server owns cfg.port
     except (zmq.ZMQError, OSError) as e:
         log.error("cannot start: %s (ZMQ port %d, HTTP port %d, data port %d)", e, cfg.port,
                   cfg.http_port, cfg.data_port)
+        if http is not None:
+            http.close()
         if service is not None:
             service.close()
         arena.close()
@@ -59,7 +62,6 @@ def serve(cfg: ServerConfig, secret: bytes | None = None) -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    _hand_over_secret(cfg, secret)   # every port is bound: this server owns cfg.port
     http.start()
     service.data.start()
     mode = (f"shm (segment /dev/shm/{cfg.shm_name}; data link for clients that cannot map it)"

@@ -84,6 +84,9 @@ def test_lease_and_store_counts_are_capped_per_session_and_in_total():
             got = _flood(b, body, 21)   # the total: 30 + 20 = 50
             assert all(isinstance(r, P.Leased) for r in got[:20])
             assert got[20].code == "over_quota" and "--max-leases-total" in got[20].message
+            metrics = httpx.get(s.http_url + "/metrics", timeout=10).text
+            assert 'kvedit_held{what="leases"} 50.0' in metrics
+            assert 'kvedit_errors_total{code="over_quota"} 2.0' in metrics
             # only the holder releases; a release makes room again
             assert call(a, P.Release(lease_id=got[0].lease_id)).code == "not_holder"
             assert isinstance(call(b, P.Release(lease_id=got[0].lease_id)), P.Ok)
