@@ -10,7 +10,12 @@ no reply (CURVE), `unauthorized` (data link) and 401 (HTTP).
 Where: $XDG_RUNTIME_DIR/kvedit when $XDG_RUNTIME_DIR is a private directory of this user,
 else /tmp/kvedit-<uid>. A directory that is not this user's, or that others may enter, is
 never used (another user may have made it to read or plant secrets): `publish` refuses
-(the server then stops and says why) and `lookup` finds nothing.
+(the server then stops and says why) and `lookup` finds nothing there. A client looks in
+every place a server of its user may have written (its own $XDG_RUNTIME_DIR, the usual
+/run/user/<uid>, /tmp/kvedit-<uid>): a server started from a login shell and a client run by
+cron or a service see different environments. So that a stale file elsewhere does not win,
+a server removes the files of its port from all the places it knows before writing its own,
+and a client takes the newest file of the port it finds.
 One file per ZMQ port, `<port>.secret` (the secret and a newline, as --gen-secret writes
 one, so it also works as --secret-file), replaced atomically when a server on that port
 starts and removed when it stops cleanly. Only loopback URLs are looked up: a file here
@@ -44,6 +49,13 @@ def secret_path(port: int) -> Path:
     return directory() / f"{int(port)}{SUFFIX}"
 
 
+def candidates() -> list[Path]:
+    """Every directory a server of this user may have written to, the usual one first."""
+    out = [directory(), Path(f"/run/user/{os.getuid()}") / "kvedit",
+           Path(tempfile.gettempdir()) / f"kvedit-{os.getuid()}"]
+    return list(dict.fromkeys(out))
+
+
 def ensure() -> Path:
     """The directory, created (0700) if missing; RundirError if it is not private."""
     d = directory()
@@ -62,9 +74,11 @@ def ensure() -> Path:
 
 
 def publish(port: int, secret: bytes) -> Path:
-    """Write the secret of the server on `port` (0600, atomically) -> its path.
-    RundirError when the directory is not private to this user."""
+    """Write the secret of the server on `port` (0600, atomically) -> its path; files of the
+    port elsewhere (earlier servers') go. RundirError when the directory is not private to
+    this user."""
     d = ensure()
+    withdraw(port)
     path = d / f"{int(port)}{SUFFIX}"
     fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{port}-")   # mode 0600
     try:
@@ -78,16 +92,16 @@ def publish(port: int, secret: bytes) -> Path:
 
 
 def withdraw(port: int, secret: bytes | None = None) -> None:
-    """Remove the file of `port` (only if it holds `secret`, when given): a server stopping,
+    """Remove the files of `port` (only one holding `secret`, when given): a server stopping,
     or one starting with another secret (or none) on a port an earlier one left a file for."""
-    path = secret_path(port)
-    try:
-        if secret is not None and path.read_bytes().strip() != secret:
-            return
-        if _private(path.parent):
+    for d in candidates():
+        path = d / f"{int(port)}{SUFFIX}"
+        try:
+            if not _private(d) or (secret is not None and path.read_bytes().strip() != secret):
+                continue
             path.unlink()
-    except OSError:
-        pass
+        except OSError:
+            pass
 
 
 def lookup(url: str) -> tuple[bytes, Path] | None:
@@ -96,17 +110,24 @@ def lookup(url: str) -> tuple[bytes, Path] | None:
     host, port = _host_port(url)
     if port is None or not _is_loopback(host):
         return None
-    path = secret_path(port)
-    try:
-        if not _private(path.parent):
-            return None
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            return None
-        data = path.read_bytes().strip()
-    except OSError:
+    found = []
+    for d in candidates():
+        path = d / f"{port}{SUFFIX}"
+        try:
+            if not _private(d):
+                continue
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            data = path.read_bytes().strip()
+        except OSError:
+            continue
+        if data:
+            found.append((st.st_mtime_ns, data, path))
+    if not found:
         return None
-    return (data, path) if data else None
+    _, data, path = max(found)   # the newest: a live server's, not one an earlier one left
+    return data, path
 
 
 # ---- internals -----------------------------------------------------------------------------

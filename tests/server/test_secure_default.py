@@ -224,3 +224,27 @@ def test_another_user_is_refused_at_every_door(rundir, other_uid):
             assert c.lookup("m", [x]) == 1
     finally:
         s.stop()
+
+
+def test_a_client_finds_the_secret_of_a_server_started_in_another_environment(
+        tmp_path, monkeypatch):
+    """The server had no $XDG_RUNTIME_DIR (cron), the client has one (a login shell) holding
+    a file an earlier server left for the same port: the client takes the live server's."""
+    import time
+
+    from kvedit import rundir
+    xdg = tmp_path / "xdg"
+    (xdg / "kvedit").mkdir(parents=True, mode=0o700)
+    os.chmod(xdg, 0o700)
+    stale = xdg / "kvedit" / "6555.secret"
+    stale.write_bytes(b"s" * 64 + b"\n")
+    os.utime(stale, (time.time() - 60, time.time() - 60))
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))   # <tmp>/kvedit-<uid>
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    path = rundir.publish(6555, b"x" * 64)
+    assert path.parent == tmp_path / f"kvedit-{os.getuid()}"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    assert rundir.lookup("tcp://127.0.0.1:6555") == (b"x" * 64, path)
+    assert rundir.lookup("tcp://localhost:6555") == (b"x" * 64, path)
+    rundir.withdraw(6555, b"x" * 64)
+    assert rundir.lookup("tcp://127.0.0.1:6555") == (b"s" * 64, stale)   # only that one left
