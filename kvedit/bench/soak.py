@@ -36,7 +36,8 @@ TARGETS = {"torn_reads": 0, "leaked_slots": 0, "leaked_leases": 0, "unexpected_e
 RESTART_GRACE_S = 3.0   # errors this long after a restart belong to the restart
 CLIENT_TIMEOUT_S = 5.0  # ... and those of calls sent up to this long before it
 CYCLE_S = 600.0         # a long run repeats the timeline of events every this many seconds
-DATA_IDLE_S = 10.0      # the soak server's --data-idle-timeout (idle periods outlast it)
+DATA_IDLE_S = 10.0      # the soak server's --data-idle-timeout (idle periods outlast it),
+                        # at most a twentieth of a cycle (short runs keep working)
 RSS_EVERY_S = 2.0
 
 
@@ -179,7 +180,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 # are measured; Redis restarts in every cycle.
 EVENTS = sorted([(0.30, "stall get"), (0.35, "oversized"), (0.45, "stall put"),
                  (0.60, "redis restart")] + [(0.05 + 0.9 * k / 12, "victim") for k in range(12)])
-IDLE_AT = (0.40, 0.75)   # socket workers pause DATA_IDLE_S + 2 s here, each cycle
+IDLE_AT = (0.40, 0.75)   # workers pause for the data idle timeout + 1 s here, each cycle
 VICTIM_KINDS = [(True, "store"), (False, "store"), (True, "lease"), (False, "lease"),
                 (True, "storing"), (False, "storing")]   # (shared memory?, what it holds)
 ATTACKERS = ("leaseflood", "poolpin", "httpflood")
@@ -209,6 +210,7 @@ class _MixedRun:
         self.args, self.ttl = args, args.ttl
         self.run_s = args.hours * 3600 if args.hours is not None else args.minutes * 60
         self.cycles = max(1, round(self.run_s / CYCLE_S))
+        self.data_idle = round(min(DATA_IDLE_S, self.run_s / self.cycles / 20), 2)
         self.rng = random.Random(args.seed)
         self.pool_chunks = (args.pool_mb << 20) // LAYOUT.chunk_bytes
         self.chunk_bytes = LAYOUT.chunk_bytes
@@ -221,7 +223,7 @@ class _MixedRun:
             self.srv = start_server(args.pool_mb / 1024, extra_args=[
                 "--lease-ttl", t, "--write-ttl", t, "--quarantine-ttl", str(2 * args.ttl),
                 "--transfer-idle-timeout", "2", "--transfer-timeout", "20",
-                "--data-idle-timeout", str(DATA_IDLE_S), "--secret-file", secret_file,
+                "--data-idle-timeout", str(self.data_idle), "--secret-file", secret_file,
                 # the attackers meet their caps within seconds; the stalled GET (12 MiB, more
                 # than the kernel buffers) still fits beside the pool pinner's half
                 "--max-leases-per-client", "32", "--max-client-pool-fraction", "0.5", *l2])
@@ -294,7 +296,7 @@ class _MixedRun:
         self.t0 = time.time()
         self.deadline = self.t0 + run_s
         cycle = run_s / self.cycles
-        idle = [[self.t0 + (c + f) * cycle, self.t0 + (c + f) * cycle + DATA_IDLE_S + 2]
+        idle = [[self.t0 + (c + f) * cycle, self.t0 + (c + f) * cycle + self.data_idle + 1]
                 for c in range(self.cycles) for f in IDLE_AT]
         for p in self.steady:
             procs.go(p, deadline=self.deadline, idle_windows=idle)
