@@ -111,7 +111,9 @@ def start_server(l1_size_gb: float = 1.0, *, chunk_size: int = 256, shm: bool = 
                  extra_args=()) -> ServerProcess:
     """A server on free ports. `secret_file` (or `secret`, passed through $KVEDIT_SECRET so it
     is not on the command line) turns authentication on; without either the child does not
-    inherit $KVEDIT_SECRET/$KVEDIT_SECRET_FILE from this process by accident."""
+    inherit $KVEDIT_SECRET/$KVEDIT_SECRET_FILE from this process by accident, and runs open
+    to local users (`--insecure`: tests and benchmarks speak the raw protocol), where a bare
+    `kvedit server` would make a secret of its own (kvedit.rundir)."""
     port = port or free_port()
     http_port = http_port or free_port()
     while http_port == port:
@@ -126,6 +128,8 @@ def start_server(l1_size_gb: float = 1.0, *, chunk_size: int = 256, shm: bool = 
         args += ["--secret-file", os.fspath(secret_file)]
     elif secret is not None:
         env[SECRET_ENV] = secret
+    else:
+        args.append("--insecure")
     server = ServerProcess(args, host, port, http_port, shm_name, env=env,
                            secret_file=secret_file and os.fspath(secret_file))
     server.secret = secret

@@ -172,8 +172,9 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
     the layouts when both say it).
 
     `secret` / `secret_file`: the server's shared secret (kvedit.auth); by default
-    $KVEDIT_SECRET or $KVEDIT_SECRET_FILE when set. Used for ZMQ (CURVE), the data link and
-    as the bearer token of the HTTP calls.
+    $KVEDIT_SECRET or $KVEDIT_SECRET_FILE when set, else the secret a loopback server of this
+    user made at start (kvedit.rundir). Used for ZMQ (CURVE), the data link and as the
+    bearer token of the HTTP calls.
     """
     from kvedit.auth import AuthError, bearer_header, load_secret
     from kvedit.client import KVClient, KVError
@@ -186,7 +187,7 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
         keep()
     deadline = time.monotonic() + timeout
     try:
-        key = load_secret(secret, secret_file)
+        key = load_secret(secret, secret_file, url=url)
     except AuthError as e:
         raise ConnectError(str(e)) from None
     if http_url:

@@ -38,7 +38,8 @@ class ConnectorSettings:
     store_wait_s: float = 5.0
     gpu_staging_bytes: int = 0  # the device staging ring (0: 3/4 of min(2 GiB, GPU mem / 32))
     stats_interval_s: float = 30.0     # store/load stats lines in vLLM's log (0: every one)
-    kvedit_secret_file: str = ""       # the server's shared secret; "": $KVEDIT_SECRET(_FILE)
+    kvedit_secret_file: str = ""       # the server's shared secret; "": $KVEDIT_SECRET(_FILE),
+                                       # else a loopback server's own (kvedit.rundir)
     # Query capture (docs/queries.md): "auto" hooks attention where the vLLM is supported and
     # otherwise warns each asking request; "on" refuses to start on an unsupported vLLM;
     # "off" never hooks. max_capture_bytes bounds the windows in flight per rank.
@@ -62,10 +63,11 @@ class ConnectorSettings:
         return on_cuda if self.async_store is None else bool(self.async_store)
 
     def secret(self) -> bytes | None:
-        """The shared secret: kvedit_secret_file, else the environment (kvedit.auth)."""
+        """The shared secret: kvedit_secret_file, else the environment, else the file the
+        server at kvedit_url made in this user's runtime directory (kvedit.auth)."""
         from kvedit.auth import load_secret
 
-        return load_secret(secret_file=self.kvedit_secret_file or None)
+        return load_secret(secret_file=self.kvedit_secret_file or None, url=self.kvedit_url)
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ConnectorSettings":
