@@ -288,6 +288,22 @@ class KVClient:
         ttl = self._info.lease_ttl
         return current.open_lease(self, reply, t0 + ttl - ttl_margin(ttl))
 
+    def pin(self, model: str, keys: list[bytes], tp_rank: int = 0) -> tuple[int, int]:
+        """Lease the leading ready `keys` without reading them -> (lease id, how many): the
+        server keeps them (no eviction) until `unpin(lease id)` or its lease TTL. What the
+        connector's lookup holds until the load (kvedit.vllm.pins)."""
+        reply = self._model_call(model, tp_rank, P.Retrieve(model=model, keys=list(keys),
+                                                            tp_rank=tp_rank))
+        return reply.lease_id, reply.count
+
+    def unpin(self, lease_id: int) -> None:
+        """Let go of a pin; one already gone (expired, a restarted server) is not an error."""
+        try:
+            self.release_lease(lease_id)
+        except KVError as e:
+            if e.code not in ("unknown_lease", "lease_expired", "not_holder"):
+                raise
+
     def delete(self, model: str, keys: list[bytes], tp_rank: int = 0) -> int:
         return self._model_call(model, tp_rank,
                                 P.Delete(model=model, keys=list(keys), tp_rank=tp_rank)).n

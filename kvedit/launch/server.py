@@ -118,7 +118,7 @@ def start_server(l1_size_gb: float = 1.0, *, chunk_size: int = 256, shm: bool = 
         http_port = free_port()
     shm_name = f"kvedit-{os.getpid()}-{port}" if shm else ""
     args = ["--l1-size-gb", str(l1_size_gb), "--chunk-size", str(chunk_size),
-            "--eviction-policy", eviction, "--host", host, "--port", str(port),
+            "--eviction", eviction, "--host", host, "--port", str(port),
             "--http-port", str(http_port), "--shm-name", shm_name,
             "--l1-use-lazy" if lazy else "--no-l1-use-lazy", *extra_args]
     env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}

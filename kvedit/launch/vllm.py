@@ -67,9 +67,13 @@ def sizes_kv_itself(extra_args) -> bool:
 
 
 def kv_transfer_config(url: str, http_url: str | None, chunk_size: int | None = None,
-                       store_generated: bool = True) -> str:
-    """The --kv-transfer-config JSON that loads kvedit's connector."""
+                       store_generated: bool = True, store: str | None = "eager") -> str:
+    """The --kv-transfer-config JSON that loads kvedit's connector. `store`: the store mode;
+    "eager" here (tests, the demo and the edit-path benchmarks read a request's chunks right
+    after it ran), None: the connector's own default (what `kvedit vllm serve` uses)."""
     extra: dict = {"kvedit_url": url, "store_generated": store_generated}
+    if store:
+        extra["store"] = store
     if http_url:
         extra["kvedit_http_url"] = http_url
     if chunk_size:
@@ -118,8 +122,12 @@ def vllm_command(model: str, *, port: int, host: str = "127.0.0.1",
                  kv_cache_gib: float | None = None, max_model_len: int | None = None,
                  connector: str | None = None, enable_prefix_caching: bool = True,
                  tensor_parallel_size: int = 1,
-                 extra_args: tuple[str, ...] | list[str] = ()) -> list[str]:
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                 extra_args: tuple[str, ...] | list[str] = (),
+                 python: str | None = None) -> list[str]:
+    """`python`: the interpreter that runs vLLM (default: this one; `kvedit bench serve` runs
+    its LMCache arm with one where lmcache imports)."""
+    cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(model),
            "--host", host, "--port", str(port), "--enforce-eager",
            "--return-tokens-as-token-ids", "--enable-prompt-tokens-details"]
     if served_model_name:
@@ -260,7 +268,7 @@ def start_vllm(model_dir, *, server=None, served_model_name: str = "tiny-qwen3",
                port: int | None = None, extra_args=(), enable_prefix_caching: bool = True,
                chunk_size: int | None = None, store_generated: bool = True,
                dev_mode: bool = False, tensor_parallel_size: int = 1,
-               timeout: float = 600.0) -> VllmProcess:
+               timeout: float = 600.0, python: str | None = None) -> VllmProcess:
     """Start vLLM serving `model_dir` and wait for /health.
 
     `server` is a ServerProcess, a (zmq_url, http_url) pair, or None for plain vLLM without
@@ -276,7 +284,7 @@ def start_vllm(model_dir, *, server=None, served_model_name: str = "tiny-qwen3",
                        dtype=dtype, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len,
                        connector=connector, enable_prefix_caching=enable_prefix_caching,
                        tensor_parallel_size=tensor_parallel_size,
-                       extra_args=tuple(extra_args))
+                       extra_args=tuple(extra_args), python=python)
     fd, log_name = tempfile.mkstemp(prefix=f"kvedit-vllm-{port}-", suffix=".log")
     log = os.fdopen(fd, "w")
     shm_before = vllm_shm_segments() if tensor_parallel_size > 1 else None

@@ -65,22 +65,38 @@ def check_window(window, what: str) -> int | None:
 
 
 def with_capture(params, window: int):
-    """A copy of the sampling params that asks vLLM to capture the last `window` queries:
-    a dict (None) gets the key `kv_transfer_params`; vLLM's SamplingParams gets it inside
-    `extra_args` (where the offline LLM looks); other objects the attribute."""
+    """A copy of the sampling params that asks vLLM to capture the last `window` queries
+    (with_transfer_param)."""
+    return with_transfer_param(params, CAPTURE_FIELD, window, "capture_queries")
+
+
+def with_transfer_param(params, key: str, value, what: str = "this request"):
+    """A copy of the sampling params with kv_transfer_params[key] = value (merged into any
+    already there): a dict (None) gets the key `kv_transfer_params`; vLLM's SamplingParams
+    gets it inside `extra_args` (where the offline LLM looks); other objects the attribute.
+    TypeError when the params cannot carry it (`what` names the feature that needed it)."""
     if params is None or isinstance(params, Mapping):
         params = dict(params or {})
-        params["kv_transfer_params"] = {**(params.get("kv_transfer_params") or {}),
-                                        CAPTURE_FIELD: window}
+        params["kv_transfer_params"] = {**(params.get("kv_transfer_params") or {}), key: value}
         return params
     p = params.clone() if hasattr(params, "clone") else copy.copy(params)
     if hasattr(params, "extra_args"):
         # vLLM's SamplingParams: the offline LLM reads kv_transfer_params from extra_args
         extra = dict(params.extra_args or {})
-        extra["kv_transfer_params"] = {**(extra.get("kv_transfer_params") or {}),
-                                       CAPTURE_FIELD: window}
+        extra["kv_transfer_params"] = {**(extra.get("kv_transfer_params") or {}), key: value}
         p.extra_args = extra
         return p
+    new = {**(getattr(params, "kv_transfer_params", None) or {}), key: value}
+    if dataclasses.is_dataclass(params) and any(f.name == "kv_transfer_params"
+                                                for f in dataclasses.fields(params)):
+        return dataclasses.replace(params, kv_transfer_params=new)
+    try:
+        p.kv_transfer_params = new
+    except AttributeError:
+        raise TypeError(f"{what} needs sampling params that can carry "
+                        f"kv_transfer_params (a dict, or an object with that attribute); got "
+                        f"{type(params).__name__}") from None
+    return p
     new = {**(getattr(params, "kv_transfer_params", None) or {}), CAPTURE_FIELD: window}
     if dataclasses.is_dataclass(params) and any(f.name == "kv_transfer_params"
                                                 for f in dataclasses.fields(params)):

@@ -24,6 +24,7 @@ import numpy as np
 from kvedit.sdk.contracts import check_token_ids, takes_salt
 from kvedit.sdk.context import Context
 from kvedit.sdk import queries as Q
+from kvedit.vllm.admission import STORE_ASK
 from kvedit.sdk.errors import CompletionError, KVEditError
 
 
@@ -108,6 +109,10 @@ class Stream:
         capture_queries=W: ask vLLM to capture the queries of the prompt's last W tokens."""
         params = sampling_params if max_tokens is None else with_max_tokens(sampling_params,
                                                                             max_tokens)
+        try:   # the edit reads this request's chunks next: stored as computed, whatever the
+            params = Q.with_transfer_param(params, STORE_ASK, "eager")   # connector's mode
+        except TypeError:   # params that cannot carry it: the connector's mode decides
+            pass
         if capture_queries:
             try:
                 params = Q.with_capture(params, capture_queries)

@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from kvedit.server.config import EVICTION_POLICIES, L2_WRITE_ON, ServerConfig
+from kvedit.server.config import EVICTION_POLICIES, L2_WRITE_ON, ServerConfig, eviction_name
 
 _D = ServerConfig(l1_size_gb=1.0)  # the defaults, shown in --help
 
@@ -32,8 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pool size in GiB (host memory for KV chunks)")
     p.add_argument("--chunk-size", type=int, default=_D.chunk_size,
                    help="tokens per chunk (default 256)")
-    p.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default=_D.eviction_policy,
-                   help="LRU, FIFO, or none (refuse stores when the pool is full)")
+    p.add_argument("--eviction", "--eviction-policy", dest="eviction_policy",
+                   type=_eviction, default=_D.eviction_policy,
+                   metavar="{" + ",".join(n.lower() for n in EVICTION_POLICIES) + "}",
+                   help="which ready chunk a full pool evicts: lru (least recently used, the "
+                        "default), fifo (oldest stored), arc (adaptive: recency vs reuse, a scan "
+                        "of new prefixes does not flush the hot ones), or none (refuse stores "
+                        "when the pool is full); any case; --eviction-policy is the old name")
     p.add_argument("--shm-name", default=_D.shm_name,
                    help="POSIX shared-memory segment holding the whole pool (/dev/shm/NAME); "
                         "'' = no shared memory, data travels over the socket")
@@ -84,6 +89,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without a secret (anyone who reaches the "
                         "ports can read and change every tenant's KV)")
+
+
+def _eviction(name: str) -> str:
+    try:
+        return eviction_name(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_l2_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,8 +9,17 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import asdict, dataclass
 
-EVICTION_POLICIES = ("LRU", "FIFO", "none")
+EVICTION_POLICIES = ("LRU", "FIFO", "ARC", "none")
 L2_WRITE_ON = ("commit", "evict")
+
+
+def eviction_name(name: str) -> str:
+    """The canonical policy name for `name` in any case ("arc" -> "ARC"); ValueError else."""
+    for p in EVICTION_POLICIES:
+        if name.lower() == p.lower():
+            return p
+    raise ValueError(f"eviction policy {name!r} is not one of "
+                     f"{[p.lower() for p in EVICTION_POLICIES]}")
 L2_SCHEMES = ("redis", "rediss", "unix")
 GIB = 1 << 30
 MIB = 1 << 20
@@ -24,7 +33,7 @@ class ServerConfig:
     http_port: int = 8080
     data_port: int = 0                # data link (socket-mode bytes); 0 = a free port
     chunk_size: int = 256             # tokens per chunk; registered layouts must match
-    eviction_policy: str = "LRU"      # LRU, FIFO, or none (refuse stores when full)
+    eviction_policy: str = "LRU"      # LRU, FIFO, ARC, or none (refuse stores when full)
     shm_name: str = "kvedit"          # POSIX shm segment holding the pool; "" = no shm
     l1_use_lazy: bool = True          # False: allocate and pre-fault the whole pool at start
     lease_ttl: float = 300.0          # seconds a read lease lives without release
@@ -74,8 +83,8 @@ class ServerConfig:
         if self.chunk_size <= 0:
             raise ValueError(f"--chunk-size must be a positive token count, got {self.chunk_size}")
         if self.eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"--eviction-policy {self.eviction_policy!r} is not one of "
-                             f"{list(EVICTION_POLICIES)}")
+            raise ValueError(f"--eviction {self.eviction_policy!r} is not one of "
+                             f"{[p.lower() for p in EVICTION_POLICIES]}")
         for name in ("lease_ttl", "write_ttl", "max_wait_seconds", "data_idle_timeout",
                      "handshake_timeout", "transfer_idle_timeout", "transfer_timeout"):
             if not getattr(self, name) > 0:  # also refuses NaN

@@ -12,7 +12,7 @@ concern:
   leased nor quarantined (`_let_go`), and never given to two objects;
 - pending.py: stores and leases in flight (holders, TTLs, the deadline heap, data-link
   transfers and `busy`, the fence of ended ids, quarantine pins);
-- eviction.py: the LRU/FIFO order of the evictable objects, per slot size, and the victim;
+- eviction.py: the LRU/FIFO/ARC order of the evictable objects, per slot size, and the victim;
 - pages.py: ready objects in commit order (/cache pages, clear, drop_model).
 The index evicts only when the allocator has no free range that fits (best fit, pool.py):
 `_alloc` evicts the victim eviction.py names until one fits.
@@ -387,6 +387,7 @@ class Index:
             return False
         if self.on_evict is not None:
             self.on_evict(o)
+        self.order.evicted(o)
         self._forget(o)
         self.counters.evictions += 1
         return True

@@ -74,6 +74,7 @@ class Obj:
                              # leased nor pinned
     seq: int = 0             # commit order (the /cache cursor); 0 while WRITING
     rank: int = 0            # place in the eviction order (LRU: last use, FIFO: commit)
+    hot: bool = False        # ARC: used again since it entered (its T2 queue), eviction.py
     evictable: bool = False  # in the eviction order right now
     kind: ObjectKind = "kv"  # which key space (Index table) it lives in
 

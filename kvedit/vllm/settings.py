@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
 from kvedit.layout import ModelLayout, RopeParams
+from kvedit.vllm.admission import STORE_MODES, StoreMode
 
 # Model types whose rotary embedding pairs adjacent dims (GPT-J style) instead of halves.
 GPTJ_STYLE_MODELS = {"gptj", "glm", "glm4", "chatglm", "cohere", "cohere2", "commandr",
@@ -43,6 +44,16 @@ class ConnectorSettings:
     # "off" never hooks. max_capture_bytes bounds the windows in flight per rank.
     query_capture: QueryCaptureMode = "auto"
     max_capture_bytes: int = 1 << 30
+    # Which computed chunks are stored, and when (admission.py; docs/connector.md):
+    # "eager" every chunk as it is computed, "evict" only when vLLM is about to evict its
+    # blocks, "reuse" on the second sight of its prefix. A request's kv_transfer_params
+    # {"kvedit_store": "eager"} stores its chunks as computed whatever the mode (the SDK's
+    # prefill asks: its edit reads them next).
+    store: StoreMode = "evict"
+    # A lookup's hits stay leased until loaded (pins.py): at most pin_max_chunks chunks at
+    # once (0: no pins), each pin at most pin_ttl_s (and a quarter of the lease TTL).
+    pin_max_chunks: int = 4096
+    pin_ttl_s: float = 30.0
 
     def background_commit(self, on_cuda: bool) -> bool:
         """Whether stores commit from a background thread: async_store, else on CUDA only.
@@ -68,6 +79,18 @@ class ConnectorSettings:
         if mode not in get_args(QueryCaptureMode):
             raise ValueError(f"kvedit connector: query_capture {mode!r}; expected one of "
                              f"{list(get_args(QueryCaptureMode))}")
+        defaults = {f.name: f.default for f in fields(cls)}
+        store = extra.get("store", defaults["store"])
+        if store not in STORE_MODES:
+            raise ValueError(f"kvedit connector: store {store!r}; expected one of "
+                             f"{list(STORE_MODES)}")
+        pins = extra.get("pin_max_chunks", defaults["pin_max_chunks"])
+        ttl = extra.get("pin_ttl_s", defaults["pin_ttl_s"])
+        if isinstance(pins, bool) or not isinstance(pins, int) or pins < 0:
+            raise ValueError(f"kvedit connector: pin_max_chunks {pins!r}; expected a chunk "
+                             "count >= 0 (0: no pins)")
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
+            raise ValueError(f"kvedit connector: pin_ttl_s {ttl!r}; expected seconds > 0")
         wait = extra.get("store_wait_s", 5.0)
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 300:
             raise ValueError(f"kvedit connector: store_wait_s {wait!r}; expected seconds "

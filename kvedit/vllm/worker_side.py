@@ -137,16 +137,20 @@ class WorkerSide:
                 logger.info("kvedit: %s loaded tokens [%d, %d) of [%d, %d); rest recomputed",
                             run.req_id, run.start, loaded, run.start, run.end)
 
-    def store(self, meta: KVEditMetadata) -> None:
-        """Store this step's completed chunks of every request: one prepare/commit pair with
-        the server per step, one gather per chunk the server is missing."""
-        failed, self.failed_from = self.failed_from, {}
+    def store(self, runs: list, before_forward: bool = False) -> None:
+        """Store chunks of `runs`: after the forward, this step's completed chunks of every
+        request; before it (`before_forward`), chunks whose blocks this step reuses (store
+        mode "evict"). One prepare/commit pair with the server per call, one gather per chunk
+        the server is missing."""
+        failed = {}
+        if not before_forward:   # this step's failed loads: blocks past them hold garbage
+            failed, self.failed_from = self.failed_from, {}
         client = self.link.client if self.link else None
-        if client is None or not meta.stores:
+        if client is None or not runs:
             return
         c = self.layout.chunk_size
         todo: dict[bytes, tuple[list[int], int]] = {}  # key -> (block ids, chunk index)
-        for run in meta.stores:
+        for run in runs:
             keys = run.keys[self.tp_rank]
             if run.req_id in failed:  # blocks past a failed load hold garbage: never store them
                 keys = keys[:max(0, failed[run.req_id] // c - run.first)]
@@ -160,7 +164,11 @@ class WorkerSide:
             self.link.failed(e)
 
     def begin_step(self, meta: KVEditMetadata) -> None:
-        """Before the forward (vLLM binds the step's metadata): arm query capture."""
+        """Before the forward (vLLM binds the step's metadata): store the chunks whose blocks
+        this step reuses (their bytes are still theirs until the forward), arm query
+        capture."""
+        if meta.pre_stores:
+            self.store(meta.pre_stores, before_forward=True)
         STATS.steps += 1
         if self.capture is None or not (meta.queries or meta.query_drops):
             return

@@ -28,6 +28,7 @@ Q_HEADS = 4
 MODEL = "compat-lmcache-model"
 KIND = lmc_sdk.LMCacheSDKCacheKind
 CAPTURE = "kvedit_capture_queries"   # the field kvedit's connector reads (docs/queries.md)
+STORE = {"kvedit_store": "eager"}     # every SDK request asks its chunks stored as computed
 
 
 class Engine:
@@ -152,7 +153,7 @@ def test_prefill_modify_decode_with_kv_and_query(kv_ctx, q_ctx, engine):
     pre = batch.prefill({"temperature": 0.0})
     asked = {tuple(r[0]): (r[1]["max_tokens"], r[1]["kv_transfer_params"])
              for r in engine.requests}   # the requests run concurrently, in any order
-    assert asked == {tuple(p): (1, {CAPTURE: len(p)}) for p in prompts}
+    assert asked == {tuple(p): (1, {**STORE, CAPTURE: len(p)}) for p in prompts}
     d = pre.to_dict()
     assert d["title"] == "Batched Stream Metrics (prefill)"
     assert d["metrics"]["config"] == {"num_request_streams": 3}

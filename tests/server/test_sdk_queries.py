@@ -15,6 +15,7 @@ import httpx
 import pytest
 import torch
 
+from kvedit.vllm.admission import STORE_ASK
 from kvedit.client import KVClient
 from kvedit.keys import namespace, query_key, request_keys
 from kvedit.layout import ModelLayout
@@ -115,7 +116,7 @@ def test_fn_declaring_queries_gets_them_then_they_are_deleted(ctx, engine, kv_se
     s = create_request(ctx, engine, p, capture_queries=window)
     batch = BatchedStream([s], progress=False)
     batch.prefill({"max_tokens": 1})
-    assert engine.asked[-1] == {CAPTURE_FIELD: window}
+    assert engine.asked[-1] == {CAPTURE_FIELD: window, STORE_ASK: "eager"}
     qk = qkey_of(p, window)
     assert ctx.client.lookup(MODEL, [qk], kind="queries") == 1
     before = query_objects(kv_server)
@@ -197,7 +198,7 @@ def test_missing_queries_name_the_stream_and_change_nothing(ctx, engine):
     s = create_request(ctx, engine, p, "never-asked", name="no-capture")
     batch = BatchedStream([s], progress=False)
     batch.prefill({"max_tokens": 1})
-    assert engine.asked[-1] is None
+    assert engine.asked[-1] == {STORE_ASK: "eager"}   # every SDK request: stored as computed
     with pytest.raises(MissingQueries) as e:
         batch.modify(Recorder())
     assert "no-capture" in str(e.value) and "capture_queries=W" in str(e.value)

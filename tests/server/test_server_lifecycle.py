@@ -83,8 +83,10 @@ def test_shm_too_small_is_refused_not_downgraded():
 def test_bad_flags_are_named():
     p = _run_server("--l1-size-gb", "0")
     assert p.returncode == 2 and "--l1-size-gb must be > 0" in p.stderr
-    p = _run_server("--l1-size-gb", "1", "--eviction-policy", "MRU")
-    assert p.returncode == 2 and "invalid choice: 'MRU'" in p.stderr
+    for flag in ("--eviction", "--eviction-policy"):   # the old name is an alias
+        p = _run_server("--l1-size-gb", "1", flag, "MRU")
+        assert p.returncode == 2 and "eviction policy 'MRU' is not one of " \
+            "['lru', 'fifo', 'arc', 'none']" in p.stderr
 
 
 def test_socket_only_server_and_prefaulted_pool():
