@@ -350,3 +350,26 @@ def test_releasing_a_stream_deletes_its_chunks_and_queries_on_every_rank(server,
     for r in range(4):
         assert client.lookup(model, old[r], tp_rank=r) == 0, f"rank {r}"
         assert client.lookup(model, [qkeys[r]], tp_rank=r, kind="queries") == 0, f"rank {r}"
+
+
+def test_new_kv_output_is_cut_per_rank(server, client):
+    """An fn that builds its result with new_kv gets a tensor of the gathered width; each
+    rank stores its heads of it."""
+    model, salt, toks = model_name(), "", tokens_of(61)
+    lays = layouts(2, 8)
+    kv = full_kv(8, len(toks) // C * C, seed=61)
+    prefill(client, model, lays, toks, salt, kv, 8)
+
+    def fn(kv_in, tokens, new_kv):
+        out = new_kv((2, L, 2 * C, kv_in.shape[3]))
+        torch.cat([kv_in[:, :, :C], kv_in[:, :, 2 * C:3 * C]], dim=2, out=out)
+        return out, tokens[:C] + tokens[2 * C:3 * C]
+
+    with connect(server.url, model_name=model, timeout=5) as ctx:
+        s = create_request(ctx, never, toks, salt)
+        m = BatchedStream([s], progress=False).modify(fn)
+        assert (m.chunks_reused, m.chunks_stored, m.salt_changes) == (1, 1, 0)
+        edited = torch.cat([kv[:, :, :C], kv[:, :, 2 * C:3 * C]], dim=2)
+        got = stored(client, model, lays, s.tokens, s.cache_salt)
+        for r in range(2):
+            assert torch.equal(got[r], cut(edited, VLLM_SPLIT[2, 8][r])), f"rank {r}"
