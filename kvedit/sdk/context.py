@@ -84,6 +84,13 @@ class Context:
         """A kv laid out as fn_layout, cut per rank (index = rank; views, no copies)."""
         return [kv] if self.tp is None else scatter_ranks(kv, self.tp.heads)
 
+    def columns(self) -> list[tuple[int, slice]]:
+        """How a kv laid out as fn_layout is filled: (rank, the columns of its last dimension
+        that rank's chunks hold), one rank per distinct head group."""
+        if self.tp is None:
+            return [(0, slice(None))]
+        return [(r, self.tp.heads.columns(r)) for r in self.tp.heads.source_ranks()]
+
     async def call(self, fn, *args, **kwargs):
         """Run a blocking call (KVClient or CPU work) in the context's pool."""
         if self.closed:

@@ -74,21 +74,19 @@ def open_kv(ctx, per_rank: list[list[bytes]]) -> tuple[KVSource, torch.Tensor]:
     n = len(per_rank[0])
     shape, dtype = (2, lay.num_layers, n * lay.chunk_size, lay.hidden), getattr(torch, lay.dtype)
     cow = ctx.pool.use_cow()
-    if cow and ctx.tp is None \
+    if cow and len(per_rank) == 1 \
             and (mapped := map_chunks(ctx.client, ctx.model, per_rank[0], lay)) is not None:
         return mapped, mapped.view.view(dtype).view(shape)
     buf = ctx.pool.take(n * lay.chunk_bytes)
     target = buf.target[:n * lay.chunk_bytes].view(dtype).view(shape)
-    ranks = [0] if ctx.tp is None else ctx.tp.heads.source_ranks()
-    for r in ranks:
-        cols = target if ctx.tp is None else target[..., ctx.tp.heads.columns(r)]
+    for r, cols in ctx.columns():   # one rank: all of it; TP: each head group's columns
         with ctx.client.retrieve(ctx.model, per_rank[r], tp_rank=r) as got:
             if len(got.tensors) < n:
-                where = f" on tensor-parallel rank {r}" if ctx.tp is not None else ""
+                where = f" on tensor-parallel rank {r}" if len(per_rank) > 1 else ""
                 raise LookupError(f"only {len(got.tensors)} of its {n} chunks could be "
                                   f"retrieved{where} (evicted meanwhile?)")
             for i, chunk in enumerate(got.tensors):
-                load_chunk(cols, i, chunk)
+                load_chunk(target[..., cols], i, chunk)
     return CopiedKV(ctx.pool, buf), buf.open(cow)[:n * lay.chunk_bytes].view(dtype).view(shape)
 
 
