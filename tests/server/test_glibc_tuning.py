@@ -251,12 +251,14 @@ HEAP = textwrap.dedent("""
 
 def test_torch_cat_outputs_of_two_streams_in_flight_stop_growing_the_heap():
     """Opted in; real server, 4 streams, two fns at a time returning fresh torch.cat outputs
-    (75 MB each), 7 modifies: after the first, the brk heap grows by at most 3 output blocks
-    in all. With the cache only filled before fn (not emptied after it) the alignment tails
-    pinned the freed blocks and the heap grew by 9-10 blocks over the same run."""
+    (75 MB each), 7 modifies: after the first, the brk heap grows by at most 4 output blocks
+    in all (two outputs in flight and the alignment slack between them; how the two fns
+    interleave moves it between 0.4 and 3.4 blocks on a loaded host). With the cache only
+    filled before fn (not emptied after it) the alignment tails pinned the freed blocks and
+    the heap grew by 9-10 blocks over the same run."""
     r = _run(HEAP)
     growth = [(h - r["heap"][0]) / r["out_block"] for h in r["heap"]]
-    assert growth[-1] <= 3, growth
+    assert growth[-1] <= 4, growth
 
 
 FAULTS = textwrap.dedent("""
