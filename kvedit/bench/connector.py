@@ -44,6 +44,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from kvedit.query_contract import ask
+
 
 def register(bsub) -> None:
     p = bsub.add_parser("connector", help="connector: hit TTFT vs recompute, prefill with "
@@ -323,7 +325,7 @@ def _complete(vp, prompt: list[int], capture: int = 0) -> tuple[float, dict]:
     """One max_tokens=1 request; `capture` > 0 asks for its last `capture` queries."""
     body = {"model": vp.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
     if capture:
-        body["kv_transfer_params"] = {"kvedit_capture_queries": capture}
+        body["kv_transfer_params"] = ask(None, capture)   # kvedit.query_contract
     t0 = time.perf_counter()
     r = post_json(vp.base_url + "/v1/completions", body)
     return time.perf_counter() - t0, r["usage"]

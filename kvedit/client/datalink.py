@@ -31,6 +31,7 @@ import torch
 from kvedit import auth
 from kvedit import wire as DL
 from kvedit.client.handles import KVError, RecvPool, ServerUnavailable
+from kvedit.protocol import ERROR_CODES
 
 RECV_POOL_BYTES = 512 << 20  # idle receive buffers kept for reuse
 DEFAULT_IDLE_TIMEOUT = 30.0  # a server that does not announce its own (60 s by default)
@@ -59,8 +60,6 @@ def client_idle_timeout(server_idle: float, asked: float | None = None) -> float
 def _split_code(message: str) -> tuple[str, str]:
     """A data-link error message "code: detail" -> (code, detail) when code is a protocol
     error code (unauthorized, not_holder, store_expired, ...); else ("data_link", message)."""
-    from kvedit.protocol import ERROR_CODES
-
     code, sep, rest = message.partition(":")
     if sep and code.strip() in ERROR_CODES:
         return code.strip(), rest.strip()

@@ -14,11 +14,13 @@ import time
 
 from tqdm.auto import tqdm
 
+from kvedit.query_contract import check_window
+from kvedit.sdk.driver import Budget, drive
 from kvedit.sdk.errors import KVEditError, StreamError, raise_batch
 from kvedit.sdk.loop import run_sync
 from kvedit.sdk.metrics import Metrics, Span, add_generation, add_modify
 from kvedit.sdk.modify import modify_stream
-from kvedit.sdk.queries import check_window, expect
+from kvedit.sdk.queries import expect
 from kvedit.sdk.stream import Stream
 
 
@@ -98,9 +100,11 @@ class BatchedStream:
         raise_batch(phase, errors, len(streams))
 
     def _cpu_slots(self) -> asyncio.Semaphore:
-        """Bounds the CPU side of modify; each slot may keep one reusable retrieve buffer."""
+        """Bounds the CPU side of modify; each slot may keep one reusable retrieve buffer and
+        one new_kv output."""
         for ctx in {id(s.ctx): s.ctx for s in self.streams}.values():
-            ctx.pool.max_buffers = max(ctx.pool.max_buffers, self.modify_concurrency)
+            for pool in (ctx.pool, ctx.outputs):   # retrieve buffers, new_kv outputs
+                pool.max_buffers = max(pool.max_buffers, self.modify_concurrency)
         return asyncio.Semaphore(self.modify_concurrency)
 
     # ---- async API -------------------------------------------------------------------
@@ -158,8 +162,6 @@ class BatchedStream:
         frees a finished stream's chunks."""
         wait = self.wait_timeout if wait_timeout is None else wait_timeout
         if every is not None or budget is not None:
-            from kvedit.sdk.driver import Budget, drive
-
             if every is None or budget is None:
                 raise ValueError("a budgeted run needs both every= and budget=")
             return await drive(self, prefill_params, fn, decode_params, Budget(every, budget),

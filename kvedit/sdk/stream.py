@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvedit.query_contract import check_window
 from kvedit.sdk.contracts import check_token_ids, takes_salt
 from kvedit.sdk.context import Context
 from kvedit.sdk import queries as Q
@@ -76,7 +77,7 @@ class Stream:
         self.cache_salt = cache_salt or ""
         # query window W asked at prefill (None: the batch's default; 0: off), and the
         # captured-queries object the last prefill asked for (kvedit.sdk.queries)
-        self.capture_queries = Q.check_window(capture_queries,
+        self.capture_queries = check_window(capture_queries,
                                               f"{self.label} capture_queries")
         self.queries: Q.Capture | None = None
         self.tokens: list[int] = list(self.prompt_token_ids)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from kvedit.keys import request_keys
 from kvedit.layout import ModelLayout
+from kvedit.query_contract import QueryShape
 from kvedit.vllm.admission import STORE_ASK, Admission, Deferred
 from kvedit.vllm.inflight import InFlightKeys
 from kvedit.vllm.link import ServerLink
@@ -91,9 +92,8 @@ class SchedulerSide:
     def _window_planner(self, vllm_config, settings, block_size: int) -> WindowPlanner:
         import vllm
 
-        mc, pc = vllm_config.model_config, vllm_config.parallel_config
-        row_bytes = (mc.get_num_layers(pc) * mc.get_num_attention_heads(pc)
-                     * mc.get_head_size() * mc.dtype.itemsize)
+        # every rank's object has the same shape: one window row on one rank
+        row_bytes = QueryShape.of(model_layout(vllm_config, block_size, 0), 1).row_bytes
         return WindowPlanner(self.model, block_size, row_bytes, settings.max_capture_bytes,
                              capture_unavailable(settings.query_capture, vllm.__version__))
 

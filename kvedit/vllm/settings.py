@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
+from kvedit.auth import load_secret
 from kvedit.layout import ModelLayout, RopeParams
 from kvedit.vllm.admission import STORE_MODES, StoreMode
 
@@ -65,8 +66,6 @@ class ConnectorSettings:
     def secret(self) -> bytes | None:
         """The shared secret: kvedit_secret_file, else the environment, else the file the
         server at kvedit_url made in this user's runtime directory (kvedit.auth)."""
-        from kvedit.auth import load_secret
-
         return load_secret(secret_file=self.kvedit_secret_file or None, url=self.kvedit_url)
 
     @classmethod
@@ -137,6 +136,7 @@ def model_layout(vllm_config, chunk_size: int, tp_rank: int,
         num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
         head_dim=head_dim, dtype=str(mc.dtype).removeprefix("torch."),
         chunk_size=chunk_size, tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
-        rope=rope_params(mc.hf_config, head_dim, is_neox))
+        rope=rope_params(mc.hf_config, head_dim, is_neox),
+        num_q_heads=mc.get_num_attention_heads(pc))   # the captured queries' width
     layout.validate()
     return layout

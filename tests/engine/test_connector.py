@@ -298,7 +298,8 @@ def _worker(kv_server, tiny_model, model: str):
         model_config=SimpleNamespace(
             served_model_name=model, hf_config=AutoConfig.from_pretrained(tiny_model),
             dtype=torch.float32, get_head_size=lambda: 64,
-            get_num_layers=lambda pc: 4, get_num_kv_heads=lambda pc: 2),
+            get_num_layers=lambda pc: 4, get_num_kv_heads=lambda pc: 2,
+            get_num_attention_heads=lambda pc: 4),
         parallel_config=SimpleNamespace(rank=0, tensor_parallel_size=1),
         cache_config=SimpleNamespace(cache_dtype="auto"),
         compilation_config=SimpleNamespace(

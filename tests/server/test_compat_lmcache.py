@@ -23,8 +23,9 @@ from kvedit.keys import namespace, query_key, request_keys
 from kvedit.layout import ModelLayout
 
 C = 256
-LAYOUT = ModelLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", chunk_size=C)
-Q_HEADS = 4
+Q_HEADS = 4   # registered with the layout, as kvedit's connector does (num_q_heads)
+LAYOUT = ModelLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", chunk_size=C,
+                     num_q_heads=Q_HEADS)
 MODEL = "compat-lmcache-model"
 KIND = lmc_sdk.LMCacheSDKCacheKind
 CAPTURE = "kvedit_capture_queries"   # the field kvedit's connector reads (docs/queries.md)
