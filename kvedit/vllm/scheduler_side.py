@@ -11,10 +11,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import vllm
+
 from kvedit.keys import request_keys
 from kvedit.layout import ModelLayout
 from kvedit.query_contract import QueryShape
 from kvedit.vllm.admission import STORE_ASK, Admission, Deferred
+from kvedit.vllm.budget_scheduler import NOT_MINE, BudgetScheduler
 from kvedit.vllm.inflight import InFlightKeys
 from kvedit.vllm.link import ServerLink
 from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
@@ -61,6 +64,7 @@ class SchedulerSide:
             self._set_chunk_size(settings.chunk_size)
         self.reqs: dict[str, _Req] = {}
         self.queries = self._window_planner(vllm_config, settings, block_size)
+        self.budget = _budget_scheduler(vllm_config, settings, block_size)
         self.new_request_hook = False  # vLLM calls on_new_request (0.32 does)
         # Workers that commit stores in the background: wait for keys still in flight.
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
@@ -110,19 +114,30 @@ class SchedulerSide:
         return [k[:n_chunks] for k in st.keys]
 
     # ---- vLLM hooks ---------------------------------------------------------------------
+    def bind(self, manager, scheduler) -> None:
+        """vLLM's KVCacheManager and Scheduler (found when vLLM binds its block pool)."""
+        self.budget.scheduler = scheduler
+        if self.settings.in_engine:
+            self.budget.bind(manager, scheduler)
+
     def on_new_request(self, request) -> None:
         self.new_request_hook = True
+        self.budget.add(request)
         self.queries.add(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int | None:
         """Tokens beyond `num_computed_tokens` the server holds, or None ("ask again next
         step") while the server's run of chunks stops at one whose store is in flight."""
         if not self.new_request_hook and request.request_id not in self.reqs:
+            self.budget.add(request)
             self.queries.add(request)  # a vLLM without on_new_request: at least say no
         st = self.reqs.get(request.request_id)
         if st is None:
             st = self.reqs[request.request_id] = _Req(request, eager=self._asks_eager(request))
         st.held, st.load = num_computed_tokens, None
+        restored = self.budget.matched_tokens(request, num_computed_tokens)
+        if restored != NOT_MINE:  # refused (None), or a stash written back on resume
+            return restored
         client = self.link.client
         self.pins.release(client, request.request_id)  # asked again: not scheduled last time
         if client is None or self.layouts is None:
@@ -181,6 +196,8 @@ class SchedulerSide:
         return False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if self.budget.after_alloc(request, blocks):
+            return  # the stash is written back, nothing comes from the server
         st = self.reqs.get(request.request_id)
         if num_external_tokens <= 0:
             self.pins.release(self.link.client, request.request_id)  # nothing to load
@@ -190,6 +207,7 @@ class SchedulerSide:
 
     def build_meta(self, out) -> KVEditMetadata:
         meta = KVEditMetadata()
+        meta.budget = self.budget.build()
         self.queries.take_drops(meta)
         step, self.steps = self.steps, self.steps + 1
         if self.layouts is None:
@@ -235,7 +253,8 @@ class SchedulerSide:
         self.queries.plan(req_id, st.block_ids, computed, scheduled, self.layouts, meta)
         req = st.request
         done = min(computed + scheduled, len(req.all_token_ids))
-        if not self.settings.store_generated:
+        # A budgeted request's blocks are compacted once it decodes: store its prompt only.
+        if not self.settings.store_generated or self.budget.is_budgeted(req_id):
             done = min(done, req.num_prompt_tokens)
         st.done = max(st.done, done)
         n_full = done // c
@@ -295,6 +314,7 @@ class SchedulerSide:
                 self.to_store += self.admission.finished(
                     request.request_id, self._keys(st, full), st.stored, full,
                     list(st.block_ids))
+        self.budget.finished(request.request_id)
 
     def close(self) -> None:
         self.pins.release_all(self.link.client)
@@ -308,3 +328,31 @@ def _written_before_forward(out) -> set[int]:
     for copy in getattr(out, "kv_cache_block_copies", None) or ():
         blocks.add(copy[1] if isinstance(copy, (tuple, list)) else getattr(copy, "dst", -1))
     return blocks
+
+
+def _budget_scheduler(vllm_config, settings: ConnectorSettings,
+                      block_size: int) -> BudgetScheduler:
+    """In-engine budgets' scheduler side, with the reason budgets cannot apply here, if any."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    token_bytes = (2 * mc.get_num_layers(pc) * mc.get_num_kv_heads(pc) * mc.get_head_size()
+                   * mc.dtype.itemsize)
+    why = None
+    if not settings.in_engine:
+        why = ('in-engine budgets are off in this vLLM (start it with kv_connector_extra_config '
+               '{"in_engine": true})')
+    elif getattr(vllm_config, "speculative_config", None) is not None:
+        why = ("this vLLM runs speculative decoding, whose rollbacks move the token counts a "
+               "compaction relies on")
+    elif pc.pipeline_parallel_size > 1:
+        why = (f"this vLLM runs pipeline parallel ({pc.pipeline_parallel_size} stages); each "
+               "stage would have to compact alike")
+    elif pc.tensor_parallel_size > 1:
+        why = (f"this vLLM runs tensor parallel ({pc.tensor_parallel_size} ranks): in-engine "
+               "compaction is single-rank for now")
+    elif max(getattr(pc, "decode_context_parallel_size", 1),
+             getattr(pc, "prefill_context_parallel_size", 1)) > 1:
+        why = "this vLLM runs context parallel, whose KV split the compaction does not know"
+    no_queries = capture_unavailable(settings.query_capture, vllm.__version__)
+    return BudgetScheduler(block_size, token_bytes, settings.stash_bytes, why, no_queries,
+                           turn_tokens=settings.turn_tokens,
+                           stats_every=settings.stats_interval_s)

@@ -56,6 +56,15 @@ class ConnectorSettings:
     # once (0: no pins), each pin at most pin_ttl_s (and a quarter of the lease TTL).
     pin_max_chunks: int = 4096
     pin_ttl_s: float = 30.0
+    # In-engine budgets (docs/in-engine.md): hook vLLM's scheduler and model runner so a
+    # request may ask, in kv_transfer_params, to have its KV compacted in place; off, such a
+    # request is refused. stash_bytes bounds the host memory per worker that holds preempted
+    # compacted requests (past it a preempted one is recomputed in full).
+    in_engine: bool = False
+    stash_bytes: int = 1 << 30
+    # When budgeted requests do not all fit, one that has run turn_tokens since it last
+    # started yields its blocks to a stashed one (time slicing); fewer swaps, longer turns.
+    turn_tokens: int = 512
 
     def background_commit(self, on_cuda: bool) -> bool:
         """Whether stores commit from a background thread: async_store, else on CUDA only.
@@ -92,6 +101,9 @@ class ConnectorSettings:
                              "count >= 0 (0: no pins)")
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
             raise ValueError(f"kvedit connector: pin_ttl_s {ttl!r}; expected seconds > 0")
+        if not isinstance(extra.get("in_engine", False), bool):
+            raise ValueError(f"kvedit connector: in_engine {extra['in_engine']!r}; expected "
+                             "true or false")
         wait = extra.get("store_wait_s", 5.0)
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 300:
             raise ValueError(f"kvedit connector: store_wait_s {wait!r}; expected seconds "
