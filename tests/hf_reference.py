@@ -4,13 +4,16 @@ from __future__ import annotations
 import torch
 
 
-def qwen3_queries(model_dir):
+def qwen3_queries(model_dir, weights_dtype: torch.dtype | None = None):
     """queries(tokens) -> [L, T, Hq*D]: transformers' q_proj -> q_norm -> RoPE per layer of a
-    Qwen3 model (the tiny one), float32: the post-RoPE queries vLLM's attention receives."""
+    Qwen3 model (the tiny one), float32: the post-RoPE queries vLLM's attention receives.
+    `weights_dtype`: round the weights to it first (what a vLLM serving that dtype holds)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if weights_dtype is not None:
+        model = model.to(weights_dtype).to(torch.float32)
 
     def queries(tokens: list[int]) -> torch.Tensor:
         got = []

@@ -7,7 +7,10 @@ that copies the request's rows of `query` (one index_select per layer into one s
 tensor) and calls what was there before (vLLM's method, or query capture's own hook when
 both run in one step); the last layer writes the rows into the rings and takes the hooks
 off. Steps without such a request are untouched. Which rows: the request's last
-min(W, scheduled) tokens of the step, found from the batch's query start offsets.
+min(W, scheduled) tokens of the step, found from the batch's query start offsets. Decode
+steps must run attention eagerly for this (enforce_eager or piecewise CUDA graphs): the
+scheduler side refuses query-aware budgets where vLLM replays them as full CUDA graphs
+(`query_capture.graph_blocker`).
 """
 from __future__ import annotations
 

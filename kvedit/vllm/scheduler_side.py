@@ -65,7 +65,7 @@ class SchedulerSide:
         self.reqs: dict[str, _Req] = {}
         self.queries = self._window_planner(vllm_config, settings, block_size)
         self.budget = _budget_scheduler(vllm_config, settings, block_size)
-        self.new_request_hook = False  # vLLM calls on_new_request (0.32 does)
+        self.new_request_hook = False  # vLLM calls on_new_request (0.26 to 0.33 do)
         # Workers that commit stores in the background: wait for keys still in flight.
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
         self.inflight: InFlightKeys | None = None
@@ -99,7 +99,8 @@ class SchedulerSide:
         # every rank's object has the same shape: one window row on one rank
         row_bytes = QueryShape.of(model_layout(vllm_config, block_size, 0), 1).row_bytes
         return WindowPlanner(self.model, block_size, row_bytes, settings.max_capture_bytes,
-                             capture_unavailable(settings.query_capture, vllm.__version__))
+                             capture_unavailable(settings.query_capture, vllm.__version__,
+                                                 vllm_config))
 
     @property
     def chunk(self) -> int:
@@ -147,8 +148,10 @@ class SchedulerSide:
             self.admission.sighted(self._keys(st, n_full)[0][st.sighted:])
             st.sighted = n_full
         first = num_computed_tokens // self.chunk  # vLLM already holds chunks before this
-        if n_full <= first or self.queries.asks(request.request_id):
-            return 0  # (a capturing request computes its whole prompt: vLLM ignores hits)
+        if n_full <= first or getattr(request, "skip_reading_prefix_cache", False):
+            # a request that reads no cache (query capture, a query-aware budget) computes
+            # its whole prompt: vLLM >= 0.31 drops external hits for it, 0.26-0.30 do not
+            return 0
         keys = self._keys(st, n_full)
         try:
             held = min(client.lookup(self.model, k[first:], tp_rank=r)
@@ -352,7 +355,8 @@ def _budget_scheduler(vllm_config, settings: ConnectorSettings,
     elif max(getattr(pc, "decode_context_parallel_size", 1),
              getattr(pc, "prefill_context_parallel_size", 1)) > 1:
         why = "this vLLM runs context parallel, whose KV split the compaction does not know"
-    no_queries = capture_unavailable(settings.query_capture, vllm.__version__)
+    no_queries = capture_unavailable(settings.query_capture, vllm.__version__, vllm_config,
+                                     decodes=True)
     return BudgetScheduler(block_size, token_bytes, settings.stash_bytes, why, no_queries,
                            turn_tokens=settings.turn_tokens,
                            stats_every=settings.stats_interval_s)

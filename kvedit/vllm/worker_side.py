@@ -21,7 +21,12 @@ from kvedit.vllm.copier import PagedCopier
 from kvedit.vllm.link import ServerLink
 from kvedit.vllm.metadata import KVEditMetadata
 from kvedit.vllm.paged import PagedKV
-from kvedit.vllm.query_capture import STATS, QueryCapture, capture_unavailable
+from kvedit.vllm.query_capture import (
+    STATS,
+    QueryCapture,
+    capture_unavailable,
+    current_forward_context,
+)
 from kvedit.vllm.settings import ConnectorSettings, model_layout
 
 logger = logging.getLogger("vllm.kvedit")
@@ -65,7 +70,8 @@ class WorkerSide:
     def _install_capture(self, names: list[str]) -> None:
         import vllm
 
-        why = capture_unavailable(self.settings.query_capture, vllm.__version__)
+        why = capture_unavailable(self.settings.query_capture, vllm.__version__,
+                                  self.vllm_config)
         if why is not None:
             if self.settings.query_capture != "off":
                 logger.warning("kvedit: %s; requests that ask for query capture get none",
@@ -192,11 +198,9 @@ class WorkerSide:
             self.budget.write()
         STATS.steps += 1
         if self.capture is not None and (meta.queries or meta.query_drops):
-            from vllm.forward_context import get_forward_context
-
             self.capture.drop(meta.query_drops)
             if meta.queries:
-                self.capture.arm(meta.queries, get_forward_context())
+                self.capture.arm(meta.queries, current_forward_context())
         if self.budget is not None:
             self.budget.recent.arm()  # after query capture's: it wraps whatever is there
 

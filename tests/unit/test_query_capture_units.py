@@ -1,6 +1,7 @@
 """Query capture without starting vLLM: the version refusal, how a request asks (bad W), the
 bound on windows in flight, the hook's arm/finish on stand-in layers, and that vLLM 0.32's
-own CPU and CUDA (FlashAttention) impl classes have the forward the hook relies on."""
+own CPU and CUDA (FlashAttention) impl classes have the forward the hook relies on (the other
+releases' shapes: test_query_capture_versions.py)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -22,24 +23,24 @@ from kvedit.vllm.settings import ConnectorSettings
 
 def test_other_vllm_versions_are_refused_with_a_clear_message(monkeypatch):
     monkeypatch.delenv("KVEDIT_ALLOW_ANY_VLLM", raising=False)
-    check_capture_version("0.32.0")
-    check_capture_version("0.32.3+cpu")
-    for v in ("0.31.1", "0.33.0", "0.26.0+cu130", "1.0.0"):
+    for v in ("0.26.0+cu130", "0.29.1", "0.32.0", "0.32.3+cpu", "0.33.0"):
+        check_capture_version(v)
+    for v in ("0.25.1", "0.34.0", "1.0.0"):
         with pytest.raises(RuntimeError) as e:
             check_capture_version(v)
         msg = str(e.value)
-        assert f"vLLM {v} is not supported" in msg and "vLLM 0.32" in msg
+        assert f"vLLM {v} is not supported" in msg and "vLLM 0.26 to 0.33" in msg
         assert '"query_capture": "off"' in msg  # how to run the connector without it
     # "on" refuses to start; "auto" says why each asking request gets nothing; "off" is off.
-    with pytest.raises(RuntimeError, match="vLLM 0.26.0 is not supported"):
-        capture_unavailable("on", "0.26.0")
-    assert "does not support vLLM 0.26.0 (supported: 0.32)" in capture_unavailable("auto",
-                                                                                    "0.26.0")
-    assert capture_unavailable("auto", "0.32.0") is None
+    with pytest.raises(RuntimeError, match="vLLM 0.34.0 is not supported"):
+        capture_unavailable("on", "0.34.0")
+    assert "does not support vLLM 0.34.0 (supported: 0.26 to 0.33)" in capture_unavailable(
+        "auto", "0.34.0")
+    assert capture_unavailable("auto", "0.26.0") is None
     assert capture_unavailable("off", "0.32.0") == 'query_capture is "off" in ' \
                                                    'kv_connector_extra_config'
     monkeypatch.setenv("KVEDIT_ALLOW_ANY_VLLM", "1")
-    assert capture_unavailable("on", "0.26.0") is None
+    assert capture_unavailable("on", "0.34.0") is None
 
 
 def test_bad_settings_and_bad_windows_name_what_was_expected():
@@ -144,17 +145,17 @@ def _sched_config():
 
 
 def test_connector_scheduler_refuses_or_warns_on_another_vllm(monkeypatch, caplog):
-    """The connector's scheduler side on a vLLM the connector accepts (0.26-0.32) but capture
-    does not: "on" stops vLLM's start with the refusal, "auto" serves and says why."""
+    """The connector's scheduler side on a vLLM capture does not support: "on" stops vLLM's
+    start with the refusal, "auto" serves and says why."""
     import vllm
 
     from kvedit.vllm.scheduler_side import SchedulerSide
 
     monkeypatch.delenv("KVEDIT_ALLOW_ANY_VLLM", raising=False)
-    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
     settings = dict(kvedit_url="tcp://127.0.0.1:1", chunk_size=256, timeout=0.2)
-    with pytest.raises(RuntimeError, match=r"kvedit query capture: vLLM 0.31.0 is not "
-                                           r"supported; .*vLLM 0.32"):
+    with pytest.raises(RuntimeError, match=r"kvedit query capture: vLLM 0.34.0 is not "
+                                           r"supported; .*vLLM 0.26 to 0.33"):
         SchedulerSide(_sched_config(), ConnectorSettings(query_capture="on", **settings), 128)
     side = SchedulerSide(_sched_config(), ConnectorSettings(**settings), 128)
     try:
@@ -162,7 +163,7 @@ def test_connector_scheduler_refuses_or_warns_on_another_vllm(monkeypatch, caplo
         side.on_new_request(req)
         assert not side.queries.asks("r1") and not req.skip_reading_prefix_cache
         assert "request r1 asked for query capture but gets none: query capture does not " \
-               "support vLLM 0.31.0 (supported: 0.32)" in caplog.text
+               "support vLLM 0.34.0 (supported: 0.26 to 0.33)" in caplog.text
     finally:
         side.close()
 
