@@ -38,6 +38,15 @@ against its own mean-footprint bound; `in_engine` adds edit_overhead_fraction (t
 compaction time / wall), leaked_blocks (vLLM's KV usage once idle), blocks_freed/reused and
 vs_host_decode_throughput.
 
+Equal budget is not equal footprint. The host arm's edits keep whole chunks and leave room
+for the next round plus the tail after the last whole chunk, so at budget B it may hold a
+chunk less than B (P=256, B=768, K=128, chunks of 128: 513..641 tokens, 5 blocks of 128 at
+almost every step), while the in-engine arm holds B - K..B (640..768: 6 blocks at every
+step). `in_engine_matched` (skipped with --no-matched-arm) runs the in-engine arm again with
+the budget the host arm really kept to (its peak footprint, `max_request_tokens`), so the two
+compare at equal footprint too; `kv_limit_blocks` gives each arm's KV limit counted in the
+blocks vLLM hands out, which is what bounds tokens per step.
+
 Accuracy (`--accuracy-model smollm2`, the default when `kvedit model smollm2` has built it):
 after the speed arms, a second engine pair on SmolLM2 runs the long-generation tasks of
 kvedit.harness.eval.longgen with no budget, in decode rounds without edits, and with each
@@ -75,6 +84,9 @@ def register(bsub) -> None:
                         "compacts each stream's KV in place; kvedit.bench.long_engine)")
     p.add_argument("--positions", choices=("compact", "logical"), default="compact",
                    help="the in_engine arm's positions (docs/in-engine.md)")
+    p.add_argument("--no-matched-arm", dest="matched_arm", action="store_false",
+                   help="with --in-engine, skip the in_engine_matched arm (in-engine with "
+                        "the budget the host arm really kept to: its peak footprint)")
     p.add_argument("--l1-size-gb", type=float, default=1.0,
                    help="the kvedit server's memory (the host arm stores its streams there)")
     p.add_argument("--vllm-arg", action="append", default=[], dest="vllm_args",
@@ -122,7 +134,7 @@ def _tokens_per_step(before, after) -> dict:
 def _arm(ctx, completion, prompts, args, eng, *, budget: bool, progress: bool) -> tuple:
     """One arm on fresh streams; (result dict, the batch)."""
     import kvedit
-    from kvedit.harness.experiment import cpu_seconds, vllm_counters
+    from kvedit.harness.experiment import block_size, cpu_seconds, vllm_counters
 
     salt = f"long-{'budget' if budget else 'base'}-{uuid.uuid4().hex[:8]}"
     batch = kvedit.BatchedStream(progress=progress)
@@ -150,17 +162,19 @@ def _arm(ctx, completion, prompts, args, eng, *, budget: bool, progress: bool) -
     out["decode_tput"] = out["output_tokens"] / wall
     out["tokens_per_cpu_s"] = out["output_tokens"] / out["cpu_s"] if out["cpu_s"] else None
     out["mean_footprint_tokens"] = _mean_footprint(batch)
+    out["mean_footprint_blocks"] = _mean_footprint(batch, block_size())
     return out, batch
 
 
-def _mean_footprint(batch) -> float:
-    """KV tokens a sequence held while generating, averaged over every generated token
-    (the i-th token of a request sent with p prompt tokens is computed holding p + i)."""
+def _mean_footprint(batch, block_size: int = 1) -> float:
+    """KV a sequence held while generating, averaged over every generated token (the i-th
+    token of a request sent with p prompt tokens is computed holding p + i tokens): in
+    tokens, or in blocks of `block_size` tokens."""
     held = count = 0
     for s in batch:
         for g in s.generations:
             k = len(g.token_ids)
-            held += k * g.prompt_tokens + k * (k - 1) // 2
+            held += sum(-(-(g.prompt_tokens + i) // block_size) for i in range(k))
             count += k
     return held / count if count else 0.0
 
@@ -240,6 +254,16 @@ def _speed(args, log) -> dict:
                     ctx, completion, prompts, args, eng, _policy(args.policy), _sampling,
                     _tokens_per_step, progress=not args.json)
                 batches.append(eng_batch)
+                if args.matched_arm:
+                    # the budget the host arm really kept to (its chunk-granular edits
+                    # leave room for the round's tail): in-engine at the same footprint
+                    matched = bud["max_request_tokens"]
+                    log(f"in_engine_matched: budget={matched} (the host arm's peak) ...")
+                    eng_matched, m_batch = long_engine.arm(
+                        ctx, completion, prompts, args, eng, _policy(args.policy),
+                        _sampling, _tokens_per_step, progress=not args.json,
+                        budget=matched)
+                    batches.append(m_batch)
             live = {k for batch in batches for s in batch for k in s.keys}
             stats = ctx.client.stats()
             at_end = stats["objects"]
@@ -293,41 +317,71 @@ def _speed(args, log) -> dict:
     }
     if in_engine:
         out.update(_three_arms(out, base, bud, eng_arm, n, cap, limit["baseline"]))
+        if args.matched_arm:
+            out["in_engine_matched"] = _engine_arm(eng_matched, base, bud, n, cap,
+                                                   limit["baseline"])
+        out["kv_limit_blocks"] = _block_limits(out, n, args.kv_blocks)
     return out
+
+
+def _vs_none(r: dict, base: dict, n: int, cap: int, base_limit: float) -> dict:
+    """An arm's gain over `none` against its own KV bound (from its mean footprint)."""
+    limit = min(n, cap / r["mean_footprint_tokens"])
+    bound = limit / base_limit
+    step = (r["tokens_per_step"] / base["tokens_per_step"]
+            if r["tokens_per_step"] and base["tokens_per_step"] else None)
+    return {"decode_gain": r["decode_tput"] / base["decode_tput"],
+            "decode_gain_bound": bound, "step_gain": step,
+            "gain_vs_bound": step / bound if step else None,
+            "arm_efficiency": r["tokens_per_step"] / limit if r["tokens_per_step"] else None}
+
+
+def _block_limits(out: dict, n: int, kv_blocks: int) -> dict:
+    """Each arm's KV limit on tokens per step counted in the blocks vLLM gives out:
+    min(N, blocks / mean blocks held). A stream that holds 641..768 tokens holds 6 blocks
+    of 128 at every step, one that holds 513..640 holds 5: the token bound misses that."""
+    limits = {}
+    for arm in ("none", "host", "in_engine", "in_engine_matched"):
+        if arm not in out:
+            continue
+        r = out[arm]
+        limit = min(n, kv_blocks / r["mean_footprint_blocks"])
+        limits[arm] = {"mean_blocks": r["mean_footprint_blocks"], "limit": limit,
+                       "tokens_per_step": r["tokens_per_step"],
+                       "efficiency": r["tokens_per_step"] / limit if r["tokens_per_step"]
+                       else None}
+    return limits
+
+
+def _engine_arm(eng: dict, base: dict, host: dict, n: int, cap: int,
+                base_limit: float) -> dict:
+    """An in-engine arm's object: its gain over `none`, its edit overhead and blocks, and
+    its throughput over the host arm's (wall clock, CPU seconds, engine steps)."""
+    s = eng["in_engine"]
+    return {**eng, **_vs_none(eng, base, n, cap, base_limit),
+            "edit_overhead_fraction": eng["edit_busy_s"] / eng["wall_s"],
+            "vs_host_decode_throughput": eng["decode_tput"] / host["decode_tput"],
+            # the same with CPU seconds (engine, server and client) for wall seconds:
+            # what a shared box's load does not move
+            "vs_host_tokens_per_cpu_s": (eng["tokens_per_cpu_s"] / host["tokens_per_cpu_s"]
+                                         if eng["tokens_per_cpu_s"] and
+                                         host["tokens_per_cpu_s"] else None),
+            "vs_host_step_gain": (eng["tokens_per_step"] / host["tokens_per_step"]
+                                  if eng["tokens_per_step"] and host["tokens_per_step"]
+                                  else None),
+            "blocks_freed": s.get("blocks_released"), "blocks_reused": s.get("blocks_reused"),
+            "cow_blocks": s.get("cow_blocks"), "compactions": s.get("compactions"),
+            "stashes": s.get("stashes"), "restores": s.get("restores")}
 
 
 def _three_arms(out: dict, base: dict, host: dict, eng: dict, n: int, cap: int,
                 base_limit: float) -> dict:
     """The --in-engine view: one object per arm (none, host, in_engine), each with its gain
     over `none` against its own KV bound; in_engine's targets beside it."""
-    def vs_none(r: dict) -> dict:
-        limit = min(n, cap / r["mean_footprint_tokens"])
-        bound = limit / base_limit
-        step = (r["tokens_per_step"] / base["tokens_per_step"]
-                if r["tokens_per_step"] and base["tokens_per_step"] else None)
-        return {"decode_gain": r["decode_tput"] / base["decode_tput"],
-                "decode_gain_bound": bound, "step_gain": step,
-                "gain_vs_bound": step / bound if step else None,
-                "arm_efficiency": r["tokens_per_step"] / limit if r["tokens_per_step"] else None}
-
-    host_arm = {**host, **vs_none(host),
+    host_arm = {**host, **_vs_none(host, base, n, cap, base_limit),
                 "edit_overhead_fraction": host["edit_busy_s"] / host["wall_s"],
                 "leaked_objects": out["leaked_objects"]}
-    s = eng["in_engine"]
-    eng_arm = {**eng, **vs_none(eng),
-               "edit_overhead_fraction": eng["edit_busy_s"] / eng["wall_s"],
-               "vs_host_decode_throughput": eng["decode_tput"] / host["decode_tput"],
-               # the same with CPU seconds (engine, server and client) for wall seconds:
-               # what a shared box's load does not move
-               "vs_host_tokens_per_cpu_s": (eng["tokens_per_cpu_s"] / host["tokens_per_cpu_s"]
-                                            if eng["tokens_per_cpu_s"] and
-                                            host["tokens_per_cpu_s"] else None),
-               "vs_host_step_gain": (eng["tokens_per_step"] / host["tokens_per_step"]
-                                     if eng["tokens_per_step"] and host["tokens_per_step"]
-                                     else None),
-               "blocks_freed": s.get("blocks_released"), "blocks_reused": s.get("blocks_reused"),
-               "cow_blocks": s.get("cow_blocks"), "compactions": s.get("compactions"),
-               "stashes": s.get("stashes"), "restores": s.get("restores")}
+    eng_arm = _engine_arm(eng, base, host, n, cap, base_limit)
     return {"mode": "in_engine",
             "none": {**base, "decode_gain": 1.0, "arm_efficiency":
                      base["tokens_per_step"] / base_limit if base["tokens_per_step"] else None},

@@ -7,7 +7,8 @@ Where the in-engine figures come from:
   counters).
 - mean footprint: the budget rule replayed per stream (a stream holds P, grows by one per
   generated token, and drops to `budget - every` when the next token would pass `budget`):
-  exactly what the scheduler side enforces, so the bound is min(N, cap/F) as for the others.
+  exactly what the scheduler side enforces, so the bound is min(N, cap/F) as for the others;
+  in tokens, and in the vLLM blocks those tokens occupy (what the pool really gives out).
 - edit overhead: the workers' time inside compactions (scoring, moving KV, stash copies),
   from the `kvedit: in-engine worker stats` lines the connector logs (stats_interval_s 0),
   over the arm's wall time. On CUDA it includes waiting for the device work it queued.
@@ -45,12 +46,14 @@ def delta(before: dict, after: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
 
 
-def mean_footprint(prompt_len: int, max_tokens: int, budget: int, every: int) -> float:
-    """KV tokens a stream holds while generating, averaged over its tokens, under the
-    in-engine rule (the i-th token is computed over the resident tokens before it)."""
+def mean_footprint(prompt_len: int, max_tokens: int, budget: int, every: int,
+                   block_size: int = 1) -> float:
+    """KV a stream holds while generating, averaged over its tokens, under the in-engine rule
+    (the i-th token is computed over the resident tokens before it): in tokens, or in blocks
+    of `block_size` tokens."""
     resident, held = prompt_len, 0
     for _ in range(max_tokens + 1):   # the prefill's token, then max_tokens more
-        held += resident
+        held += -(-resident // block_size)
         if resident + 1 > budget:
             resident = budget - every
         resident += 1
@@ -78,9 +81,11 @@ def flush(vllm_url: str, model: str) -> None:
 
 
 def arm(ctx, completion, prompts, args, eng, policy, sampling, per_step, *,
-        progress: bool) -> tuple[dict, object]:
+        progress: bool, budget: int | None = None) -> tuple[dict, object]:
     """The in-engine arm on fresh streams: (result dict, the batch). `per_step(before,
-    after)` turns vLLM's counters around the arm into steps and tokens per step."""
+    after)` turns vLLM's counters around the arm into steps and tokens per step; `budget`:
+    the budget's tokens (default args.budget)."""
+    from kvedit.harness.experiment import block_size
     import kvedit
     from kvedit.harness.experiment import cpu_seconds, vllm_counters as counters
 
@@ -91,8 +96,9 @@ def arm(ctx, completion, prompts, args, eng, policy, sampling, per_step, *,
     before_stats, before = stats(eng.log_path), counters(eng.vllm_url)
     cpu0 = cpu_seconds(eng.pids)
     t0 = time.perf_counter()
+    budget = args.budget if budget is None else budget
     batch.run(sampling(1), policy, sampling(args.max_tokens), every=args.every,
-              budget=args.budget, in_engine=True, positions=args.positions)
+              budget=budget, in_engine=True, positions=args.positions)
     wall = time.perf_counter() - t0
     cpu = cpu_seconds(eng.pids) - cpu0
     after = counters(eng.vllm_url)
@@ -103,7 +109,7 @@ def arm(ctx, completion, prompts, args, eng, policy, sampling, per_step, *,
     sched = delta(before_stats.get("scheduler", {}), after_stats.get("scheduler", {}))
     work = delta(before_stats.get("worker", {}), after_stats.get("worker", {}))
     total_blocks = after_stats.get("scheduler", {}).get("pool_total")
-    out = {"wall_s": wall, "cpu_s": cpu,
+    out = {"budget": budget, "wall_s": wall, "cpu_s": cpu,
            "output_tokens": sum(len(s.output_token_ids) for s in batch),
            **per_step(before, after),
            # compactions, stash copies and the per-step input shifts of compacted requests
@@ -116,7 +122,9 @@ def arm(ctx, completion, prompts, args, eng, policy, sampling, per_step, *,
     out["decode_tput"] = out["output_tokens"] / wall
     out["tokens_per_cpu_s"] = out["output_tokens"] / cpu if cpu else None
     out["mean_footprint_tokens"] = mean_footprint(args.prompt_len, args.max_tokens,
-                                                  args.budget, args.every)
+                                                  budget, args.every)
+    out["mean_footprint_blocks"] = mean_footprint(args.prompt_len, args.max_tokens,
+                                                  budget, args.every, block_size())
     out["leaked_blocks"] = round(usage * total_blocks) if usage is not None and total_blocks \
         else None
     return out, batch

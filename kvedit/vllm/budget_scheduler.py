@@ -138,6 +138,19 @@ class BudgetScheduler:
             return orig_free(request)
 
         manager.allocate_slots, manager.free = allocate_slots, free
+        if hasattr(manager, "pop_blocks_for_free"):
+            orig_pop = manager.pop_blocks_for_free
+
+            def pop_blocks_for_free(request):
+                # deferred free (async scheduling with a consumer connector): vLLM returns
+                # the blocks to the pool once the step in flight has run; a preemption
+                # through here is still a preemption
+                st = self.reqs.get(request.request_id)
+                if st is not None and not request.is_finished():
+                    self._preempted(st, request)
+                return orig_pop(request)
+
+            manager.pop_blocks_for_free = pop_blocks_for_free
         if hasattr(manager, "cache_blocks"):
             orig_cache = manager.cache_blocks
 
@@ -303,13 +316,22 @@ class BudgetScheduler:
         n_keep = cdiv(keep, self.block_size)
         cow = [i for i in range(n_keep) if not _writable(blocks[i])]
         release = [blocks[i] for i in cow] + blocks[n_keep:]
-        if len(cow) > self.pool.get_num_free_blocks() + sum(b.ref_cnt == 1 for b in release):
+        deferred = self._defers_frees()
+        room = self.pool.get_num_free_blocks() + \
+            (0 if deferred else sum(b.ref_cnt == 1 for b in release))
+        if len(cow) > room:
             self.stats.no_room += 1
             return  # no block to copy into: this step allocates as usual (vLLM may preempt)
         old = [b.block_id for b in blocks[:cdiv(resident, self.block_size)]]
         before = len(blocks)
-        self.pool.free_blocks(reversed(release))  # tail first: evicted first
-        self.freed.update(b.block_id for b in release if b.ref_cnt == 0)
+        if deferred:
+            # the step in flight may still write these blocks: they go back to the pool
+            # with vLLM's own fence, once that step's output is processed (tail first)
+            self.scheduler.deferred_frees.append((self.scheduler.sched_step_seq, release))
+            self.freed.update(b.block_id for b in release if b.ref_cnt == 1)
+        else:
+            self.pool.free_blocks(reversed(release))  # tail first: evicted first
+            self.freed.update(b.block_id for b in release if b.ref_cnt == 0)
         kept = blocks[:n_keep]
         for i, b in zip(cow, self.pool.get_new_blocks(len(cow)) if cow else ()):
             kept[i] = b
@@ -325,6 +347,13 @@ class BudgetScheduler:
         s.tokens_dropped += resident - keep
         s.blocks_released += before - len(kept)
         s.cow_blocks += len(cow)
+
+    def _defers_frees(self) -> bool:
+        """Whether vLLM returns freed blocks to the pool only once the step in flight has
+        run (async scheduling with a consumer connector: `defer_block_free`)."""
+        sched = self.scheduler
+        return bool(getattr(sched, "defer_block_free", False)) \
+            and hasattr(sched, "deferred_frees") and hasattr(sched, "sched_step_seq")
 
     def _preempted(self, st: _Req, request) -> None:
         """vLLM preempts a budgeted request: stash its resident KV (a prompt still being
