@@ -44,6 +44,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from kvedit.harness.vocab import greedy
 from kvedit.query_contract import ask
 
 
@@ -323,7 +324,7 @@ def post_json(base_url: str, body: dict) -> dict:
 
 def _complete(vp, prompt: list[int], capture: int = 0) -> tuple[float, dict]:
     """One max_tokens=1 request; `capture` > 0 asks for its last `capture` queries."""
-    body = {"model": vp.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    body = {"model": vp.model, "prompt": prompt, **greedy(1)}
     if capture:
         body["kv_transfer_params"] = ask(None, capture)   # kvedit.query_contract
     t0 = time.perf_counter()

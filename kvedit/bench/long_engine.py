@@ -82,7 +82,8 @@ def arm(ctx, completion, prompts, args, eng, policy, sampling, per_step, *,
     """The in-engine arm on fresh streams: (result dict, the batch). `per_step(before,
     after)` turns vLLM's counters around the arm into steps and tokens per step."""
     import kvedit
-    from kvedit.harness.experiment import cpu_seconds, vllm_counters as counters
+    from kvedit.harness.experiment import cpu_seconds
+    from kvedit.harness.vocab import vllm_counters as counters
 
     salt = f"long-engine-{uuid.uuid4().hex[:8]}"
     batch = kvedit.BatchedStream(progress=progress)
