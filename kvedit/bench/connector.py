@@ -180,7 +180,7 @@ def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
         out["pin_seconds"] = time.perf_counter() - t0
         out["store_to_pinned_shm_GBps"] = timed(store)
         out["load_from_pinned_shm_GBps"] = timed(load)
-        # The baseline the target is against: the same bytes as plain copies
+        # The baseline the copy target is against: the same bytes as plain copies
         # between the GPU and pinned host memory (no gather, no server).
         out["pinned_d2h_GBps"] = timed(lambda: [h.copy_(d) for d, h in zip(dev, host)])
         out["pinned_h2d_GBps"] = timed(lambda: [d.copy_(h) for d, h in zip(dev, host)])
