@@ -39,6 +39,7 @@ def _flood(sock, body: bytes, n: int) -> list:
     return out
 
 
+@pytest.mark.slow  # a flood: 1,100 requests of 8,192 keys
 def test_a_lease_flood_of_one_key_does_not_grow_the_server():
     """1,000 leases of one ready key × 8,192 (the red-team's loop): the server keeps each
     object once per lease, so it grows by a few bytes a lease, not ~66 KiB (~66 MB here)."""
