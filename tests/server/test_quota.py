@@ -172,6 +172,7 @@ def test_one_session_cannot_pin_the_whole_pool():
             close_dealer(pinner)
 
 
+@pytest.mark.slow  # real-time waits past the server's TTLs
 @pytest.mark.parametrize("fence_gone", [False, True])
 def test_a_session_gone_before_expiry_is_not_quarantined(fence_gone):
     """A client holding a store and a lease disconnects (crash) before their TTL: when they
