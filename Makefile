@@ -31,8 +31,9 @@ $(STAMP): pyproject.toml
 test: setup
 	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
 
-# The edit loop's tier: no vLLM and no model conversion (tests/conftest.py says which folder is
-# which); `make test` and CI still run everything.
+# The edit loop's tier: no vLLM, no model conversion and nothing marked slow (floods, real-time
+# waits, fresh interpreters; tests/conftest.py says which folder is which); `make test` and CI
+# still run everything.
 test-fast: setup
 	$(BIN)/python -m pytest -ra -m "not vllm and not slow" tests/unit tests/server $(PYTEST_ARGS)
 

@@ -52,7 +52,7 @@ ErrorCode = Literal[
 ERROR_CODES: frozenset[str] = frozenset(get_args(ErrorCode))
 
 # What an object holds. "kv": one chunk [2, L, chunk_size, heads*head_dim] of a registered
-# layout. "queries": one request's captured query rows (issue 10), a byte string of any size
+# layout. "queries": one request's captured query rows, a byte string of any size
 # up to --max-query-bytes; its shape is the caller's business (kvedit.sdk.queries reads it).
 # Each kind has its own key space: a "queries" key never names a "kv" object.
 ObjectKind = Literal["kv", "queries"]

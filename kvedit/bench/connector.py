@@ -44,6 +44,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from kvedit.harness.vocab import greedy
 from kvedit.query_contract import ask
 
 
@@ -179,7 +180,7 @@ def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
         out["pin_seconds"] = time.perf_counter() - t0
         out["store_to_pinned_shm_GBps"] = timed(store)
         out["load_from_pinned_shm_GBps"] = timed(load)
-        # The baseline the issue's target is against: the same bytes as plain copies
+        # The baseline the copy target is against: the same bytes as plain copies
         # between the GPU and pinned host memory (no gather, no server).
         out["pinned_d2h_GBps"] = timed(lambda: [h.copy_(d) for d, h in zip(dev, host)])
         out["pinned_h2d_GBps"] = timed(lambda: [d.copy_(h) for d, h in zip(dev, host)])
@@ -323,7 +324,7 @@ def post_json(base_url: str, body: dict) -> dict:
 
 def _complete(vp, prompt: list[int], capture: int = 0) -> tuple[float, dict]:
     """One max_tokens=1 request; `capture` > 0 asks for its last `capture` queries."""
-    body = {"model": vp.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    body = {"model": vp.model, "prompt": prompt, **greedy(1)}
     if capture:
         body["kv_transfer_params"] = ask(None, capture)   # kvedit.query_contract
     t0 = time.perf_counter()

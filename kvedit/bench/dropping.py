@@ -21,6 +21,8 @@ import json
 import sys
 import time
 
+from kvedit.harness.vocab import TINY_SERVED, Workload, ratio, steps_of
+
 # name: (N, P, O)
 CONFIGS = {
     "anchor": (9, 1024, 383),
@@ -56,7 +58,7 @@ def register(bsub) -> None:
 
 def _configs(args) -> tuple[int, list]:
     """The shared capacity C (tokens) and one Workload per configuration."""
-    from kvedit.harness.experiment import Workload, block_size
+    from kvedit.harness.experiment import block_size
 
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
@@ -76,10 +78,7 @@ def _configs(args) -> tuple[int, list]:
 
 def _steps(arm: dict) -> dict:
     """Decode-phase engine counters of one arm: tokens per engine step and recompute."""
-    e = arm["decode"].get("engine") or {}
-    steps = e.get("steps") or 0
-    return {"steps": steps, "tokens_per_step": e["generated"] / steps if steps else None,
-            "preemptions": e.get("preemptions"), "prompt_tokens_computed": e.get("prompt_computed")}
+    return steps_of(arm["decode"].get("engine"))
 
 
 def _median(xs):
@@ -114,8 +113,7 @@ def _one(name, w, capacity, ctx, completion, eng, args, log) -> dict:
     gain = _median([d["decode"]["output_tput"] / b["decode"]["output_tput"] for b, d in pairs])
     bound = w.bound(capacity)
     b_steps, d_steps = _steps(base), _steps(drop)
-    step_gain = (d_steps["tokens_per_step"] / b_steps["tokens_per_step"]
-                 if b_steps["tokens_per_step"] and d_steps["tokens_per_step"] else None)
+    step_gain = ratio(d_steps["tokens_per_step"], b_steps["tokens_per_step"])
     base_e2e = _median([b["prefill"]["duration"] + b["decode"]["duration"] for b, _ in pairs])
     res = {
         "name": name,
@@ -177,7 +175,7 @@ def _main(args) -> int:
         finally:
             kvedit.close(ctx)
     out = {
-        "bench": "dropping", "model": args.model or "tiny-qwen3", "dtype": args.dtype,
+        "bench": "dropping", "model": args.model or TINY_SERVED, "dtype": args.dtype,
         "kv_capacity_tokens": capacity, "block_size": block_size(),
         "configs": results,
         "targets": {"gain_vs_bound": ">= 0.95", "end_to_end_vs_decode_gain": ">= 0.95"},

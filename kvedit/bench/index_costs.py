@@ -1,4 +1,4 @@
-"""Index costs that must not grow with the work (issue 9, item 10): ratios vs a small baseline.
+"""Index costs that must not grow with the work: ratios vs a small baseline.
 
   kvedit bench index [--leased 100000] [--holes 300000] [--objects 1000000] [--json]
   (or python -m kvedit.bench.index_costs ...)
@@ -76,7 +76,7 @@ def alloc_with_holes(alloc_cls, holes: int, reps: int = 20) -> float:
 
 def page_at(index_cls, alloc_cls, objects: int, limit: int = 100) -> tuple[float, float]:
     """Microseconds of a /cache page (from the middle, one model of two) and of snapshot()
-    at `objects` ready objects. Needs the issue-9 index (page/snapshot)."""
+    at `objects` ready objects. Needs an index with page() and snapshot()."""
     ix = index_cls(alloc_cls(PAGE, objects * PAGE), "LRU", 300.0, 300.0)
     keys = [i.to_bytes(16, "big") for i in range(objects)]
     for lo in range(0, objects, 4096):

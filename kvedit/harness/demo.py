@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvedit.harness.vocab import Workload, policy_key, resolve_model, steps_of
+
 # 6 prompts of 1024 context tokens (+ the question), 64 output tokens each: 9 blocks of 128
 # per unedited request, 5 dropped; the capacity (30 blocks) decodes 3 unedited requests at
 # once (2 waves) and all 6 dropped ones (1 wave): bound 2.0.
@@ -91,8 +93,6 @@ def prompts(model_dir: Path, tasks, n: int, length: int, seed: int):
 
 
 def _model(args) -> tuple[Path, str]:
-    from kvedit.harness.eval.cli import resolve_model
-
     model_dir, served = resolve_model(args.model)
     return model_dir, args.served_model_name or served
 
@@ -100,14 +100,16 @@ def _model(args) -> tuple[Path, str]:
 def run_demo(args) -> tuple[dict, Path]:
     """The whole demo; returns (summary, output dir)."""
     import kvedit
-    from kvedit.edits import POLICIES
-    from kvedit.harness.eval.run import header_sink, make_policy
+    from kvedit.harness.eval.run import header_sink
     from kvedit.harness.eval.runner import query_window
     from kvedit.harness.eval.tasks import TASKS
-    from kvedit.harness.experiment import Workload, engines, run_arm, warm_up
+    from kvedit.harness.experiment import engines, run_arm, warm_up
+    from kvedit.harness.vocab import policy as named_policy
 
-    if args.policy not in POLICIES:
-        raise SystemExit(f"--policy {args.policy!r}: expected one of {sorted(POLICIES)}")
+    try:
+        policy_key(args.policy)
+    except ValueError as e:
+        raise SystemExit(f"--policy: {e}") from None
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks or any(t not in TASKS for t in tasks):
         raise SystemExit(f"--tasks {args.tasks!r}: expected some of {sorted(TASKS)}")
@@ -120,7 +122,8 @@ def run_demo(args) -> tuple[dict, Path]:
     tok, samples = prompts(model_dir, tasks, args.num_prompts, args.prompt_len, args.seed)
     # As in `kvedit eval`: a policy with a `sink` keeps the prompts' header (template +
     # instruction), the way a user protects a system prompt.
-    policy = make_policy(args.policy, args.ratio, "token", header_sink(samples, True))
+    policy = named_policy(args.policy, ratio=args.ratio, granularity="token",
+                          sink=header_sink(samples, True))
     token_ids = [s.prompt_ids for s in samples]
     full = round(sum(map(len, token_ids)) / len(token_ids))
     w = Workload(args.num_prompts, full, args.max_tokens, args.ratio, args.seed)
@@ -231,8 +234,7 @@ def _summary(w, policy, kv_tokens, base, drop) -> dict:
 
 def _per_step(arm: dict) -> float | None:
     """Decode tokens per vLLM engine step: how many requests decode at once on average."""
-    e = arm["decode"].get("engine")
-    return e["generated"] / e["steps"] if e and e["steps"] else None
+    return steps_of(arm["decode"].get("engine"))["tokens_per_step"]
 
 
 def table(s: dict) -> str:

@@ -9,49 +9,14 @@ as many requests fit at once.
 """
 from __future__ import annotations
 
-import random
-import re
 import time
-import urllib.request
 import uuid
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-FILL = 0.55  # engine KV capacity as a fraction of all requests' full length (the anchor's)
-TOKEN_RANGE = (100, 8192)  # below every real vocab size, above the tiny model's specials
-
-
-@dataclass
-class Workload:
-    """N prompts of P random token ids, O output tokens each, drop ratio r."""
-    num_prompts: int = 8
-    prompt_len: int = 2048
-    max_tokens: int = 768
-    ratio: float = 0.5
-    seed: int = 0
-
-    def validate(self) -> None:
-        for name in ("num_prompts", "prompt_len", "max_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not 0 <= self.ratio < 1:
-            raise ValueError(f"ratio must be in [0, 1), got {self.ratio}")
-
-    def prompts(self) -> list[list[int]]:
-        rng = random.Random(self.seed)
-        return [[rng.randrange(*TOKEN_RANGE) for _ in range(self.prompt_len)]
-                for _ in range(self.num_prompts)]
-
-    def capacity(self, fill: float = FILL) -> int:
-        """KV tokens that make decode memory-bound: fill · N · (P + O)."""
-        return int(fill * self.num_prompts * (self.prompt_len + self.max_tokens))
-
-    def bound(self, capacity: int) -> float:
-        """Most the decode can gain: how many more requests fit at once."""
-        n, p, o = self.num_prompts, self.prompt_len, self.max_tokens
-        return min(n, capacity / (p * (1 - self.ratio) + o)) / min(n, capacity / (p + o))
-
+from kvedit.harness.vocab import (TINY_SERVED, TOKEN_RANGE, Workload, counter_delta,
+                                  fixed_length, vllm_counters)
 
 @dataclass
 class Engines:
@@ -75,7 +40,7 @@ def block_size() -> int:
 @contextmanager
 def engines(*, server_url: str | None = None, server_http_url: str | None = None,
             vllm_url: str | None = None, model: str | None = None,
-            served_model_name: str = "tiny-qwen3", dtype: str = "bfloat16",
+            served_model_name: str = TINY_SERVED, dtype: str = "bfloat16",
             kv_tokens: int | None = None, max_model_len: int = 4096, chunk_size: int = 256,
             l1_size_gb: float = 1.0, vllm_args: tuple[str, ...] | list[str] = (), log=print,
             connector_config: dict | None = None):
@@ -120,33 +85,6 @@ def engines(*, server_url: str | None = None, server_http_url: str | None = None
                       groups)
 
 
-# vLLM counters read around each phase. Engine steps make a CPU-contention-free measure:
-# the bound is about how many requests one step decodes, so tokens per step is what it limits.
-COUNTERS = {
-    "preemptions": "vllm:num_preemptions_total",
-    "steps": "vllm:iteration_tokens_total_count",
-    "step_tokens": "vllm:iteration_tokens_total_sum",
-    "generated": "vllm:generation_tokens_total",
-    "prompt_computed": 'vllm:prompt_tokens_by_source_total{source="local_compute"}',
-}
-
-
-def vllm_counters(vllm_url: str) -> dict[str, float] | None:
-    """The COUNTERS from vLLM's /metrics, summed over engines (None if unreadable)."""
-    try:
-        with urllib.request.urlopen(f"{vllm_url}/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except OSError:
-        return None
-    out = {}
-    for key, name in COUNTERS.items():
-        metric, _, label = name.partition("{")
-        pattern = rf"^{re.escape(metric)}\{{([^}}]*)\}}\s+([0-9.eE+-]+)$"
-        out[key] = sum(float(v) for labels, v in re.findall(pattern, text, re.M)
-                       if not label or label.rstrip("}") in labels)
-    return out
-
-
 def cpu_seconds(groups: tuple[int, ...]) -> float:
     """User + system CPU seconds of every live process whose process group or id is in
     `groups`, plus this
@@ -171,15 +109,6 @@ def cpu_seconds(groups: tuple[int, ...]) -> float:
     return total + me.ru_utime + me.ru_stime
 
 
-def _delta(before, after) -> dict[str, float] | None:
-    return None if before is None or after is None else {k: after[k] - before[k] for k in after}
-
-
-def sampling(max_tokens: int) -> dict:
-    # Greedy and ignore_eos: both arms decode exactly max_tokens tokens per prompt.
-    return {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-
-
 def run_arm(ctx, completion, prompts, *, max_tokens: int, fn=None, pipelined: bool = False,
             progress: bool = True, label: str = "arm", vllm_url: str | None = None,
             windows: list[int] | None = None) -> dict:
@@ -201,18 +130,18 @@ def run_arm(ctx, completion, prompts, *, max_tokens: int, fn=None, pipelined: bo
     start = snap()
     t0 = time.perf_counter()
     if pipelined:
-        run = batch.run(sampling(1), fn, sampling(max_tokens))
+        run = batch.run(fixed_length(1), fn, fixed_length(max_tokens))
         out.update({name: m.to_dict() for name, m in run.parts.items()})
         out["run"] = run.to_dict()
     else:
-        out["prefill"] = batch.prefill(sampling(1)).to_dict()
+        out["prefill"] = batch.prefill(fixed_length(1)).to_dict()
         if fn is not None:
             out["modify"] = batch.modify(fn).to_dict()
         before = snap()
-        out["decode"] = batch.decode(sampling(max_tokens)).to_dict()
-        out["decode"]["engine"] = _delta(before, snap())
+        out["decode"] = batch.decode(fixed_length(max_tokens)).to_dict()
+        out["decode"]["engine"] = counter_delta(before, snap())
     out["total_s"] = time.perf_counter() - t0
-    out["engine"] = _delta(start, snap())
+    out["engine"] = counter_delta(start, snap())
     out["decode_prompt_tokens"] = sum(g.prompt_tokens for s in batch for g in s.generations[-1:])
     # Per prompt, in prompt order: all it generated (the prefill's token, then the decode's).
     out["outputs"] = [list(s.output_token_ids) for s in batch]

@@ -25,7 +25,7 @@ class CacheItem:
     bytes: int
     age_s: float
     leases: int
-    kind: str         # "kv" (a KV chunk) or "queries" (captured queries, issue 10)
+    kind: str         # "kv" (a KV chunk) or "queries" (a request's captured queries)
 
 
 @dataclass(slots=True)
@@ -46,7 +46,7 @@ def status(s: Service) -> dict:
         "pool": {"bytes": snap["pool_bytes"], "used": snap["pool_used"],
                  "free": snap["pool_free"]},
         "objects": {k: snap[k] for k in ("ready", "writing", "leased")},
-        # the captured-queries objects among the ready ones (kind "queries", issue 10)
+        # the captured-queries objects among the ready ones (kind "queries")
         "queries": {"objects": snap["query_objects"], "bytes": snap["query_bytes"]},
         "leases": snap["leases"], "pending_stores": snap["pending_stores"],
         "evictions": snap["evictions"], "uptime_s": snap["uptime_s"],

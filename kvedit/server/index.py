@@ -16,7 +16,7 @@ concern:
 - pages.py: ready objects in commit order (/cache pages, clear, drop_model).
 The index evicts only when the allocator has no free range that fits (best fit, pool.py):
 `_alloc` evicts the victim eviction.py names until one fits.
-Kinds: KV chunks and captured-queries objects (issue 10) live in two tables (`table(kind)`),
+Kinds: KV chunks and captured-queries objects live in two tables (`table(kind)`),
 so each kind is its own key space; otherwise they share everything (pool, states, leases,
 quarantine, eviction order, pages). A queries store replaces a ready object of its key
 (`prepare`); `query_objects`/`query_bytes` count the ready ones.

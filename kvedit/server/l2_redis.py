@@ -6,21 +6,21 @@ straight from its L1 slot: redis-py passes a large memoryview to sendall without
 a 24-byte meta record (format tag, byte count, XXH3-64 of the payload). A read is byte-exact
 or a miss: a payload whose length or checksum differs from its meta, a payload without a meta
 or the other way round (Redis evicted one of them), or a meta of another format all count as
-misses. XXH3 and not blake2b or CRC-32: on this machine blake2b hashes ~0.5 GB/s and zlib's
-CRC-32 ~2.3 GB/s, against the ~1-1.4 GB/s a SET moves, so either would cost the write path a
-large share of its speed; XXH3 runs at memory speed (~10x CRC-32 here). It guards against
+misses. XXH3 and not blake2b or CRC-32: both hash at about the rate a SET moves bytes, so
+either would cost the write path a large share of its speed; XXH3 runs at memory speed
+(docs/l2.md has the measured rates). It guards against
 torn, truncated and swapped values, not against someone who can write to the Redis (they
 could recompute any unkeyed hash too).
 
 With --l2-mac the meta record carries an HMAC-SHA256 (key derived from the shared secret)
 of the Redis key, the byte count and the payload instead, so a record written by whoever can
 reach the Redis but lacks the secret (a Redis without a password: any local user) is a miss,
-never a promoted chunk. That costs ~0.5 GB/s per thread of hashing, on the L2 threads (not
-the control loop), hence opt-in. A server with the MAC on reads only MAC'd records and one
+never a promoted chunk. That costs a keyed hash of every byte, on the L2 threads (not the
+control loop), hence opt-in. A server with the MAC on reads only MAC'd records and one
 without it only plain ones.
 
-Payload reads bypass redis-py's reply parser (~0.25 GB/s without hiredis: it copies the
-bulk string several times): the GET is sent on the connection and the bulk body is received
+Payload reads bypass redis-py's reply parser (slow without hiredis: it copies the bulk
+string several times): the GET is sent on the connection and the bulk body is received
 with recv_into straight into the L1 slot. Only the header line is parsed here.
 """
 from __future__ import annotations

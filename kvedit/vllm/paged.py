@@ -13,7 +13,7 @@ index tensors of length T. No Python loop over tokens, blocks or layers.
 On the CUDA layout the views reinterpret the cache as 16-byte elements (complex128 as a
 carrier: 8 bf16 or 4 float32 values of one head's K or V, never arithmetic), so the index
 kernels move 16 bytes per element instead of 2 (the element count, not the bytes, bounds
-those kernels: 305 GB/s with bf16 elements on an H200 in session 2).
+those kernels; docs/gpu.md has the measured rates).
 `chunk_slots` + `gather_chunks` / `scatter_chunks` move many whole chunks in one op per
 K/V, chunk-major ([n, 2, L, C, D], the server's slot order), with one host-to-device copy
 of all their index tensors. `StagingRing` is the device-side staging the connector's
@@ -246,9 +246,9 @@ def wait_for_device(device: torch.device) -> None:
     stream is current for the connector's code is vLLM's business. So the connector orders
     its copies against the forward by waiting for the whole device: before gathering a step's
     freshly written KV, and after scattering loaded KV (before the forward reads it and
-    before the server's lease on the source is released). On the first H200 run of the GPU
-    suite, without this, 5 of 40 tests saw all-zero stored chunks or wrong loaded KV; a
-    second run on the same machine passed all 40 (a race)."""
+    before the server's lease on the source is released). Without it a copy can read KV
+    the forward has not finished writing (all-zero stored chunks, wrong loaded KV: the race
+    docs/gpu.md describes)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -15,7 +15,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # the whole command in a fresh interpreter (torch, a server, four arms)
 def test_bench_modify_reports_every_arm_with_the_counts_its_edit_implies():
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     out = subprocess.run([sys.executable, "-m", "kvedit.cli", "bench", "modify", "--json",

@@ -156,6 +156,7 @@ def test_connect_and_modify_leave_glibc_untouched():
     assert r["fn_threads"] and all(n.startswith("kvedit-io") for n in r["fn_threads"]), r
 
 
+@pytest.mark.slow  # a fresh interpreter with torch per check; the opt-in, not the default path
 def test_the_opt_in_tunes_the_process():
     r = _run(MODIFY, "tune")["after"]
     assert r["tuned"] and r["pool"]
@@ -199,6 +200,7 @@ POOL = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # fresh interpreters; the opt-in
 def test_pool_threads_reuse_the_main_arena_and_an_own_arena_thread_does_not():
     r = _run(POOL)
     assert r["tuned"] and r["main_arena"] and r["started"] >= r["size"] >= 2
@@ -249,6 +251,7 @@ HEAP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # fresh interpreters; the opt-in
 def test_torch_cat_outputs_of_two_streams_in_flight_stop_growing_the_heap():
     """Opted in; real server, 4 streams, two fns at a time returning fresh torch.cat outputs
     (75 MB each), 7 modifies: after the first, the brk heap grows by at most 4 output blocks
@@ -278,6 +281,7 @@ FAULTS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # fresh interpreters; the opt-in
 def test_the_opt_in_reuses_a_large_freed_block_without_page_faults():
     """A 64 MiB allocation repeated: malloc's default maps fresh pages each time (a fault per
     4 KiB page), the opt-in reuses the freed, touched block."""

@@ -211,6 +211,7 @@ def test_ttl_and_prefix_flags(redis_srv):
 
 
 # ---- degradation -------------------------------------------------------------------------
+@pytest.mark.slow  # real-time waits for Redis to go down, back off and come back
 def test_redis_sigkilled_mid_run_then_restarted_catches_up(redis_srv):
     batches = [[key(i, f"kill{b}") for i in range(2)] for b in range(12)]
     errors, done = [], threading.Event()
@@ -279,6 +280,7 @@ def test_hung_redis_times_out_and_lookups_answer_from_l1(redis_srv):
     assert in_redis(redis_srv.url, keys) == [True] * 4
 
 
+@pytest.mark.slow  # real-time waits for Redis to go down, back off and come back
 def test_server_stops_cleanly_while_redis_hangs(redis_srv):
     keys = [key(i, "stop") for i in range(2)]
     s = l2_server(redis_srv.url, 0.05, "--l2-timeout", "3")
@@ -327,6 +329,7 @@ def test_redis_password_auth(tmp_path):
             assert cb.lookup(MODEL, keys) == 2
 
 
+@pytest.mark.slow  # real-time waits for Redis to go down, back off and come back
 def test_write_behind_queue_is_bounded_and_drops_the_oldest(redis_srv):
     keys = [key(i, "bound") for i in range(10)]
     redis_srv.kill()
@@ -345,6 +348,7 @@ def test_write_behind_queue_is_bounded_and_drops_the_oldest(redis_srv):
         assert in_redis(redis_srv.url, keys) == [False] * 6 + [True] * 4   # the newest four
 
 
+@pytest.mark.slow  # real-time waits for Redis to go down, back off and come back
 def test_evicted_before_written_keeps_its_bytes(redis_srv):
     """Redis down, L1 of four chunks, eight stored: the four evicted while their writes
     wait are copied into the queue, so after Redis returns all eight are in L2."""

@@ -39,6 +39,7 @@ def _flood(sock, body: bytes, n: int) -> list:
     return out
 
 
+@pytest.mark.slow  # a flood: 1,100 requests of 8,192 keys
 def test_a_lease_flood_of_one_key_does_not_grow_the_server():
     """1,000 leases of one ready key × 8,192 (the red-team's loop): the server keeps each
     object once per lease, so it grows by a few bytes a lease, not ~66 KiB (~66 MB here)."""
@@ -171,6 +172,7 @@ def test_one_session_cannot_pin_the_whole_pool():
             close_dealer(pinner)
 
 
+@pytest.mark.slow  # real-time waits past the server's TTLs
 @pytest.mark.parametrize("fence_gone", [False, True])
 def test_a_session_gone_before_expiry_is_not_quarantined(fence_gone):
     """A client holding a store and a lease disconnects (crash) before their TTL: when they

@@ -7,7 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # the whole command in a subprocess: a server, both transfer modes
 def test_bench_transfer_json():
     p = subprocess.run([sys.executable, "-m", "kvedit.cli", "bench", "transfer", "--json",
                         "--total-gb", "0.07", "--rounds", "1", "--batch", "1"],

@@ -6,6 +6,8 @@ import sys
 import textwrap
 import threading
 
+import pytest
+
 from kvedit.client import KVClient
 from kvedit.launch.server import start_server
 from tests.kv_helpers import SMALL, chunk_for, key, matches
@@ -69,6 +71,7 @@ def _join(ps) -> list[int]:
     return seen
 
 
+@pytest.mark.slow  # four client processes, each importing torch
 def test_several_client_processes(kv_server):
     """Two shm and two socket clients store their own and common keys, then read all."""
     modes = ["shm", "socket", "shm", "socket"]
@@ -77,6 +80,7 @@ def test_several_client_processes(kv_server):
     assert seen == [len(modes) * 12] * len(modes)
 
 
+@pytest.mark.slow  # a flood: three processes churn the pool for seconds
 def test_eviction_under_pressure_no_torn_reads():
     """Pool of 24 chunks, 3 processes (shm and socket) churning ~4x that while reading back."""
     with start_server(24 * SMALL.chunk_bytes / 2**30, eviction="LRU") as s:

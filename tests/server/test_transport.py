@@ -329,6 +329,7 @@ def test_late_shm_write_is_refused_client_side(short_ttl):
             assert all(torch.equal(a, b) for a, b in zip(got.tensors, data))
 
 
+@pytest.mark.slow  # real-time waits past the server's TTLs
 def test_release_after_the_lease_ttl_says_lease_expired(short_ttl):
     with KVClient(short_ttl.url, use_shm=True) as c:
         keys = _keys(1)
@@ -346,6 +347,7 @@ def test_release_after_the_lease_ttl_says_lease_expired(short_ttl):
         assert e.value.code == "lease_expired"
 
 
+@pytest.mark.slow  # real-time waits past the server's TTLs
 @pytest.mark.skipif(not __import__("kvedit.sdk.buffers", fromlist=["x"])._cow_supported(),
                     reason="needs /proc/self/pagemap (Linux): kv is then mapped from shm")
 def test_modify_outliving_the_lease_fails_and_keeps_the_original(short_ttl):
@@ -399,6 +401,7 @@ def test_oversized_requests_are_refused_client_side_with_the_limit(short_ttl):
         assert c.lookup(MODEL, _keys(2048)) == 0  # at the limits: served, connection intact
 
 
+@pytest.mark.slow  # real-time waits past the server's TTLs
 def test_connector_load_past_the_lease_ttl_is_a_load_error(short_ttl, monkeypatch):
     """The worker's real load path (WorkerSide.load -> PagedCopier.load_run) on a CPU paged
     cache; the scatter is slowed past the lease TTL (fault injection): the release answers

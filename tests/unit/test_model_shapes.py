@@ -21,6 +21,7 @@ def _kvedit(*args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow  # the command in a fresh interpreter, then transformers builds a 36-layer meta model
 def test_qwen3_8b_shape_has_its_parameter_count_and_kv_size(tmp_path):
     from transformers import AutoConfig, Qwen3ForCausalLM
 

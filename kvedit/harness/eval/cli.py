@@ -74,33 +74,14 @@ def _list(text: str, kind, what: str) -> list:
 def policy_names(text: str) -> list[str]:
     """Registry keys of --policies; class names (KeyNorm) are accepted too."""
     from kvedit.edits import POLICIES
+    from kvedit.harness.vocab import policy_key
 
     if text == "all":
         return list(POLICIES)
-    by_class = {cls.__name__.lower(): key for key, cls in POLICIES.items()}
-    out = []
-    for name in _list(text, str, "policies"):
-        key = name if name in POLICIES else by_class.get(name.lower())
-        if key is None:
-            raise SystemExit(f"--policies: unknown {name!r}; expected some of {sorted(POLICIES)}")
-        out.append(key)
-    return out
-
-
-def resolve_model(name: str) -> tuple[Path, str]:
-    """(model dir, served name)."""
-    if name == "smollm2":
-        from kvedit.harness.models import smollm2
-
-        return Path(smollm2()), "smollm2"
-    if name == "tiny":
-        from kvedit.harness.tiny_model import default_tiny_model
-
-        return Path(default_tiny_model()), "tiny-qwen3"
-    path = Path(name)
-    if not path.is_dir():
-        raise SystemExit(f"--model {name!r}: expected smollm2, tiny or a model directory")
-    return path, path.name
+    try:
+        return [policy_key(name) for name in _list(text, str, "policies")]
+    except ValueError as e:
+        raise SystemExit(f"--policies: {e}") from None
 
 
 def _engines_kw(args, cfg, log) -> dict:

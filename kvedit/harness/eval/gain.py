@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 
 from kvedit.harness.eval.runner import release_queries
-from kvedit.harness.experiment import _delta, sampling, vllm_counters
+from kvedit.harness.vocab import counter_delta as _delta, fixed_length as sampling, vllm_counters
 
 QUERY_WINDOW = 32  # rows captured for query-aware arms (no question in random prompts)
 
@@ -53,7 +53,7 @@ class GainConfig:
                 raise ValueError(f"gain {name} must be positive, got {getattr(self, name)}")
 
     def prompts(self) -> list[list[int]]:
-        from kvedit.harness.experiment import Workload
+        from kvedit.harness.vocab import Workload
 
         return Workload(self.num_prompts, self.prompt_len, self.max_tokens,
                         seed=self.seed).prompts()

@@ -1,4 +1,4 @@
-"""Long-generation tasks whose correctness is checkable (issue 11: accuracy under a KV budget).
+"""Long-generation tasks whose correctness is checkable: accuracy under a KV budget.
 
 The eval's RULER tasks (tasks.py) edit a long *prompt* and ask one short answer; here the
 output is long, so a decode-time budget edits the model's own generated text. Two tasks,

@@ -38,7 +38,8 @@ def summarize(base_records, cells: list[dict]) -> tuple[dict, list[dict]]:
 
 
 def acceptance(base: dict, results: list[dict]) -> dict:
-    """The issue's three checks, computed from the same numbers the JSON reports."""
+    """The eval's three checks (baseline accuracy, best policy at 0.5, spread at 0.75),
+    computed from the same numbers the JSON reports."""
     def at(r):
         return [x for x in results if abs(x["ratio"] - r) < 1e-9 and x["accuracy"] is not None]
 

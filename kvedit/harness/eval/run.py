@@ -52,10 +52,9 @@ def header_sink(samples, keep_header: bool) -> int | None:
 
 def make_policy(name: str, ratio: float, granularity: str, sink: int | None = None):
     """POLICIES[name] at `ratio`; `sink` (the header, see header_sink) to those that have one."""
-    from kvedit.edits import POLICIES
+    from kvedit.harness.vocab import policy
 
-    kw = {"sink": sink} if sink is not None and name in sink_policies() else {}
-    return POLICIES[name](ratio=ratio, granularity=granularity, **kw)
+    return policy(name, ratio=ratio, granularity=granularity, sink=sink)
 
 
 def needs_queries(policies: list[str]) -> bool:
@@ -70,7 +69,7 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
     returns the JSON result. `engines_kw` overrides kvedit.harness.experiment.engines
     arguments (tests pass the session's server and vLLM)."""
     from kvedit.harness.eval import report
-    from kvedit.harness.eval.cli import resolve_model
+    from kvedit.harness.vocab import resolve_model
     from kvedit.harness.eval.gain import GainConfig
     from kvedit.harness.eval.runner import AccuracyRun, Cell
     from kvedit.harness.eval.tasks import suite

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 
 from kvedit.harness.eval.tasks import Sample
+from kvedit.harness.vocab import greedy
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,6 @@ class Cell:
     @property
     def label(self) -> str:
         return "baseline" if self.policy is None else f"{self.policy} {self.ratio:g}"
-
-
-def greedy(max_tokens: int) -> dict:
-    return {"max_tokens": max_tokens, "temperature": 0.0}
 
 
 def editable(sample: Sample, chunk: int) -> int:
