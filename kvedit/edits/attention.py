@@ -51,7 +51,8 @@ class Window:
     def kept_in(self, num_tokens: int) -> torch.Tensor:
         """Indices of the window rows' own tokens that lie among the first `num_tokens`."""
         lo = min(num_tokens, self.start)
-        return torch.arange(lo, max(lo, min(num_tokens, self.start + self.rows)))
+        return torch.arange(lo, max(lo, min(num_tokens, self.start + self.rows)),
+                            device=self.queries.device)
 
 
 def check_window(who: str, kv: torch.Tensor, queries, start: int | None,
@@ -78,13 +79,16 @@ def check_window(who: str, kv: torch.Tensor, queries, start: int | None,
 
 def window_attention(kv: torch.Tensor, window: Window, head_dim: int, *,
                      layers: range | None = None, scale: float | None = None,
-                     block_bytes: int = 256 << 20, heads: str = "sum") -> torch.Tensor:
+                     block_bytes: int = 256 << 20, heads: str = "sum",
+                     per_head: bool = False) -> torch.Tensor:
     """[T] float32: the attention the window's rows pay each token of `kv` [2, L, T, Hkv*D],
     summed over rows, query heads and the `layers` (default: all; module docstring).
     `scale` defaults to 1/sqrt(head_dim). `heads="max"` takes, per layer and row, the
     largest attention any query head pays a token instead of the sum (a token one retrieval
     head points at is not outvoted by many heads spread by position). Every row sees token 0
-    (rows start at position >= 0), so every softmax is over at least one key."""
+    (rows start at position >= 0), so every softmax is over at least one key.
+    `per_head=True`: [len(layers), Hkv, T], per layer and KV head, summed over rows and the
+    head's GQA group of query heads (the largest of the group with heads="max")."""
     if heads not in ("sum", "max"):
         raise ValueError(f"window_attention: heads must be 'sum' or 'max', got {heads!r}")
     L, T, hidden = kv.shape[1:]
@@ -94,8 +98,10 @@ def window_attention(kv: torch.Tensor, window: Window, head_dim: int, *,
     group = window.queries.shape[2] // head_dim // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     # Row r (position start + r) sees token t iff t <= start + r.
-    hidden_keys = torch.arange(T)[None, :] > (window.start + torch.arange(w))[:, None]  # [w, T]
-    total = torch.zeros(T, dtype=torch.float32)
+    pos = torch.arange(max(T, w), device=kv.device)
+    hidden_keys = pos[None, :T] > (window.start + pos[:w])[:, None]  # [w, T]
+    total = torch.zeros((len(layers), hkv, T) if per_head else (T,), dtype=torch.float32,
+                        device=kv.device)
     step = max(1, block_bytes // (hkv * group * w * T * 4))
     for l0 in range(layers.start, layers.stop, step):  # blocks bound the [l, Hkv, g*w, T] logits
         l1 = min(layers.stop, l0 + step)
@@ -105,6 +111,10 @@ def window_attention(kv: torch.Tensor, window: Window, head_dim: int, *,
         logits = (q @ k.transpose(-1, -2)) * scale                                # [l, Hkv, g*w, T]
         logits = logits.view(l1 - l0, hkv, group, w, T).masked_fill(hidden_keys, NEG_INF)
         probs = logits.softmax(dim=-1)                                           # [l, Hkv, g, w, T]
+        if per_head:
+            group_heads = probs.amax(dim=2) if heads == "max" else probs.sum(dim=2)
+            total[l0 - layers.start: l1 - layers.start] = group_heads.sum(dim=2)  # [l, Hkv, T]
+            continue
         if heads == "max":
             probs = probs.amax(dim=(1, 2))                                         # [l, w, T]
         total += probs.sum(dim=tuple(range(probs.dim() - 1)))

@@ -13,6 +13,21 @@ Query-aware policies (`needs_queries = True`, see `query_policies.py`) score fro
 request's captured queries: the SDK passes `queries=` (and `query_start=`) to `__call__`
 and the base hands them to the policy's `score_window` as a `Window`. The SDK passes queries
 only to a fn whose `needs_queries` is True, so a query-free policy never asks for them.
+
+Per-head selection (`per_head=True`). One vLLM cache slot holds a token's K/V for every
+layer and KV head, but once keys carry their RoPE a slot may hold a different token in each
+(layer, KV head), provided every head keeps the same number of tokens (uniform block
+tables). With `per_head=True`, `score` returns `[L, H_kv, units]` (a policy that has one
+score per unit returns `[units]` and every head gets it), and `keep_indices` returns
+`[L, H_kv, T']`: each row sorted, the same count T' in every row. Per head the ranking is by
+token: each token carries its unit's score, so whole units are kept except possibly the
+lowest-ranked one, cut short to make the count T' = T - (dropped units) x (unit size).
+Protected positions (score inf: a policy's sinks or window, and the last `protect_last`
+tokens) are kept in every head. Which token ids stand for such a slot is the caller's
+business: `__call__` (the host path's edit, one token list) refuses per_head.
+
+`select(kv, keep)` is the same ranking with an exact count (`keep` tokens per row): what an
+engine that must keep a fixed number of slots uses.
 """
 from __future__ import annotations
 
@@ -27,6 +42,7 @@ from kvedit.layout import ModelLayout
 
 GRANULARITIES = ("chunk", "token")
 DEFAULT_CHUNK_SIZE = 256  # the server's default; a layout's chunk_size wins when known
+INF = float("inf")
 
 
 @dataclass
@@ -39,16 +55,31 @@ class Units:
     def token_indices(self, units: torch.Tensor) -> torch.Tensor:
         """Token indices of `units` (sorted), in order."""
         starts = units * self.size
-        idx = (starts[:, None] + torch.arange(self.size)).flatten()
+        idx = (starts[:, None] + torch.arange(self.size, device=units.device)).flatten()
         return idx[idx < self.tokens]
 
     def pool(self, token_scores: torch.Tensor) -> torch.Tensor:
-        """Mean of per-token scores within each unit -> [count]."""
+        """Mean of per-token scores within each unit: [..., T] -> [..., count]."""
         if self.size == 1:
             return token_scores
         pad = self.count * self.size - self.tokens
-        padded = torch.cat([token_scores, token_scores.new_full((pad,), float("nan"))])
-        return padded.view(self.count, self.size).nanmean(dim=1)
+        padded = torch.cat([token_scores,
+                            token_scores.new_full((*token_scores.shape[:-1], pad), float("nan"))],
+                           dim=-1)
+        return padded.unflatten(-1, (self.count, self.size)).nanmean(dim=-1)
+
+    def expand(self, unit_scores: torch.Tensor) -> torch.Tensor:
+        """Each token gets its unit's score: [..., count] -> [..., T]."""
+        if self.size == 1:
+            return unit_scores
+        return unit_scores.repeat_interleave(self.size, dim=-1)[..., :self.tokens]
+
+
+def top_tokens(scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """Sorted indices of the `keep` best of `scores` [..., T] along the last dim (stable: among
+    equal scores the earlier token wins); [..., keep]."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    return order[..., :keep].sort(dim=-1).values
 
 
 @dataclass
@@ -58,6 +89,8 @@ class DropPolicy:
     granularity: str = "chunk"
     chunk_size: int | None = None  # None: the layout's chunk size (else 256)
     rerotate: bool = True
+    per_head: bool = False  # one selection per (layer, KV head); module docstring
+    protect_last: int = 0   # the last tokens are always kept (in every head)
     # True: the policy scores from the request's captured queries; the SDK then fetches them
     # (the request must be created with capture_queries=W) and passes them to __call__.
     needs_queries: ClassVar[bool] = False
@@ -71,10 +104,14 @@ class DropPolicy:
         if self.chunk_size is not None and self.chunk_size <= 0:
             raise ValueError(f"{type(self).__name__}.chunk_size must be positive, "
                              f"got {self.chunk_size}")
+        if self.protect_last < 0:
+            raise ValueError(f"{type(self).__name__}.protect_last must be >= 0 tokens, "
+                             f"got {self.protect_last}")
 
     # -- what a policy implements -------------------------------------------------------
     def score(self, kv: torch.Tensor, units: Units, layout: ModelLayout | None) -> torch.Tensor:
-        """One float score per unit ([units.count]); higher is kept. inf = always keep."""
+        """One float score per unit ([units.count]); higher is kept. inf = always keep.
+        With `per_head`, a policy that scores per (layer, KV head) returns [L, H_kv, count]."""
         raise NotImplementedError
 
     def score_window(self, kv: torch.Tensor, units: Units, layout: ModelLayout | None,
@@ -116,32 +153,102 @@ class DropPolicy:
                              "or pass layout=...")
         return check_window(who, kv, queries, query_start, layout.head_dim)
 
-    def keep_indices(self, kv: torch.Tensor, layout: ModelLayout | None = None, *,
-                     queries=None, query_start: int | None = None) -> torch.Tensor:
-        """Sorted token indices this policy keeps for `kv` [2, L, T, D] (and the captured
-        `queries` [L, W, Hq*D] whose row 0 is prompt position `query_start`, if it needs them)."""
+    def _check_kv(self, kv: torch.Tensor) -> None:
         if kv.dim() != 4 or kv.shape[0] != 2:
             raise ValueError(f"{type(self).__name__}: kv must be [2, L, T, D], "
                              f"got {tuple(kv.shape)}")
+
+    def unit_scores(self, kv: torch.Tensor, units: Units, layout: ModelLayout | None,
+                    window: Window | None) -> torch.Tensor:
+        """The policy's scores, checked: [count], or [L, H_kv, count] when per_head (a
+        policy with one score per unit is broadcast to every head)."""
+        scores = self.score_window(kv, units, layout, window).float().to(kv.device)
+        who = type(self).__name__
+        if self.per_head:
+            L, hidden = kv.shape[1], kv.shape[3]
+            if layout is None:
+                raise ValueError(f"{who}(per_head=True) needs the model layout (head_dim) to "
+                                 "split the KV into heads: pass layout=...")
+            shape = (L, hidden // layout.head_dim, units.count)
+            if scores.shape == (units.count,):
+                return scores.expand(shape)
+            if scores.shape != shape:
+                raise ValueError(f"{who}.score returned shape {tuple(scores.shape)}, expected "
+                                 f"{shape} or ({units.count},) with per_head=True")
+            return scores
+        if scores.shape != (units.count,):
+            raise ValueError(f"{who}.score returned shape {tuple(scores.shape)}, "
+                             f"expected ({units.count},)")
+        return scores
+
+    def _protect(self, token_scores: torch.Tensor) -> torch.Tensor:
+        """Scores [..., T] with the last `protect_last` tokens made inf (a new tensor)."""
+        if self.protect_last <= 0:
+            return token_scores
+        out = token_scores.clone()
+        out[..., max(0, out.shape[-1] - self.protect_last):] = INF
+        return out
+
+    def _all(self, kv: torch.Tensor, layout: ModelLayout | None, n: int) -> torch.Tensor:
+        idx = torch.arange(n, device=kv.device)
+        if not self.per_head:
+            return idx
+        if layout is None:
+            raise ValueError(f"{type(self).__name__}(per_head=True) needs the model layout "
+                             "(head_dim) to split the KV into heads: pass layout=...")
+        return idx.expand(kv.shape[1], kv.shape[3] // layout.head_dim, n)
+
+    def keep_indices(self, kv: torch.Tensor, layout: ModelLayout | None = None, *,
+                     queries=None, query_start: int | None = None) -> torch.Tensor:
+        """Sorted token indices this policy keeps for `kv` [2, L, T, D] (and the captured
+        `queries` [L, W, Hq*D] whose row 0 is prompt position `query_start`, if it needs
+        them): [T'], or [L, H_kv, T'] when per_head (module docstring)."""
+        self._check_kv(kv)
         units = self.units(kv.shape[2], layout)
         drop = self.num_drop(units)
         if drop == 0:
-            return torch.arange(units.tokens)
+            return self._all(kv, layout, units.tokens)
         window = self.captured_window(kv, layout, queries, query_start)
-        scores = self.score_window(kv, units, layout, window).float()
-        if scores.shape != (units.count,):
-            raise ValueError(f"{type(self).__name__}.score returned shape {tuple(scores.shape)}, "
-                             f"expected ({units.count},)")
+        scores = self.unit_scores(kv, units, layout, window)
+        if self.per_head:
+            keep = units.tokens - min(drop * units.size, units.tokens - 1)
+            return top_tokens(self._protect(units.expand(scores)), keep)
+        if self.protect_last > 0:  # units holding one of the last tokens are kept whole
+            first = max(0, units.tokens - self.protect_last) // units.size
+            scores = scores.clone()
+            scores[first:] = INF
         # Stable: among equal scores the earlier unit is kept; inf scores are always kept.
-        order = torch.sort(scores, descending=True, stable=True).indices
-        kept = order[: units.count - drop].sort().values
+        kept = top_tokens(scores, units.count - drop)
         return units.token_indices(kept)
+
+    def select(self, kv: torch.Tensor, keep: int, layout: ModelLayout | None = None, *,
+               queries=None, query_start: int | None = None) -> torch.Tensor:
+        """Exactly `keep` token indices (sorted) per row: [keep], or [L, H_kv, keep] when
+        per_head. Tokens are ranked by their unit's score (stable: the earlier wins a tie),
+        protected ones first; `ratio` is not used (a policy whose scores depend on it, such
+        as DropMiddle, scores with the ratio it was given)."""
+        self._check_kv(kv)
+        T = kv.shape[2]
+        if not 0 < keep <= T:
+            raise ValueError(f"{type(self).__name__}.select: keep must be in [1, {T}] (the "
+                             f"tokens in kv), got {keep}")
+        if keep == T:
+            return self._all(kv, layout, T)
+        units = self.units(T, layout)
+        window = self.captured_window(kv, layout, queries, query_start)
+        scores = self.unit_scores(kv, units, layout, window)
+        return top_tokens(self._protect(units.expand(scores)), keep)
 
     def __call__(self, kv: torch.Tensor, tokens, layout: ModelLayout | None = None,
                  queries: torch.Tensor | None = None, query_start: int | None = None):
         """Drop tokens from `kv` [2, L, T, D] and `tokens` (len T); returns (kv, tokens).
         `queries`/`query_start`: the request's captured queries, for policies that need them
         (query_start None: the rows follow the T tokens, as when the question is after them)."""
+        if self.per_head:
+            raise ValueError(f"{type(self).__name__}(per_head=True) keeps different tokens per "
+                             "(layer, KV head), which one token list cannot describe: use "
+                             "keep_indices() for the per-head selection, or an in-engine "
+                             "budget (docs/in-engine.md), which compacts per head in vLLM")
         if len(tokens) != kv.shape[2]:
             raise ValueError(f"{type(self).__name__}: {len(tokens)} tokens but kv holds "
                              f"{kv.shape[2]} (shape {tuple(kv.shape)})")

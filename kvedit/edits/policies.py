@@ -4,12 +4,15 @@ Use one as the SDK's edit function: `batch.modify(DropMiddle(0.5))`. Every polic
 order of the kept tokens and re-rotates their keys to contiguous positions by default
 (`rerotate=False` skips it); `granularity="chunk"` (default) or `"token"`.
 
-One decision per token for all layers and heads: vLLM's paged cache keeps a token's K/V for
-every layer and KV head in one slot, so a policy cannot keep a token in one head and drop it
-in another (kvpress can, inside transformers). A policy that scores per (layer, head) says in
-its docstring how it folds those scores into one per token: KeyNorm averages key norms,
-KeyDiff cosines, LeverageScore per-head z-scores, SnapKVProxy sums attention probabilities
-over layers, heads and proxy queries. The query-aware policies (real SnapKV, TOVA) are in
+By default one decision per token for all layers and heads: vLLM's paged cache keeps a
+token's K/V for every layer and KV head in one slot. A policy that scores per (layer, head)
+says in its docstring how it folds those scores into one per token: KeyNorm averages key
+norms, KeyDiff cosines, LeverageScore per-head z-scores, SnapKVProxy sums attention
+probabilities over layers, heads and proxy queries. With `per_head=True` those four skip the
+fold and return their scores per (layer, KV head), `[L, H_kv, units]`, so each head keeps
+its own tokens (equal counts; `base.py`). RandomDrop draws per head too; the positional
+policies (DropMiddle, UniformDrop, StreamingLLM) score by position alone and keep the same
+tokens in every head. The query-aware policies (real SnapKV, TOVA) are in
 `query_policies.py`. A chunk's score is the mean of its tokens' (`Units.pool`).
 """
 from __future__ import annotations
@@ -115,11 +118,13 @@ class StreamingLLM(DropPolicy):
 class KeyNorm(DropPolicy):
     """kvpress's KnormPress: keys with a low L2 norm draw more attention, keep those. The
     per-token score is minus the key norm averaged over layers and heads (rotation-invariant,
-    so it does not matter that the keys carry RoPE)."""
+    so it does not matter that the keys carry RoPE); per_head: minus each head's key norm."""
 
     def score(self, kv, units, layout):
         k = _heads(kv, layout, "KeyNorm")
         norms = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32)  # [L, T, H]
+        if self.per_head:
+            return units.pool(-norms.permute(0, 2, 1))                     # [L, H, units]
         return units.pool(-norms.mean(dim=(0, 2)))
 
 
@@ -128,7 +133,8 @@ class SnapKVProxy(DropPolicy):
     """SnapKV (Li et al. 2024) without queries: the keys of the last `window` edited tokens
     serve as proxy queries (no capture needed; the real SnapKV is `query_policies.SnapKV`).
     A token's score is the softmax attention it gets from them, averaged over layers, heads
-    and window, smoothed by average pooling (`kernel`). The window is kept."""
+    and window, smoothed by average pooling (`kernel`). The window is kept. per_head: the
+    attention each (layer, head) pays, summed over the window only."""
     window: int = 64
     kernel: int = 5
     # Temporary float32 attention memory per block of layers.
@@ -141,21 +147,27 @@ class SnapKVProxy(DropPolicy):
                              f"window={self.window}, kernel={self.kernel}")
 
     def token_scores(self, kv: torch.Tensor, layout: ModelLayout | None) -> torch.Tensor:
+        """[T] float32 (per_head: [L, H, T]); the window's own tokens inf."""
         k = _heads(kv, layout, "SnapKVProxy")  # [L, T, H, d]
         L, T, H, d = k.shape
         w = min(self.window, T)
         # Causal: proxy query i (position T - w + i) sees tokens up to its own position.
-        future = torch.arange(T)[None, :] > torch.arange(T - w, T)[:, None]  # [w, T]
-        total = torch.zeros(T)
+        pos = torch.arange(T, device=kv.device)
+        future = pos[None, :] > pos[T - w:, None]  # [w, T]
+        total = torch.zeros((L, H, T) if self.per_head else (T,), device=kv.device)
         step = max(1, self.block_bytes // (H * w * T * 4))
         for l0 in range(0, L, step):  # blocks of layers bound the [l, H, w, T] attention
             kb = k[l0: l0 + step].float().transpose(1, 2)  # [l, H, T, d]
             att = kb[:, :, T - w:] @ kb.transpose(-1, -2) / math.sqrt(d)  # [l, H, w, T]
             att = att.masked_fill(future, -INF).softmax(dim=-1)
-            total += att.sum(dim=(0, 1, 2))
-        scores = F.avg_pool1d(total[None, None], self.kernel, stride=1,
-                              padding=self.kernel // 2, count_include_pad=False)[0, 0]
-        scores[T - w:] = INF
+            if self.per_head:
+                total[l0: l0 + step] = att.sum(dim=2)
+            else:
+                total += att.sum(dim=(0, 1, 2))
+        rows = total.reshape(-1, 1, T)
+        scores = F.avg_pool1d(rows, self.kernel, stride=1, padding=self.kernel // 2,
+                              count_include_pad=False).reshape(total.shape)
+        scores[..., T - w:] = INF
         return scores
 
     def score(self, kv, units, layout):
@@ -172,13 +184,16 @@ class KeyDiff(DropPolicy):
     Aggregation: one vLLM cache slot holds a token for every layer and head, so the token
     score is the mean of the per-(layer, head) scores (cosines, all on one [-1, 1] scale,
     so no head dominates by magnitude); a chunk's score is the mean over its tokens. The
-    keys carry RoPE, as kvpress's do (it scores the cache's rotated keys too)."""
+    keys carry RoPE, as kvpress's do (it scores the cache's rotated keys too). per_head:
+    each (layer, head) keeps by its own cosines, as kvpress does."""
 
     def score(self, kv, units, layout):
         k = _heads(kv, layout, "KeyDiff").float()           # [L, T, H, d]
         unit = F.normalize(k, dim=-1)
         anchor = F.normalize(unit.mean(dim=1, keepdim=True), dim=-1)  # [L, 1, H, d]
         cos = (unit * anchor).sum(dim=-1)                  # [L, T, H]
+        if self.per_head:
+            return units.pool(-cos.permute(0, 2, 1))         # [L, H, units]
         return units.pool(-cos.mean(dim=(0, 2)))
 
 
@@ -194,7 +209,8 @@ class LeverageScore(DropPolicy):
     Aggregation: per (layer, head) the leverages are z-scored (so a head with a flat
     spectrum does not drown the others), then averaged over layers and heads into one score
     per token — one vLLM cache slot holds the token for all of them; a chunk's score is the
-    mean over its tokens. Un-rotation needs the RoPE parameters (layout.rope)."""
+    mean over its tokens. Un-rotation needs the RoPE parameters (layout.rope). per_head:
+    each (layer, head) keeps by its own leverages."""
     jitter: float = 1e-4  # ridge, relative to the Gram matrix's mean diagonal
 
     def score(self, kv, units, layout):
@@ -210,18 +226,25 @@ class LeverageScore(DropPolicy):
         x = x - x.mean(dim=2, keepdim=True)
         gram = x.transpose(-1, -2) @ x                      # [L, H, d, d]
         ridge = self.jitter * gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)
-        gram = gram + ridge[..., None, None] * torch.eye(d)
+        gram = gram + ridge[..., None, None] * torch.eye(d, device=kv.device)
         solved = torch.linalg.solve(gram, x.transpose(-1, -2))  # (XᵀX)⁻¹Xᵀ: [L, H, d, T]
         lev = (x * solved.transpose(-1, -2)).sum(-1)        # [L, H, T]
         z = (lev - lev.mean(-1, keepdim=True)) / lev.std(-1, keepdim=True).clamp_min(1e-6)
+        if self.per_head:
+            return units.pool(z)                            # [L, H, units]
         return units.pool(z.mean(dim=(0, 1)))
 
 
 @dataclass
 class RandomDrop(DropPolicy):
     """Drop random units (kvpress's RandomPress): the floor any policy must beat. The same
-    `seed` and unit count give the same choice. Same choice for every layer and head."""
+    `seed` and unit count give the same choice. Same choice for every layer and head (per_head:
+    an independent draw per layer and head)."""
     seed: int = 0
 
     def score(self, kv, units, layout):
-        return torch.rand(units.count, generator=torch.Generator().manual_seed(self.seed))
+        gen = torch.Generator().manual_seed(self.seed)
+        if self.per_head:
+            heads = _heads(kv, layout, "RandomDrop").shape[2]
+            return torch.rand(kv.shape[1], heads, units.count, generator=gen).to(kv.device)
+        return torch.rand(units.count, generator=gen)

@@ -13,9 +13,10 @@ softmax over the edited tokens, per layer, query head and window row) summed ove
 over all query heads (each KV-head group's query heads, and then the groups) and over the
 deeper layers (`from_layer`, default the deeper half); every (layer, head, row) adds a
 distribution of total mass 1, so no layer or head dominates by magnitude. kvpress scores per
-KV head (the mean over its group) and keeps different tokens per head; that cannot be done
-in a paged slot, hence the sum over groups too. A chunk's score is the mean over its tokens
-(`Units.pool`).
+KV head (the sum over its group) and keeps different tokens per head; with `per_head=True`
+these policies do the same (`window_attention(per_head=True)`: [L, Hkv, T], every layer on
+its own, so `from_layer` does not apply), pooled and span-averaged per head. A chunk's score
+is the mean over its tokens (`Units.pool`).
 
 Why the deeper half by default: summed over all layers, the shallow layers' attention (by
 position: the first and the most recent tokens, spread over the whole context) drowns the
@@ -53,11 +54,13 @@ def span_scores(scores: torch.Tensor, span: int, start: int = 0) -> torch.Tensor
     mean score, so the top spans are kept whole: a 5-digit number, one token per digit in
     SmolLM2, is kept or dropped with its neighbours rather than digit by digit. With the
     base's exact token budget and stable order, only the last span kept may be cut short."""
-    T = scores.shape[0]
-    ids = (torch.arange(T) - start).clamp_min(-1).div(span, rounding_mode="floor") + 1
-    sums = torch.zeros(int(ids.max()) + 1).index_add_(0, ids, scores)
-    counts = torch.zeros_like(sums).index_add_(0, ids, torch.ones(T))
-    return (sums / counts)[ids]
+    T = scores.shape[-1]
+    ids = (torch.arange(T, device=scores.device) - start).clamp_min(-1).div(
+        span, rounding_mode="floor") + 1
+    n = int(ids.max()) + 1
+    sums = scores.new_zeros((*scores.shape[:-1], n)).index_add_(-1, ids, scores)
+    counts = scores.new_zeros(n).index_add_(0, ids, scores.new_ones(T))
+    return (sums / counts)[..., ids]
 
 
 @dataclass
@@ -107,21 +110,26 @@ class SnapKV(DropPolicy):
         return range(int(self.from_layer * num_layers), num_layers)
 
     def token_scores(self, kv: torch.Tensor, layout: ModelLayout, window: Window) -> torch.Tensor:
-        """[T] float32 per-token scores (inf = the window's own tokens, kept)."""
+        """[T] float32 per-token scores (inf = the window's own tokens, kept); per_head:
+        [L, Hkv, T], every layer scored on its own (from_layer does not apply)."""
         w = self.rows(window)
-        total = window_attention(kv, w, layout.head_dim, layers=self.layers(kv.shape[1]),
-                                 block_bytes=self.block_bytes, heads=self.heads)
+        layers = range(kv.shape[1]) if self.per_head else self.layers(kv.shape[1])
+        total = window_attention(kv, w, layout.head_dim, layers=layers,
+                                 block_bytes=self.block_bytes, heads=self.heads,
+                                 per_head=self.per_head)
+        T = total.shape[-1]
+        rows = total.reshape(-1, 1, T)
         if self.kernel > 1 and self.pool == "max":
-            total = F.max_pool1d(total[None, None], self.kernel, stride=1,
-                                 padding=self.kernel // 2)[0, 0]
+            rows = F.max_pool1d(rows, self.kernel, stride=1, padding=self.kernel // 2)
         elif self.kernel > 1:
-            total = F.avg_pool1d(total[None, None], self.kernel, stride=1,
-                                 padding=self.kernel // 2, count_include_pad=False)[0, 0]
+            rows = F.avg_pool1d(rows, self.kernel, stride=1, padding=self.kernel // 2,
+                                count_include_pad=False)
+        total = rows.reshape(total.shape)
         if self.span > 1:
             total = span_scores(total, self.span, start=self.sink)
         if self.keep_window:
-            total[w.kept_in(kv.shape[2])] = INF
-        total[:self.sink] = INF
+            total[..., w.kept_in(T)] = INF
+        total[..., :self.sink] = INF
         return total
 
     def score_window(self, kv, units: Units, layout, window):

@@ -123,19 +123,25 @@ def _dynamic_ntk(rope: RopeParams, dim: int) -> torch.Tensor:
 
 def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, rope: RopeParams,
                 head_dim: int) -> torch.Tensor:
-    """Rotate `keys` [..., T, H*head_dim] in place by `delta` [T] positions; returns `keys`.
+    """Rotate `keys` [..., T, H*head_dim] in place by `delta` positions; returns `keys`.
 
-    Leading dims (layers, ...) broadcast, so one call covers every layer and head. Work is
-    done in float32 blocks of tokens and cast back into the original tensor.
+    `delta` is [T] (the same shift for every head; leading dims such as layers broadcast, so
+    one call covers every layer and head) or [..., T, H] (a shift per head, leading dims as
+    in `keys`: per-head selections move each head's tokens differently). Work is done in
+    float32 blocks of tokens, on the keys' device, and cast back into the original tensor.
     """
     T, D = keys.shape[-2], keys.shape[-1]
     if D % head_dim:
         raise ValueError(f"key width {D} is not a multiple of head_dim {head_dim}")
-    if delta.shape != (T,):
+    heads = D // head_dim
+    per_head = delta.dim() > 1
+    if per_head and delta.shape != (*keys.shape[:-1], heads):
+        raise ValueError(f"a per-head delta must have shape {(*keys.shape[:-1], heads)} "
+                         f"(keys' leading dims, T, heads), got {tuple(delta.shape)}")
+    if not per_head and delta.shape != (T,):
         raise ValueError(f"delta must have shape ({T},), got {tuple(delta.shape)}")
     dim = rotary_dim(rope, head_dim)
-    freqs = inv_freq(rope, head_dim).double()
-    heads = D // head_dim
+    freqs = inv_freq(rope, head_dim).double().to(keys.device)
     k = keys.view(*keys.shape[:-1], heads, head_dim)
     if rope.is_neox:  # rotate-half: pairs (i, i + dim/2)
         x1, x2 = k[..., : dim // 2], k[..., dim // 2: dim]
@@ -143,11 +149,15 @@ def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, rope: RopeParams,
         x1, x2 = k[..., 0:dim:2], k[..., 1:dim:2]
     lead = max(1, keys[..., 0, 0].numel())
     block = max(1, _BLOCK_BYTES // (lead * heads * dim * 4 * 2))
-    delta = delta.to(torch.float64)
+    delta = delta.to(device=keys.device, dtype=torch.float64)
     for s in range(0, T, block):
-        angle = delta[s: s + block, None] * freqs  # [t, dim/2]
-        cos = angle.cos().float()[:, None, :]     # broadcast over heads (and leading dims)
-        sin = angle.sin().float()[:, None, :]
+        if per_head:
+            angle = delta[..., s: s + block, :, None] * freqs   # [..., t, H, dim/2]
+            cos, sin = angle.cos().float(), angle.sin().float()
+        else:
+            angle = delta[s: s + block, None] * freqs  # [t, dim/2]
+            cos = angle.cos().float()[:, None, :]     # broadcast over heads (and leading dims)
+            sin = angle.sin().float()[:, None, :]
         a, b = x1[..., s: s + block, :, :], x2[..., s: s + block, :, :]
         # copy=True: for float32 keys .float() would alias `a`, which is overwritten first.
         af, bf = a.to(torch.float32, copy=True), b.to(torch.float32, copy=True)
