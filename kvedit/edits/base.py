@@ -94,6 +94,9 @@ class DropPolicy:
     # True: the policy scores from the request's captured queries; the SDK then fetches them
     # (the request must be created with capture_queries=W) and passes them to __call__.
     needs_queries: ClassVar[bool] = False
+    # True: those queries are a reconstruction pass's (KVzip, kvedit.sdk.kvzip), not the
+    # prompt's own: the policy does not see the question (query-agnostic).
+    needs_reconstruction: ClassVar[bool] = False
 
     def __post_init__(self):
         if not 0.0 <= self.ratio < 1.0:

@@ -101,9 +101,12 @@ class SchedulerSide:
         st = self.reqs.setdefault(request.request_id, _Req(request))
         st.held, st.load = num_computed_tokens, None
         client = self.link.client
-        if client is None or self.layouts is None or self.queries.asks(request.request_id):
-            return 0  # (a capturing request computes its whole prompt: vLLM ignores hits)
+        if client is None or self.layouts is None:
+            return 0
         n_full = request.num_tokens // self.chunk
+        window = self.queries.window_start(request.request_id)
+        if window is not None:  # capturing: its window tokens must be computed (query_window)
+            n_full = min(n_full, window // self.chunk)
         first = num_computed_tokens // self.chunk  # vLLM already holds chunks before this
         if n_full <= first:
             return 0
@@ -119,6 +122,8 @@ class SchedulerSide:
         # Leave vLLM at least one token to compute (it needs logits for the last one).
         end = min((first + held) * self.chunk, request.num_tokens - 1)
         st.held = max(end, num_computed_tokens)
+        if window is not None and end > num_computed_tokens:
+            self.queries.lift(request)
         return max(0, end - num_computed_tokens)
 
     def _store_in_flight(self, st: _Req, keys: list[list[bytes]], first: int, stop: int) -> bool:
@@ -149,6 +154,7 @@ class SchedulerSide:
 
     def build_meta(self, out) -> KVEditMetadata:
         meta = KVEditMetadata()
+        self.queries.relock()
         self.queries.take_drops(meta)
         if self.layouts is None:
             return meta

@@ -41,7 +41,19 @@ def register(sub) -> None:
                    help="fractions of the context KV to drop (default %(default)s)")
     p.add_argument("--granularity", default="token", choices=("token", "chunk"),
                    help="unit a policy keeps or drops (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the suite's seed (default 0)")
+    p.add_argument("--seeds", default=None,
+                   help="several suites in one run, e.g. 0,1,2: per-seed and pooled results "
+                        "(overrides --seed)")
+    p.add_argument("--no-reuse", action="store_true",
+                   help="skip the reuse suite (every question of multi-question samples "
+                        "asked of one edited cache)")
+    p.add_argument("--reference", choices=("kvpress",), default=None,
+                   help="also run the same prompts through kvpress's presses in "
+                        "transformers (own environment under the kvedit cache, made on "
+                        "first use): accuracy side by side")
+    p.add_argument("--reference-ratios", default=None,
+                   help="ratios of the kvpress arm (default: --ratios; it is slow on CPU)")
     p.add_argument("--no-keep-header", action="store_true",
                    help="policies with a `sink` option use their own default instead of "
                         "keeping the prompt's header (template opening + instruction)")
@@ -141,12 +153,20 @@ def _main(args) -> int:
             raise SystemExit(f"--ratios: each must be in (0, 1), got {ratios}")
         if args.samples <= 0:
             raise SystemExit(f"--samples must be positive, got {args.samples}")
+        seeds = _list(args.seeds, int, "seeds") if args.seeds else [args.seed]
+        if len(set(seeds)) != len(seeds):
+            raise SystemExit(f"--seeds: each seed once, got {seeds}")
+        ref_ratios = _list(args.reference_ratios, float, "reference-ratios") \
+            if args.reference_ratios else None
+        if ref_ratios and any(not 0 < r < 1 for r in ref_ratios):
+            raise SystemExit(f"--reference-ratios: each must be in (0, 1), got {ref_ratios}")
         cfg = EvalConfig(model=args.model, tasks=tasks, lengths=lengths, samples=args.samples,
                          policies=policy_names(args.policies), ratios=ratios,
-                         granularity=args.granularity, seed=args.seed, gain=not args.no_gain,
+                         granularity=args.granularity, seeds=seeds, gain=not args.no_gain,
                          gain_prompts=args.gain_prompts, gain_each=args.gain_each,
                          progress=not args.no_progress, keep_header=not args.no_keep_header,
-                         chunk_size=CHUNK)
+                         chunk_size=CHUNK, reuse=not args.no_reuse, reference=args.reference,
+                         reference_ratios=ref_ratios)
         out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
         out.mkdir(parents=True, exist_ok=True)
         log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print

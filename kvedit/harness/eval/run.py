@@ -17,7 +17,7 @@ class EvalConfig:
     policies: list[str] = field(default_factory=list)
     ratios: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75])
     granularity: str = "token"
-    seed: int = 0
+    seeds: list[int] = field(default_factory=lambda: [0])  # one suite per seed, one run
     gain: bool = True
     gain_prompts: int | None = None
     gain_each: bool = False  # one gain arm per cell, not per kept size
@@ -27,6 +27,17 @@ class EvalConfig:
     # instruction) whole, as a user protects a system prompt: `sink = header tokens`, the
     # same for every such policy and ratio (header_sink). False: each policy's own default.
     keep_header: bool = True
+    # Every further question of multi-question samples is asked of the same edited cache
+    # (the reuse suite, runner.py).
+    reuse: bool = True
+    # "kvpress": the same samples through kvpress's presses in transformers (reference.py).
+    reference: str | None = None
+    reference_ratios: list[float] | None = None  # None: the eval's ratios
+
+    @property
+    def seed(self) -> int:
+        """The first seed (the decode-gain workload's)."""
+        return self.seeds[0]
 
 
 def sink_policies() -> list[str]:
@@ -59,10 +70,38 @@ def make_policy(name: str, ratio: float, granularity: str, sink: int | None = No
 
 
 def needs_queries(policies: list[str]) -> bool:
-    """Some policy scores from captured queries: the prefills must capture them."""
+    """Some policy scores from the prompt's captured queries: the prefills must capture
+    them."""
     from kvedit.edits import POLICIES
 
-    return any(POLICIES[name].needs_queries for name in policies)
+    return any(POLICIES[n].needs_queries and not POLICIES[n].needs_reconstruction
+               for n in policies)
+
+
+def needs_reconstruction(policies: list[str]) -> bool:
+    """Some policy scores from KVzip's reconstruction pass: run it once per sample."""
+    from kvedit.edits import POLICIES
+
+    return any(POLICIES[n].needs_reconstruction for n in policies)
+
+
+def query_aware(policy_class: str) -> bool:
+    """Whether the policy (class name) scores with the question's own queries."""
+    from kvedit.edits import POLICIES
+
+    cls = next(c for c in POLICIES.values() if c.__name__ == policy_class)
+    return cls.needs_queries and not cls.needs_reconstruction
+
+
+def reconstruction_for(tok):
+    """KVzip's pass for the eval's prompts: the paper's repeat prompt closed by the chat
+    template's end of user turn and assistant opening, repeating the context from after the
+    template's opening (as kvpress)."""
+    from kvedit.harness.eval.runner import Reconstruction
+    from kvedit.sdk.kvzip import REPEAT_PROMPT
+
+    return Reconstruction(tok.encode(REPEAT_PROMPT + tok.after_user),
+                          len(tok.encode(tok.before_user)))
 
 
 def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None = None) -> dict:
@@ -83,7 +122,8 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
     model_dir, served = resolve_model(cfg.model)
     served = engines_kw.get("served_model_name", served)
     tok = load(model_dir)
-    samples = suite(tok, cfg.tasks, cfg.lengths, cfg.samples, seed=cfg.seed)
+    samples = [s for seed in cfg.seeds
+               for s in suite(tok, cfg.tasks, cfg.lengths, cfg.samples, seed=seed)]
     sink = header_sink(samples, cfg.keep_header)
     tails = [len(s.prompt_ids) - s.length for s in samples]
     longest_tail = max(tails)
@@ -119,9 +159,13 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
                     raise ValueError(f"lengths {odd} are not whole chunks of the server's "
                                      f"{ctx.chunk_size} tokens: part of a question would be "
                                      "editable")
+                zipped = needs_reconstruction(cfg.policies)
                 acc = AccuracyRun(ctx, completion, samples, tok.decode, progress=False,
-                                  capture=needs_queries(cfg.policies))
-                log("accuracy: prefill every sample once, decode the baseline")
+                                  capture=needs_queries(cfg.policies),
+                                  reconstruction=reconstruction_for(tok) if zipped else None,
+                                  reuse=cfg.reuse)
+                log("accuracy: prefill every sample once" + (", run KVzip's reconstruction "
+                    "pass" if zipped else "") + ", decode the baseline")
                 base_records, timings["baseline"] = acc.baseline()
                 bar = tqdm(cells, desc="accuracy (policy x ratio)", disable=not cfg.progress)
                 for c in bar:
@@ -142,8 +186,20 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
             with engines(**gkw) as eng, _session(eng) as (ctx, completion):
                 _gains(ctx, completion, eng, gcfg, bs, cells, rows, cfg, log, sink)
             timings["gain_s"] = time.perf_counter() - t1
+    reference = None
+    if cfg.reference:
+        from kvedit.harness.eval.reference import run_reference
+
+        t1 = time.perf_counter()
+        reference, reference_records = run_reference(cfg, model_dir, samples, tok, sink,
+                                                     log=log)
+        timings["reference_s"] = time.perf_counter() - t1
     all_records = base_records + [r for row in rows for r in row["records"]]
     base, results = report.summarize(base_records, rows)
+    seeds = report.by_seed(base_records, rows, cfg.seeds)
+    reuse = report.reuse(base_records, rows, query_aware) if cfg.reuse else None
+    if reference is not None:
+        reference["side_by_side"] = report.side_by_side(results, reference)
     timings["total_s"] = time.perf_counter() - t0
     result = {
         "model": cfg.model, "model_dir": str(model_dir),
@@ -156,8 +212,11 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
                                     f"{min(tails)}-{max(tails)} tokens"
                                     if needs_queries(cfg.policies) else None)},
         "baseline": base, "results": results,
+        "pooled": report.compact(base, results),
+        "kvzip_cost": report.kvzip_cost(timings.get("baseline", {})),
+        "seeds": seeds, "reuse": reuse, "reference": reference,
         "gain_baseline": rows and rows[0].get("gain_baseline"),
-        "acceptance": report.acceptance(base, results),
+        "acceptance": report.acceptance(base, results, seeds, reuse, reference),
         "timings": timings,
         "notes": ("accuracy: greedy; a sample is correct when every expected number is in the "
                   "answer. kept_fraction: context tokens that survive the edit (stored or "
@@ -173,6 +232,11 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
     with open(out / "samples.jsonl", "w") as f:
         for r in all_records:
             f.write(json.dumps(r) + "\n")
+    if reference is not None:
+        with open(out / "kvpress_samples.jsonl", "w") as f:
+            for r in reference_records:
+                f.write(json.dumps(r) + "\n")
+        report.side_by_side_chart(reference["side_by_side"], out / "kvedit_vs_kvpress.png")
     charts = report.charts(base, results, out, f"{model_dir.name}, {len(samples)} samples "
                                                f"({', '.join(cfg.tasks)}; "
                                                f"{'/'.join(map(str, cfg.lengths))} tokens)")
