@@ -31,13 +31,14 @@ engine that must keep a fixed number of slots uses.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
+from kvedit.edits import heads
 from kvedit.edits.attention import Window, check_window
-from kvedit.edits.rope import rerotate
+from kvedit.edits.rope import rerotate, rotate_keys
 from kvedit.layout import ModelLayout
 
 GRANULARITIES = ("chunk", "token")
@@ -247,11 +248,6 @@ class DropPolicy:
         """Drop tokens from `kv` [2, L, T, D] and `tokens` (len T); returns (kv, tokens).
         `queries`/`query_start`: the request's captured queries, for policies that need them
         (query_start None: the rows follow the T tokens, as when the question is after them)."""
-        if self.per_head:
-            raise ValueError(f"{type(self).__name__}(per_head=True) keeps different tokens per "
-                             "(layer, KV head), which one token list cannot describe: use "
-                             "keep_indices() for the per-head selection, or an in-engine "
-                             "budget (docs/in-engine.md), which compacts per head in vLLM")
         if len(tokens) != kv.shape[2]:
             raise ValueError(f"{type(self).__name__}: {len(tokens)} tokens but kv holds "
                              f"{kv.shape[2]} (shape {tuple(kv.shape)})")
@@ -259,6 +255,8 @@ class DropPolicy:
             raise ValueError(f"{type(self).__name__}: re-rotation needs the model's RoPE "
                              "parameters (layout.rope); run it through the SDK, pass "
                              "layout=..., or set rerotate=False")
+        if self.per_head:
+            return self._per_head_call(kv, tokens, layout, queries, query_start)
         idx = self.keep_indices(kv, layout, queries=queries, query_start=query_start)
         if len(idx) == kv.shape[2]:
             return kv, tokens
@@ -269,3 +267,25 @@ class DropPolicy:
             return out, tokens.index_select(0, idx)
         kept = [tokens[i] for i in idx.tolist()]
         return out, kept
+
+    def _per_head_call(self, kv, tokens, layout, queries, query_start):
+        """(kv [2, L, T', D], token ids [L, H_kv, T']): each head's own kept tokens, keys
+        moved to contiguous positions per head. The last `T' mod chunk_size` tokens (the
+        slots past the last full chunk, which vLLM recomputes from one token id) are kept in
+        every head (`protect_last`), so they are the same tokens everywhere
+        (kvedit.sdk.head_tokens)."""
+        if layout is None:
+            raise ValueError(f"{type(self).__name__}(per_head=True) needs the model layout "
+                             "(head_dim, chunk_size): run it through the SDK or pass layout=...")
+        T = kv.shape[2]
+        units = self.units(T, layout)
+        keep = T - min(self.num_drop(units) * units.size, T - 1)
+        tail = keep % layout.chunk_size
+        policy = replace(self, protect_last=tail) if tail > self.protect_last else self
+        idx = policy.keep_indices(kv, layout, queries=queries, query_start=query_start)
+        out = heads.gather(kv, idx, layout.head_dim)
+        if self.rerotate:
+            rotate_keys(out[0], heads.compact_shift(idx), layout.rope, layout.head_dim)
+        ids = torch.as_tensor(list(tokens) if not isinstance(tokens, torch.Tensor) else tokens,
+                              dtype=torch.int64)
+        return out, ids[idx]

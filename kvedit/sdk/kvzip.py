@@ -67,7 +67,7 @@ async def _one(stream: Stream, repeat_ids, start: int, params, wait_timeout: flo
     # The region must be in the server for the pass to load it rather than compute it.
     await ctx.call(ctx.client.lookup, ctx.model, stream.keys[:n], wait_timeout=wait_timeout)
     probe = Stream(ctx, stream.post_completion, prompt, stream.cache_salt,
-                   name=f"{stream.label} reconstruction", capture_queries=window)
+                   name="reconstruction", capture_queries=window)
     try:
         add_generation(m, await probe.generate(params, max_tokens=1, capture_queries=window))
         Q.hold(stream, probe.queries)   # the stream's own now: modify hands them to fn
@@ -99,7 +99,8 @@ async def areconstruct(streams, repeat_ids, *, start: int = 0, sampling_params=N
     errors = []
     for s, r in zip(streams, results):
         if isinstance(r, StreamError):
-            errors.append(r if r.stream is s else ReconstructError(s, str(r)))
+            errors.append(r if r.stream is s else ReconstructError(
+                s, f"its reconstruction pass failed: {r.reason}"))
         elif isinstance(r, Exception):
             err = ReconstructError(s, f"the reconstruction pass raised {type(r).__name__}: {r}")
             err.__cause__ = r

@@ -136,6 +136,8 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
     gcfg.validate()
     bs = block_size()
     longest = max(len(s.prompt_ids) for s in samples) + max(s.max_tokens for s in samples)
+    if needs_reconstruction(cfg.policies):  # context + repeat prompt + context
+        longest = max(longest, 2 * max(cfg.lengths) + len(reconstruction_for(tok).repeat_ids))
     kw = dict(model=str(model_dir), served_model_name=served, dtype="bfloat16",
               max_model_len=longest + bs, chunk_size=cfg.chunk_size, log=log)
     kw.update(engines_kw)
