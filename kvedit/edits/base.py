@@ -3,7 +3,13 @@
 A policy is one `score` method. The base splits the sequence into units (whole chunks or
 single tokens), asks the policy for one score per unit (higher = keep), keeps the
 `n - floor(ratio * n)` best units in their original order, gathers their K/V and tokens,
-and re-rotates the kept keys to contiguous positions (see `rope.py`).
+and re-rotates the kept keys (see `rope.py`): vLLM numbers a request's tokens by count, so
+the T' kept keys must look as if at positions vLLM will give what follows them (T', T'+1,
+...). Two choices (`positions`): "compact" moves each kept key to its new slot (key i at
+i), as if the dropped tokens had never been there; "logical" moves every kept key back by
+the number of tokens dropped, so each keeps its original distance to everything after the
+edited region (the geometry the model computed, as kvpress keeps it; the first kept keys
+then sit at negative positions, which RoPE does not mind: only differences count).
 
 Chunk granularity keeps the edited sequence chunk-aligned, so every kept chunk is stored
 under a full key and the decode reloads all of it; token granularity may leave a partial
@@ -23,8 +29,11 @@ score per unit returns `[units]` and every head gets it), and `keep_indices` ret
 token: each token carries its unit's score, so whole units are kept except possibly the
 lowest-ranked one, cut short to make the count T' = T - (dropped units) x (unit size).
 Protected positions (score inf: a policy's sinks or window, and the last `protect_last`
-tokens) are kept in every head. Which token ids stand for such a slot is the caller's
-business: `__call__` (the host path's edit, one token list) refuses per_head.
+tokens) are kept in every head. `__call__` (the host path's edit) returns the kept KV with
+token ids per head, `[L, H_kv, T']`, and keeps the last `T' mod chunk_size` tokens in every
+head (the SDK recomputes that partial chunk from one token id per slot; which id stands for
+a slot is the SDK's rule, kvedit.sdk.head_tokens). "compact" positions differ per head
+there (each head's slot j holds another token); "logical" ones are one shift for all.
 
 `select(kv, keep)` is the same ranking with an exact count (`keep` tokens per row): what an
 engine that must keep a fixed number of slots uses.
@@ -42,6 +51,7 @@ from kvedit.edits.rope import rerotate, rotate_keys
 from kvedit.layout import ModelLayout
 
 GRANULARITIES = ("chunk", "token")
+POSITIONS = ("compact", "logical")
 DEFAULT_CHUNK_SIZE = 256  # the server's default; a layout's chunk_size wins when known
 INF = float("inf")
 
@@ -92,6 +102,9 @@ class DropPolicy:
     rerotate: bool = True
     per_head: bool = False  # one selection per (layer, KV head); module docstring
     protect_last: int = 0   # the last tokens are always kept (in every head)
+    # Where kept keys go (module docstring): "compact" re-rotates each to its new slot;
+    # "logical" shifts all by the number dropped, keeping every distance to what follows.
+    positions: str = "compact"
     # True: the policy scores from the request's captured queries; the SDK then fetches them
     # (the request must be created with capture_queries=W) and passes them to __call__.
     needs_queries: ClassVar[bool] = False
@@ -108,6 +121,9 @@ class DropPolicy:
         if self.chunk_size is not None and self.chunk_size <= 0:
             raise ValueError(f"{type(self).__name__}.chunk_size must be positive, "
                              f"got {self.chunk_size}")
+        if self.positions not in POSITIONS:
+            raise ValueError(f"{type(self).__name__}.positions must be one of {POSITIONS}, "
+                             f"got {self.positions!r}")
         if self.protect_last < 0:
             raise ValueError(f"{type(self).__name__}.protect_last must be >= 0 tokens, "
                              f"got {self.protect_last}")
@@ -262,7 +278,7 @@ class DropPolicy:
             return kv, tokens
         out = kv.index_select(2, idx)  # compact copy of the kept tokens; rotated in place
         if self.rerotate:
-            rerotate(out, idx, torch.arange(len(idx)), layout)
+            rerotate(out, idx, self._new_positions(idx, kv.shape[2]), layout)
         if isinstance(tokens, torch.Tensor):
             return out, tokens.index_select(0, idx)
         kept = [tokens[i] for i in idx.tolist()]
@@ -284,8 +300,18 @@ class DropPolicy:
         policy = replace(self, protect_last=tail) if tail > self.protect_last else self
         idx = policy.keep_indices(kv, layout, queries=queries, query_start=query_start)
         out = heads.gather(kv, idx, layout.head_dim)
-        if self.rerotate:
+        if self.rerotate and self.positions == "compact":
             rotate_keys(out[0], heads.compact_shift(idx), layout.rope, layout.head_dim)
+        elif self.rerotate:  # one shift for every head and token
+            rotate_keys(out[0], torch.full((idx.shape[-1],), idx.shape[-1] - T), layout.rope,
+                        layout.head_dim)
         ids = torch.as_tensor(list(tokens) if not isinstance(tokens, torch.Tensor) else tokens,
                               dtype=torch.int64)
         return out, ids[idx]
+
+    def _new_positions(self, idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Where the kept tokens `idx` (of `num_tokens`) go: slots 0..T'-1 ("compact"), or
+        each moved back by the number dropped ("logical")."""
+        if self.positions == "compact":
+            return torch.arange(len(idx))
+        return idx - (num_tokens - len(idx))

@@ -99,3 +99,29 @@ def test_a_tail_that_differs_between_heads_is_refused():
     with pytest.raises(ValueError, match=r"slot 5 holds different tokens.*protect_last >= 2"):
         check_tail(ids, C)
     check_tail(ids[..., :4], C)  # whole chunks only: nothing is recomputed
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_logical_positions_keep_every_distance_to_what_follows(per_head):
+    """positions="logical": a query after the edited region (slot T' + j, where vLLM puts
+    it) scores every kept key exactly as the same query at T + j scored it unedited."""
+    from kvedit.edits.rope import rotate_keys
+
+    T = 16
+    kv = rand(2, L, T, HKV * HD, seed=5)
+    out, ids = KeyNorm(0.5, granularity="token", per_head=per_head, positions="logical")(
+        kv, list(range(T)), LAYOUT)
+    keep = out.shape[2]
+    idx = ids if per_head else torch.as_tensor(ids).expand(L, HKV, keep)
+    q = rand(L, 1, HKV * HD, seed=6)
+    for j in (0, 3):
+        q_edit = rotate_keys(q.clone(), torch.tensor([keep + j]), LAYOUT.rope, HD)
+        q_orig = rotate_keys(q.clone(), torch.tensor([T + j]), LAYOUT.rope, HD)
+        for layer in range(L):
+            for h in range(HKV):
+                cols = slice(h * HD, (h + 1) * HD)
+                got = out[0, layer, :, cols] @ q_edit[layer, 0, cols]
+                want = kv[0, layer, idx[layer, h], cols] @ q_orig[layer, 0, cols]
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="positions must be one of"):
+        KeyNorm(0.5, positions="absolute")
