@@ -274,6 +274,10 @@ class DropPolicy:
         if self.per_head:
             return self._per_head_call(kv, tokens, layout, queries, query_start)
         idx = self.keep_indices(kv, layout, queries=queries, query_start=query_start)
+        return self._edit(kv, tokens, idx, layout)
+
+    def _edit(self, kv, tokens, idx: torch.Tensor, layout):
+        """(kv, tokens) of the kept tokens `idx` [T'], keys re-rotated (`positions`)."""
         if len(idx) == kv.shape[2]:
             return kv, tokens
         out = kv.index_select(2, idx)  # compact copy of the kept tokens; rotated in place
@@ -299,6 +303,8 @@ class DropPolicy:
         tail = keep % layout.chunk_size
         policy = replace(self, protect_last=tail) if tail > self.protect_last else self
         idx = policy.keep_indices(kv, layout, queries=queries, query_start=query_start)
+        if (idx == idx[:1, :1]).all():  # every head kept the same tokens: one token list
+            return self._edit(kv, tokens, idx[0, 0], layout)
         out = heads.gather(kv, idx, layout.head_dim)
         if self.rerotate and self.positions == "compact":
             rotate_keys(out[0], heads.compact_shift(idx), layout.rope, layout.head_dim)

@@ -41,6 +41,11 @@ def register(sub) -> None:
                    help="fractions of the context KV to drop (default %(default)s)")
     p.add_argument("--granularity", default="token", choices=("token", "chunk"),
                    help="unit a policy keeps or drops (default %(default)s)")
+    p.add_argument("--per-head", choices=("on", "off"), default=None,
+                   help="every policy selects per (layer, KV head) (on) or one decision per "
+                        "token (off); default: each policy's own")
+    p.add_argument("--positions", choices=("compact", "logical"), default=None,
+                   help="where kept keys go (kvedit.edits.base); default: each policy's own")
     p.add_argument("--seed", type=int, default=0, help="the suite's seed (default 0)")
     p.add_argument("--seeds", default=None,
                    help="several suites in one run, e.g. 0,1,2: per-seed and pooled results "
@@ -166,7 +171,8 @@ def _main(args) -> int:
                          gain_prompts=args.gain_prompts, gain_each=args.gain_each,
                          progress=not args.no_progress, keep_header=not args.no_keep_header,
                          chunk_size=CHUNK, reuse=not args.no_reuse, reference=args.reference,
-                         reference_ratios=ref_ratios)
+                         reference_ratios=ref_ratios, positions=args.positions,
+                         per_head=None if args.per_head is None else args.per_head == "on")
         out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
         out.mkdir(parents=True, exist_ok=True)
         log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
