@@ -20,12 +20,16 @@ import numpy as np
 import torch
 
 from kvedit.layout import ModelLayout
+from kvedit.sdk.head_tokens import as_head_tokens, check_tail, stand_ins
 
 
 class Edited(NamedTuple):
-    """What an EditFn returns: the edited KV [2, L, T', D] and its T' token ids."""
+    """What an EditFn returns: the edited KV [2, L, T', D] and its T' token ids. A per-head
+    edit returns ids [L, H_kv, T'] instead (kvedit.sdk.head_tokens): `tokens` are then the
+    stand-in ids of the slots and `heads` what each (layer, head) holds."""
     kv: torch.Tensor
     tokens: list[int]
+    heads: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -96,6 +100,13 @@ def check_result(result, layout: ModelLayout) -> Edited:
         raise ValueError(f"fn returned kv of shape {tuple(kv.shape)}, expected [2, "
                          f"{layout.num_layers}, T, {layout.hidden}] (K/V, layers, tokens, "
                          f"kv_heads*head_dim)")
+    heads = as_head_tokens(tokens, layout.num_layers, layout.hidden // layout.head_dim)
+    if heads is not None:
+        if heads.shape[-1] != kv.shape[2]:
+            raise ValueError(f"fn returned per-head token ids for {heads.shape[-1]} slots but "
+                             f"kv holds {kv.shape[2]}")
+        check_tail(heads, layout.chunk_size)
+        return Edited(kv.detach().cpu(), stand_ins(heads), heads)
     tokens = check_token_ids(tokens, "the tokens fn returned")
     if len(tokens) != kv.shape[2]:
         raise ValueError(f"fn returned {len(tokens)} tokens but kv holds {kv.shape[2]} "

@@ -114,16 +114,21 @@ class _Differs(Exception):
 
 
 def store_kv(ctx, tokens: list[int], salt: str, kv: torch.Tensor, keys_for,
-             old_keys: list[bytes], untouched: set[int], check_source=lambda: None) -> Stored:
-    """Store the edited full chunks under `salt` or, if a present key holds other bytes,
-    under a fresh derived salt.
+             old_keys: list[bytes], untouched: set[int], check_source=lambda: None,
+             fresh: bool = False) -> Stored:
+    """Store the edited full chunks under `salt` or, if a present key holds other bytes (or
+    `fresh`: a per-head edit, whose stand-in ids do not say what it holds), under a fresh
+    derived salt.
 
     `untouched`: chunks known identical to the retrieved chunk at the same index; if their
     key is that chunk's original key, the stored object is the one retrieved: no compare.
     `check_source()` runs just before each commit and raises if the bytes fn read can no
     longer be trusted (a mapped kv's lease ran out): the store is then aborted."""
     keys = keys_for(tokens, salt)
+    check: list[int] = []
     try:
+        if fresh:
+            raise _Differs
         with ctx.client.prepare_store(ctx.model, keys) as h:
             present = sorted(set(range(len(keys))) - set(h.missing))
             check = [j for j in present
@@ -294,7 +299,7 @@ async def _store(stream: Stream, source: KVSource, given: KVGeometry, edited: Ed
         ctx.pool.note_outcome(written, len(untouched) / region.n + source.spares_copy)
         return await ctx.call(store_kv, ctx, edited.tokens[:m * c], stream.cache_salt,
                               edited.kv, stream.keys_for, region.keys, untouched,
-                              source.check_lease)
+                              source.check_lease, edited.heads is not None)
     except KVError as e:
         if e.code not in ("lease_expired", "store_expired"):
             raise ModifyError(stream, f"storing the edited KV failed ({e}); the original KV "

@@ -83,7 +83,7 @@ async def edit_and_store(stream, region, res, apply: Apply, wait_timeout: float 
     pieces = scatter_ranks(edited.kv, ctx.tp.heads)
     try:
         got = await ctx.call(store_ranks, ctx, edited.tokens[:m * ctx.chunk_size],
-                             stream.cache_salt, pieces)
+                             stream.cache_salt, pieces, edited.heads is not None)
     except Exception as e:   # a KVError says what it is; anything else is named by its type
         why = e if isinstance(e, KVError) else f"{type(e).__name__}: {e}"
         raise ModifyError(stream, f"storing the edited KV on the tensor-parallel ranks failed "
@@ -173,16 +173,18 @@ class _Differs(Exception):
     """A present key of the edited sequence holds other bytes on some rank."""
 
 
-def store_ranks(ctx, tokens: list[int], salt: str, pieces: list[torch.Tensor]) -> RankStored:
+def store_ranks(ctx, tokens: list[int], salt: str, pieces: list[torch.Tensor],
+                fresh: bool = False) -> RankStored:
     """Store rank r's piece under rank r's keys of `tokens` for every rank, staged (see the
     module docstring for what is guaranteed); a fresh derived salt on every rank when a
-    present key holds other bytes."""
+    present key holds other bytes, or when `fresh` (a per-head edit)."""
     from kvedit.sdk.modify import derive_salt
 
-    try:
-        return _store_all(ctx, tokens, salt, pieces, fresh=False)
-    except _Differs:
-        pass
+    if not fresh:
+        try:
+            return _store_all(ctx, tokens, salt, pieces, fresh=False)
+        except _Differs:
+            pass
     return _store_all(ctx, tokens, derive_salt(salt), pieces, fresh=True)
 
 
