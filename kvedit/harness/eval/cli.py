@@ -89,18 +89,27 @@ def _list(text: str, kind, what: str) -> list:
 
 
 def policy_names(text: str) -> list[str]:
-    """Registry keys of --policies; class names (KeyNorm) are accepted too."""
+    """--policies entries: registry names (class names accepted too), each optionally with
+    dataclass options, `snapkv:per_head=off:positions=compact` (several spellings of one
+    policy run side by side)."""
     from kvedit.edits import POLICIES
+    from kvedit.harness.eval.run import parse_spec
 
     if text == "all":
         return list(POLICIES)
     by_class = {cls.__name__.lower(): key for key, cls in POLICIES.items()}
     out = []
-    for name in _list(text, str, "policies"):
+    for entry in _list(text, str, "policies"):
+        name, _, opts = entry.partition(":")
         key = name if name in POLICIES else by_class.get(name.lower())
         if key is None:
             raise SystemExit(f"--policies: unknown {name!r}; expected some of {sorted(POLICIES)}")
-        out.append(key)
+        spec = key + (":" + opts if opts else "")
+        try:
+            parse_spec(spec)
+        except ValueError as e:
+            raise SystemExit(f"--policies: {e}")
+        out.append(spec)
     return out
 
 

@@ -160,7 +160,7 @@ def run_reference(cfg, model_dir: Path, samples, tok, sink: int | None, *, log=p
     from kvedit.harness.eval.report import summarize
 
     ratios = cfg.reference_ratios or cfg.ratios
-    arm_list = arms([_class(p) for p in cfg.policies], ratios, sink)
+    arm_list = arms([_class(p) for p in cfg.policies if ":" not in p], ratios, sink)
     python = ensure_env(log)
     workers = workers or max(1, min(2, os.cpu_count() or 1))
     log(f"kvpress: {len(samples)} samples x {len(arm_list)} arms in {workers} process(es) "

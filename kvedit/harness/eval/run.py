@@ -42,6 +42,49 @@ class EvalConfig:
         return self.seeds[0]
 
 
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """A --policies entry: a registry name, optionally with dataclass options
+    (`snapkv:per_head=off:positions=compact`) -> (name, options)."""
+    from dataclasses import fields
+
+    from kvedit.edits import POLICIES
+
+    name, *opts = spec.split(":")
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; expected one of {sorted(POLICIES)}")
+    known = {f.name: f for f in fields(POLICIES[name])}
+    out: dict = {}
+    for opt in opts:
+        key, eq, text = opt.partition("=")
+        if not eq or key not in known or key in ("ratio", "granularity"):
+            raise ValueError(f"{spec!r}: {opt!r} is not option=value of {POLICIES[name].__name__}"
+                             f" (options: {sorted(set(known) - {'ratio', 'granularity'})})")
+        out[key] = _value(text)
+    return name, out
+
+
+def _value(text: str):
+    low = text.lower()
+    if low in ("on", "true", "yes"):
+        return True
+    if low in ("off", "false", "no"):
+        return False
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def label(spec: str) -> str:
+    """How results name a --policies entry: the class name and its options."""
+    from kvedit.edits import POLICIES
+
+    name, opts = parse_spec(spec)
+    return POLICIES[name].__name__ + "".join(f":{k}={v}" for k, v in opts.items())
+
+
 def sink_policies() -> list[str]:
     """Registry names of the policies that have a `sink` option (keep the first n tokens)."""
     from dataclasses import fields
@@ -65,16 +108,18 @@ def header_sink(samples, keep_header: bool) -> int | None:
 
 def make_policy(name: str, ratio: float, granularity: str, sink: int | None = None, *,
                 per_head: bool | None = None, positions: str | None = None):
-    """POLICIES[name] at `ratio`; `sink` (the header, see header_sink) to those that have one;
-    `per_head` and `positions` override the policy's defaults when given."""
+    """POLICIES[name] at `ratio` (`name` may carry options, parse_spec); `sink` (the header,
+    see header_sink) to those that have one; `per_head` and `positions` override the
+    policy's defaults when given; the name's own options override all."""
     from kvedit.edits import POLICIES
 
+    name, opts = parse_spec(name)
     kw: dict = {"sink": sink} if sink is not None and name in sink_policies() else {}
     if per_head is not None:
         kw["per_head"] = per_head
     if positions is not None:
         kw["positions"] = positions
-    return POLICIES[name](ratio=ratio, granularity=granularity, **kw)
+    return POLICIES[name](ratio=ratio, granularity=granularity, **{**kw, **opts})
 
 
 def needs_queries(policies: list[str]) -> bool:
@@ -82,22 +127,23 @@ def needs_queries(policies: list[str]) -> bool:
     them."""
     from kvedit.edits import POLICIES
 
-    return any(POLICIES[n].needs_queries and not POLICIES[n].needs_reconstruction
-               for n in policies)
+    classes = [POLICIES[parse_spec(n)[0]] for n in policies]
+    return any(c.needs_queries and not c.needs_reconstruction for c in classes)
 
 
 def needs_reconstruction(policies: list[str]) -> bool:
     """Some policy scores from KVzip's reconstruction pass: run it once per sample."""
     from kvedit.edits import POLICIES
 
-    return any(POLICIES[n].needs_reconstruction for n in policies)
+    return any(POLICIES[parse_spec(n)[0]].needs_reconstruction for n in policies)
 
 
-def query_aware(policy_class: str) -> bool:
-    """Whether the policy (class name) scores with the question's own queries."""
+def query_aware(policy_label: str) -> bool:
+    """Whether the policy (a result's label, `label`) scores with the question's queries."""
     from kvedit.edits import POLICIES
 
-    cls = next(c for c in POLICIES.values() if c.__name__ == policy_class)
+    name = policy_label.split(":")[0]
+    cls = next(c for c in POLICIES.values() if c.__name__ == name)
     return cls.needs_queries and not cls.needs_reconstruction
 
 
@@ -212,7 +258,7 @@ class _Run:
                 for c in bar:
                     bar.set_postfix_str(c.label)
                     recs, info = acc.cell(self.policy(c.policy, c.ratio), c)
-                    self.rows.append({"policy": _class(c.policy), "ratio": c.ratio,
+                    self.rows.append({"policy": label(c.policy), "ratio": c.ratio,
                                       "records": recs, **info})
                 acc.close()
         self.timings["accuracy_s"] = time.perf_counter() - self.t0 - self.timings["start_s"]
@@ -258,7 +304,8 @@ class _Run:
             "config": {**asdict(cfg), "gain_workload": asdict(self.gcfg) if cfg.gain else None,
                        "samples_total": len(self.samples),
                        "header_sink": ({"tokens": self.sink, "policies": [
-                           _class(k) for k in sink_policies() if k in cfg.policies]}
+                           label(k) for k in cfg.policies
+                           if parse_spec(k)[0] in sink_policies()]}
                            if self.sink is not None else None),
                        "query_window": ("the prompt's un-editable tail (question + answer "
                                         f"prime), {min(self.tails)}-{max(self.tails)} tokens"
