@@ -71,33 +71,39 @@ def _works(python: Path) -> bool:
 
 
 def ensure_env(log=print) -> Path:
-    """kvpress's interpreter: the environment under the kvedit cache, created if missing
-    (built in a temporary directory and renamed into place, as models are)."""
-    from kvedit.harness.cache import build_into
+    """kvpress's interpreter: the environment under the kvedit cache, created if missing.
+    Built in place (a virtual environment cannot be moved) and marked complete at the end;
+    one without the mark, or where kvpress does not import, is built again."""
+    import fcntl
 
     target = env_dir()
-    python = target / "bin" / "python"
-    if python.exists() and _works(python):
+    python, done = target / "bin" / "python", target / "kvedit-complete"
+    if done.exists() and _works(python):
         return python
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait, then reuse it
+        if done.exists() and _works(python):
+            return python
+        return _build(target, python, done, log)
 
-    def build(tmp: Path) -> None:
-        for cmd in pip_command(tmp):
-            log("  $ " + " ".join(cmd))
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode:
-                raise RuntimeError(f"creating kvpress's environment failed ({' '.join(cmd)}):"
-                                   f"\n{done.stderr[-2000:]}")
+
+def _build(target: Path, python: Path, done: Path, log) -> Path:
+    import shutil
 
     log(f"kvpress {KVPRESS_VERSION} pins transformers < 5.3 (vLLM's environment has a newer "
         f"one): creating its own environment in {target} (a few minutes, ~1.5 GB):")
-    if target.exists():
-        import shutil
-
-        shutil.rmtree(target)  # a broken environment: build it again
-    build_into(target, build)
+    shutil.rmtree(target, ignore_errors=True)
+    for cmd in pip_command(target):
+        log("  $ " + " ".join(cmd))
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode:
+            raise RuntimeError(f"creating kvpress's environment failed ({' '.join(cmd)}):\n"
+                               f"{run.stderr[-2000:]}")
     if not _works(python):
         raise RuntimeError(f"{target}: kvpress {KVPRESS_VERSION} does not import there; "
                            f"remove the directory and run again")
+    done.write_text(f"kvpress=={KVPRESS_VERSION} torch=={TORCH_VERSION}\n")
     return python
 
 
@@ -133,24 +139,29 @@ def job(samples, tok, model_dir: Path, arm_list: list[dict]) -> dict:
 
 
 def run_workers(python: Path, payload: dict, workers: int, log=print) -> list[dict]:
-    """Split the samples over `workers` processes (one thread each) and collect the lines."""
+    """Split the samples over `workers` processes (one thread each), feed each its JSON,
+    collect their JSON lines (their stderr is their progress, logged when they end)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     samples = payload["samples"]
     parts = [samples[k::workers] for k in range(workers) if samples[k::workers]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "TRANSFORMERS_VERBOSITY": "error"}
-    procs = [subprocess.Popen([str(python), str(WORKER)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for _ in parts]
-    for p, part in zip(procs, parts):
-        p.stdin.write(json.dumps({**payload, "samples": part}))
-        p.stdin.close()
-    lines = []
-    for p in procs:
-        out, err = p.communicate()
+
+    def one(part: list[dict]) -> str:
+        p = subprocess.Popen([str(python), str(WORKER)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        out, err = p.communicate(json.dumps({**payload, "samples": part}))
         if p.returncode:
-            raise RuntimeError(f"the kvpress worker failed (exit {p.returncode}):\n{err[-3000:]}")
-        lines += [json.loads(x) for x in out.splitlines() if x.startswith("{")]
-    return lines
+            raise RuntimeError(f"the kvpress worker failed (exit {p.returncode}):\n"
+                               f"{err[-3000:]}")
+        if err.strip():
+            log(err.strip().splitlines()[-1])
+        return out
+
+    with ThreadPoolExecutor(len(parts)) as pool:
+        outs = list(pool.map(one, parts))
+    return [json.loads(x) for out in outs for x in out.splitlines() if x.startswith("{")]
 
 
 def run_reference(cfg, model_dir: Path, samples, tok, sink: int | None, *, log=print,
