@@ -104,7 +104,9 @@ class DropPolicy:
     protect_last: int = 0   # the last tokens are always kept (in every head)
     # Where kept keys go (module docstring): "compact" re-rotates each to its new slot;
     # "logical" shifts all by the number dropped, keeping every distance to what follows.
-    positions: str = "compact"
+    # None: "logical" with per_head (compact positions would differ per head), else
+    # "compact" (docs/eval.md measures both).
+    positions: str | None = None
     # True: the policy scores from the request's captured queries; the SDK then fetches them
     # (the request must be created with capture_queries=W) and passes them to __call__.
     needs_queries: ClassVar[bool] = False
@@ -121,7 +123,7 @@ class DropPolicy:
         if self.chunk_size is not None and self.chunk_size <= 0:
             raise ValueError(f"{type(self).__name__}.chunk_size must be positive, "
                              f"got {self.chunk_size}")
-        if self.positions not in POSITIONS:
+        if self.positions is not None and self.positions not in POSITIONS:
             raise ValueError(f"{type(self).__name__}.positions must be one of {POSITIONS}, "
                              f"got {self.positions!r}")
         if self.protect_last < 0:
@@ -306,7 +308,7 @@ class DropPolicy:
         if (idx == idx[:1, :1]).all():  # every head kept the same tokens: one token list
             return self._edit(kv, tokens, idx[0, 0], layout)
         out = heads.gather(kv, idx, layout.head_dim)
-        if self.rerotate and self.positions == "compact":
+        if self.rerotate and self.where == "compact":
             rotate_keys(out[0], heads.compact_shift(idx), layout.rope, layout.head_dim)
         elif self.rerotate:  # one shift for every head and token
             rotate_keys(out[0], torch.full((idx.shape[-1],), idx.shape[-1] - T), layout.rope,
@@ -315,9 +317,14 @@ class DropPolicy:
                               dtype=torch.int64)
         return out, ids[idx]
 
+    @property
+    def where(self) -> str:
+        """The positions in effect: `positions`, or its default for per_head."""
+        return self.positions or ("logical" if self.per_head else "compact")
+
     def _new_positions(self, idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Where the kept tokens `idx` (of `num_tokens`) go: slots 0..T'-1 ("compact"), or
         each moved back by the number dropped ("logical")."""
-        if self.positions == "compact":
+        if self.where == "compact":
             return torch.arange(len(idx))
         return idx - (num_tokens - len(idx))
