@@ -58,7 +58,7 @@ class Recording:
         return out, ids
 
 
-def reference(model_dir, prompt, region, kept, n_out):
+def reference(model_dir, prompt, region, kept, n_out, positions):
     """(greedy tokens, their logprobs) of transformers with the cache holding, per (layer,
     head), the whole chunks' worth of the `kept` [L, H, K] positions of the region, each
     head's re-rotated to 0..; then the rest of `prompt` (the partial chunk's tokens, which
@@ -84,12 +84,14 @@ def reference(model_dir, prompt, region, kept, n_out):
                 h.remove()
     full = kept.shape[-1] // C * C  # slots stored as chunks; the rest vLLM recomputes
     cache = DynamicCache()
-    pos = torch.arange(full)[None]
-    cos, sin = model.model.rotary_emb(torch.zeros(1, full, 1), pos)
     for layer, k_pre in enumerate(pre):
         idx = kept[layer, :, :full]                                      # [H, full]
         k = torch.stack([k_pre[h, idx[h]] for h in range(idx.shape[0])])[None]
-        k = k * cos[:, None] + rotate_half(k) * sin[:, None]             # at 0..full-1
+        # compact: slot j at position j; logical: each key back by the number dropped
+        pos = torch.arange(full).expand_as(idx) if positions == "compact" \
+            else idx - (region - kept.shape[-1])
+        cos, sin = model.model.rotary_emb(k, pos)                        # [H, full, d]
+        k = k * cos[None] + rotate_half(k) * sin[None]
         v_all = out.past_key_values.layers[layer].values[0]              # [H, T, d]
         v = torch.stack([v_all[h, idx[h]] for h in range(idx.shape[0])])[None]
         cache.update(k, v, layer)
@@ -108,14 +110,15 @@ def reference(model_dir, prompt, region, kept, n_out):
     return tokens, lps
 
 
+@pytest.mark.parametrize("positions", ["compact", "logical"])
 def test_decode_after_a_per_head_edit_equals_transformers_over_the_same_kept_keys(
-        ctx, post, tiny_model):
-    prompt = distinct_tokens(2 * C + 40, 1)
+        ctx, post, tiny_model, positions):
+    prompt = distinct_tokens(2 * C + 40, 1 + (positions == "logical"))
     s = create_request(ctx, post, prompt, f"ph-{uuid.uuid4().hex[:8]}")
     batch = BatchedStream([s], progress=False)
     batch.prefill(GREEDY)
     # 512 -> 300 kept: one whole chunk and 44 slots vLLM recomputes (the same in every head)
-    fn = Recording(KeyNorm(212 / 512, granularity="token", per_head=True))
+    fn = Recording(KeyNorm(212 / 512, granularity="token", per_head=True, positions=positions))
     m = batch.modify(fn)
     assert fn.ids.shape == (ctx.layout.num_layers, ctx.layout.num_kv_heads, 300)
     position = {t: i for i, t in enumerate(prompt)}
@@ -128,7 +131,7 @@ def test_decode_after_a_per_head_edit_equals_transformers_over_the_same_kept_key
     assert len(s.tokens) == C and s.suffix[:44] == prompt[512 - 44:512]
     first = s.output_token_ids[0]  # the prefill's token, re-sent after the prompt
     batch.decode({**GREEDY, "max_tokens": N_OUT})
-    want, want_lp = reference(tiny_model, prompt + [first], 2 * C, kept, N_OUT)
+    want, want_lp = reference(tiny_model, prompt + [first], 2 * C, kept, N_OUT, positions)
     assert s.output_token_ids[1:] == want
     got_lp = s.logprobs[-N_OUT:]
     assert all(lp is not None for lp in got_lp)

@@ -39,8 +39,9 @@ def loop_edit(kv, idx):
     return out
 
 
-@pytest.mark.parametrize("policy", [KeyNorm(0.5, granularity="token", per_head=True),
-                                    KeyDiff(0.75, granularity="token", per_head=True)])
+@pytest.mark.parametrize("policy", [
+    KeyNorm(0.5, granularity="token", per_head=True, positions="compact"),
+    KeyDiff(0.75, granularity="token", per_head=True, positions="compact")])
 def test_per_head_edit_gathers_and_rerotates_each_head_on_its_own(policy):
     T = 18
     kv = rand(2, L, T, HKV * HD, seed=1)
@@ -125,3 +126,5 @@ def test_logical_positions_keep_every_distance_to_what_follows(per_head):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="positions must be one of"):
         KeyNorm(0.5, positions="absolute")
+    # the default: logical with per-head selection, compact with one decision per token
+    assert KeyNorm(0.5, per_head=True).where == "logical" and KeyNorm(0.5).where == "compact"
