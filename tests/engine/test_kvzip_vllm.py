@@ -129,9 +129,11 @@ def test_kvzip_scores_from_vllms_queries_equal_transformers_attention(ctx, post,
 
 
 def test_a_region_past_the_capture_bound_is_refused_naming_the_stream(ctx, post):
-    s, batch = prefilled(ctx, post, 16 * C + 10, 7, "too-long")
+    """Refused before anything is sent (the stream's chunks need not even exist yet)."""
+    s = create_request(ctx, post, tokens(16 * C + 10, 7), f"kvzip-{uuid.uuid4().hex[:8]}",
+                       name="too-long")
     with pytest.raises(ReconstructError, match=r"too-long.*4102 query rows.*bound 4096"):
-        reconstruct(batch, tokens(6, 8))
+        reconstruct(BatchedStream([s], progress=False), tokens(6, 8))
     assert s.queries is None and s.tokens == s.prompt_token_ids
-    reconstruct(batch, tokens(6, 8), start=16)  # skipping a prefix brings it under the bound
-    assert s.queries is not None and s.queries.window == 6 + 16 * C - 16
+    # skipping a prefix of the region brings the window under the bound
+    assert pass_prompt(s, tokens(6, 8), start=16)[1] == 4096

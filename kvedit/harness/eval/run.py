@@ -175,8 +175,9 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
         if "server_url" not in run.kw:
             from kvedit.launch.server import start_server
 
-            log(f"starting kvedit server (L1 2 GB, chunk {cfg.chunk_size}) ...")
-            server = stack.enter_context(start_server(2.0, chunk_size=cfg.chunk_size))
+            gb = run.server_gb()
+            log(f"starting kvedit server (L1 {gb:g} GB, chunk {cfg.chunk_size}) ...")
+            server = stack.enter_context(start_server(gb, chunk_size=cfg.chunk_size))
             run.kw.update(server_url=server.url, server_http_url=server.http_url)
         run.accuracy()
         if cfg.gain:
@@ -204,6 +205,23 @@ class _Run:
         self.rows: list[dict] = []
         self.base_records: list[dict] = []
         self.reference_result = self.reference_records = None
+
+    def server_gb(self) -> float:
+        """L1 for the server eval starts: every sample's original chunks (held for the whole
+        run) and captured queries (the question's; KVzip's pass: ~the context's rows), one
+        cell's edited chunks, with room to spare; at least 2 GB."""
+        cfg = json.loads((self.model_dir / "config.json").read_text())
+        layers, heads = cfg["num_hidden_layers"], cfg.get("num_key_value_heads")
+        qheads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // qheads
+        kv_token = 2 * layers * (heads or qheads) * head_dim * 2          # bf16 K and V
+        q_row = layers * qheads * head_dim * 2
+        context = sum(s.length for s in self.samples)
+        rows = sum(self.tails)
+        if needs_reconstruction(self.cfg.policies):
+            rows += context
+        need = 2 * context * kv_token + rows * q_row
+        return max(2.0, round(1.5 * need / 1e9 + 0.5))
 
     def policy(self, name: str, ratio: float):
         return make_policy(name, ratio, self.cfg.granularity, self.sink,
