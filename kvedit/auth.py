@@ -10,7 +10,10 @@ One secret (a token of printable ASCII, at least 16 characters) authenticates ev
 - HTTP: `Authorization: Bearer <secret>` on the endpoints that list, read or change data.
 Without a secret the ZMQ sockets use the NULL mechanism and the handshake still carries the
 session id (unchecked), so holder checks work the same on a loopback-only server.
-This module has no kvedit imports so the server, the client and HTTP can all use it.
+Where a client's secret comes from (`load_secret`): the argument, the environment, then the
+file a same-user server started without one left for its port (kvedit.rundir).
+This module imports nothing of kvedit but kvedit.rundir, so the server, the client and HTTP
+can all use it.
 """
 from __future__ import annotations
 
@@ -25,8 +28,11 @@ import stat
 import zmq
 from zmq.utils import z85
 
+from kvedit import rundir
+
 __all__ = ["AuthError", "SECRET_ENV", "SECRET_FILE_ENV", "NONCE_BYTES", "SESSION_BYTES",
-           "MAC_BYTES", "load_secret", "generate_secret", "curve_keys", "curve_server",
+           "MAC_BYTES", "load_secret", "make_secret", "generate_secret", "l2_mac_key",
+           "curve_keys", "curve_server",
            "start_authenticator", "curve_client", "server_handshake", "client_handshake",
            "handshake_mac", "http_authorized", "bearer_header"]
 log = logging.getLogger("kvedit.auth")
@@ -37,6 +43,7 @@ MIN_SECRET_CHARS = 16
 MAX_SECRET_CHARS = 4096
 NONCE_BYTES, SESSION_BYTES, MAC_BYTES = 32, 16, 32
 _SERVER_PERSON, _CLIENT_PERSON = b"kvedit-zmq-srv", b"kvedit-zmq-cli"
+_L2_PERSON = b"kvedit-l2-mac"
 
 
 class AuthError(Exception):
@@ -68,9 +75,11 @@ def _read_file(path: str) -> bytes:
     return _check(data, path)
 
 
-def load_secret(secret: str | bytes | None = None, secret_file: str | os.PathLike | None = None
-                ) -> bytes | None:
-    """The secret from the arguments, else $KVEDIT_SECRET, else $KVEDIT_SECRET_FILE; None if none.
+def load_secret(secret: str | bytes | None = None, secret_file: str | os.PathLike | None = None,
+                *, url: str | None = None) -> bytes | None:
+    """The secret from the arguments, else $KVEDIT_SECRET, else $KVEDIT_SECRET_FILE, else
+    (a client naming its server's `url`) the file the server on that loopback port made at
+    start (kvedit.rundir); None if none.
 
     An explicit argument wins over the environment; a secret given both ways at one level
     (secret and secret_file) is refused as ambiguous."""
@@ -84,7 +93,13 @@ def load_secret(secret: str | bytes | None = None, secret_file: str | os.PathLik
         return _check(os.environ[SECRET_ENV].strip().encode(), f"${SECRET_ENV}")
     if os.environ.get(SECRET_FILE_ENV):
         return _read_file(os.environ[SECRET_FILE_ENV])
-    return None
+    found = rundir.lookup(url) if url else None
+    return None if found is None else _check(found[0], str(found[1]))
+
+
+def make_secret() -> bytes:
+    """A new random secret: 64 hex characters."""
+    return _secrets.token_hex(32).encode()
 
 
 def generate_secret(path: str | os.PathLike) -> bytes:
@@ -92,7 +107,7 @@ def generate_secret(path: str | os.PathLike) -> bytes:
 
     Refuses to overwrite an existing file (O_EXCL): a running deployment's secret is not
     replaced by accident."""
-    secret = _secrets.token_hex(32).encode()
+    secret = make_secret()
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
@@ -107,6 +122,11 @@ def generate_secret(path: str | os.PathLike) -> bytes:
 def _derive(secret: bytes, person: bytes) -> bytes:
     key = secret if len(secret) <= 64 else hashlib.blake2b(secret).digest()  # blake2b key <= 64 B
     return hashlib.blake2b(b"", key=key, person=person, digest_size=32).digest()
+
+
+def l2_mac_key(secret: bytes) -> bytes:
+    """The key of the HMAC on L2 records (--l2-mac), derived from the secret."""
+    return _derive(secret, _L2_PERSON)
 
 
 def curve_keys(secret: bytes, side: str) -> tuple[bytes, bytes]:

@@ -36,6 +36,9 @@ class ModelLayout(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     (kvedit.sdk.tp). Connectors set it when tp_size > 1; 0 = not said (one rank, or an older
     connector). omit_defaults: fields at their default are not sent, so a peer that predates
     a field decodes the layout (it ignores the ones it does not know, and fills in defaults).
+    `num_q_heads`: the attention query heads per rank, the width of the captured-queries
+    object (kvedit.query_contract); 0 = not said (a connector that predates it: captured
+    queries of such a registration are refused, naming why).
     """
     num_layers: int
     num_kv_heads: int
@@ -46,6 +49,7 @@ class ModelLayout(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     tp_size: int = 1
     rope: RopeParams | None = None
     total_kv_heads: int = 0
+    num_q_heads: int = 0
 
     def with_total_kv_heads(self, total: int) -> ModelLayout:
         """This layout saying the model's total KV head count (only when tp_size > 1: with
@@ -78,6 +82,10 @@ class ModelLayout(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
             raise ValueError(f"layout.tp_rank {self.tp_rank} outside [0, {self.tp_size})")
         if self.total_kv_heads:
             self._validate_total(self.total_kv_heads)
+        if self.num_q_heads < 0 or self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"layout.num_q_heads {self.num_q_heads} must be a multiple of "
+                             f"layout.num_kv_heads {self.num_kv_heads} (grouped-query "
+                             f"attention; 0 = not said)")
 
     def _validate_total(self, total: int) -> None:
         """vLLM's split: n ranks over h heads hold h // n each (n divides h), or 1 each with

@@ -9,7 +9,7 @@ See docs/protocol.md.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union, get_args
+from typing import Annotated, Any, Literal, Union, get_args
 
 import msgspec
 
@@ -17,6 +17,11 @@ from kvedit.layout import ModelLayout
 
 MAX_RID_BYTES = 16
 MAX_KEY_BYTES = 64
+# The most keys one message may carry, checked while decoding (msgspec reads the array's
+# length before its items): a message of millions of tiny keys is refused without building
+# them. A server's --max-keys-per-request is at most this.
+MAX_KEYS = 65536
+Keys = Annotated[list[bytes], msgspec.Meta(max_length=MAX_KEYS)]
 
 # Every code an Error reply (or a data-link error) can carry; docs/protocol.md says when.
 ErrorCode = Literal[
@@ -39,6 +44,8 @@ ErrorCode = Literal[
     "lease_expired",    # the lease passed its TTL: bytes read under it may be wrong
     "not_holder",       # the store/lease belongs to another client session
     "busy",             # the object is in use (e.g. Unregister of a model with leases)
+    "over_quota",       # the session (or all sessions) holds as many leases, stores, leased
+                        # keys or pinned bytes as the server allows
     "unauthorized",     # data-link handshake failed (wrong or missing secret)
     "internal",         # a server bug; the request had no effect it can rely on
 ]
@@ -86,7 +93,7 @@ class ListModels(_Msg, tag="list_models"):
 class Lookup(_Msg, tag="lookup"):
     """Count leading ready keys; with wait_timeout > 0 the reply waits until all are ready."""
     model: str
-    keys: list[bytes]
+    keys: Keys
     tp_rank: int = 0
     wait_timeout: float = 0.0
     kind: ObjectKind = "kv"
@@ -96,7 +103,7 @@ class PrepareStore(_Msg, tag="prepare_store"):
     """kind "queries": exactly one key, `nbytes` its size; a ready object under that key is
     replaced (one being written by another store is reported present)."""
     model: str
-    keys: list[bytes]
+    keys: Keys
     tp_rank: int = 0
     kind: ObjectKind = "kv"
     nbytes: int = 0          # "queries" only: the object's byte size (1..--max-query-bytes)
@@ -115,7 +122,7 @@ class Retrieve(_Msg, tag="retrieve"):
     """Lease the leading ready keys. with_data: the client fetches them with a data-link GET,
     after which the server releases the lease itself."""
     model: str
-    keys: list[bytes]
+    keys: Keys
     tp_rank: int = 0
     with_data: bool = False
     kind: ObjectKind = "kv"
@@ -127,7 +134,7 @@ class Release(_Msg, tag="release"):
 
 class Delete(_Msg, tag="delete"):
     model: str
-    keys: list[bytes]
+    keys: Keys
     tp_rank: int = 0
     kind: ObjectKind = "kv"
 
@@ -158,6 +165,9 @@ class ServerInfo(_Msg, tag="server_info"):
     # over max_message_bytes is dropped by libzmq with the connection, so no reply would come
     max_keys_per_request: int = 0
     max_message_bytes: int = 0
+    # seconds the data link keeps an idle connection (0 = not announced): a client reconnects
+    # well before rather than find it closed
+    data_idle_timeout: float = 0.0
 
 
 class Ok(_Msg, tag="ok"):

@@ -6,6 +6,7 @@ import importlib
 BENCH_MODULES = [
     "kvedit.bench.transfer",    # server: shm / socket vs memcpy / raw TCP
     "kvedit.bench.connector",   # connector: hit TTFT vs recompute, prefill with/without store
+    "kvedit.bench.serve",       # serving: vs vLLM alone, vLLM's CPU offload, LMCache
     "kvedit.bench.modify",      # SDK: modify vs memcpy
     "kvedit.bench.dropping",    # headline: decode gain of DropMiddle vs its bound
     "kvedit.bench.long",        # long generations: decode gain of a per-stream KV budget

@@ -44,6 +44,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from kvedit.query_contract import ask
+
 
 def register(bsub) -> None:
     p = bsub.add_parser("connector", help="connector: hit TTFT vs recompute, prefill with "
@@ -309,7 +311,8 @@ def _shm_tensors(n: int, shape, dtype) -> list:
 
 
 # ---- real vLLM ----------------------------------------------------------------------------
-def _post(base_url: str, body: dict) -> dict:
+def post_json(base_url: str, body: dict) -> dict:
+    """POST `body` as JSON to `base_url` -> the JSON reply (kvedit bench serve uses it too)."""
     import urllib.request
 
     req = urllib.request.Request(base_url, data=json.dumps(body).encode(),
@@ -322,9 +325,9 @@ def _complete(vp, prompt: list[int], capture: int = 0) -> tuple[float, dict]:
     """One max_tokens=1 request; `capture` > 0 asks for its last `capture` queries."""
     body = {"model": vp.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
     if capture:
-        body["kv_transfer_params"] = {"kvedit_capture_queries": capture}
+        body["kv_transfer_params"] = ask(None, capture)   # kvedit.query_contract
     t0 = time.perf_counter()
-    r = _post(vp.base_url + "/v1/completions", body)
+    r = post_json(vp.base_url + "/v1/completions", body)
     return time.perf_counter() - t0, r["usage"]
 
 
@@ -417,7 +420,7 @@ def vllm_bench(tokens: int, n_prompts: int, rounds: int, *, model: str | None = 
             for _ in range(n_prompts):
                 p = fresh()
                 recompute.append(_complete(with_conn, p)[0])
-                _post(with_conn.base_url + "/reset_prefix_cache", {})
+                post_json(with_conn.base_url + "/reset_prefix_cache", {})
                 # a hit's time, not a wait for the commit of the request just before
                 keys = request_keys(with_conn.model, client.get_layout(with_conn.model), p)
                 client.lookup(with_conn.model, keys, wait_timeout=30.0)

@@ -1,4 +1,4 @@
-"""`kvedit bench long`: long generations under a per-stream KV budget vs no edits (issue 11).
+"""`kvedit bench long`: long generations under a per-stream KV budget vs no edits.
 
 One kvedit server and one vLLM (tiny model by default) with a KV capacity of `--kv-blocks`
 blocks, so N streams that each generate O tokens do not fit at once. Two arms on the same
@@ -29,6 +29,14 @@ Which bound. `gain_vs_bound` = step_gain / `decode_gain_bound`, the bound from e
 MEAN footprint (what the engine held on average while generating); `peak_footprint_bound`
 (B vs P+O+1, each arm's largest footprint) and `step_gain_vs_peak_bound` are printed beside
 it; `bounds` names both.
+
+In-engine (`--in-engine`): a third arm on the same prompts and budget, where vLLM keeps
+each stream within the budget itself (one request per stream, compacted in place on the
+device; kvedit.bench.long_engine). The JSON then holds one object per arm — `none`
+(= baseline), `host` (= budgeted) and `in_engine` — each with its decode gain over `none`
+against its own mean-footprint bound; `in_engine` adds edit_overhead_fraction (the workers'
+compaction time / wall), leaked_blocks (vLLM's KV usage once idle), blocks_freed/reused and
+vs_host_decode_throughput.
 
 Accuracy (`--accuracy-model smollm2`, the default when `kvedit model smollm2` has built it):
 after the speed arms, a second engine pair on SmolLM2 runs the long-generation tasks of
@@ -62,6 +70,16 @@ def register(bsub) -> None:
     p.add_argument("--model", default=None, help="model dir (default: the tiny Qwen3)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--in-engine", action="store_true",
+                   help="three arms: none, host (the budgeted driver) and in_engine (vLLM "
+                        "compacts each stream's KV in place; kvedit.bench.long_engine)")
+    p.add_argument("--positions", choices=("compact", "logical"), default="compact",
+                   help="the in_engine arm's positions (docs/in-engine.md)")
+    p.add_argument("--l1-size-gb", type=float, default=1.0,
+                   help="the kvedit server's memory (the host arm stores its streams there)")
+    p.add_argument("--vllm-arg", action="append", default=[], dest="vllm_args",
+                   help="one more argument for the vLLM we start (repeat), e.g. "
+                        "--vllm-arg=--load-format --vllm-arg=dummy on a GPU")
     a = p.add_argument_group("accuracy of long-generation tasks (SmolLM2)")
     a.add_argument("--accuracy-model", choices=("smollm2", "none"), default="smollm2",
                    help="smollm2: run the accuracy arms when the model is built (`kvedit model "
@@ -73,9 +91,11 @@ def register(bsub) -> None:
                    help="numbers each sample counts (~5 tokens each)")
     a.add_argument("--accuracy-every", type=int, default=64, help="K of the budgeted arms")
     a.add_argument("--accuracy-budget", type=int, default=512, help="B of the budgeted arms")
-    a.add_argument("--accuracy-arms", default="none,rounds,streaming,keynorm",
+    a.add_argument("--accuracy-arms", default=None,
                    help="comma-separated: none (no budget), rounds (decode rounds of K, no "
-                        "edit) and policies under the budget (streaming, keynorm)")
+                        "edit), policies under the budget (streaming, keynorm) and the same "
+                        "kept inside vLLM (engine_streaming, engine_keynorm); default: the "
+                        "first four, and the engine ones too with --in-engine")
     p.set_defaults(func=_main)
 
 
@@ -102,13 +122,13 @@ def _tokens_per_step(before, after) -> dict:
 def _arm(ctx, completion, prompts, args, eng, *, budget: bool, progress: bool) -> tuple:
     """One arm on fresh streams; (result dict, the batch)."""
     import kvedit
-    from kvedit.harness.experiment import vllm_counters
+    from kvedit.harness.experiment import cpu_seconds, vllm_counters
 
     salt = f"long-{'budget' if budget else 'base'}-{uuid.uuid4().hex[:8]}"
     batch = kvedit.BatchedStream(progress=progress)
     for p in prompts:
         batch.add(kvedit.create_request(ctx, completion, p, cache_salt=salt))
-    before = vllm_counters(eng.vllm_url)
+    before, cpu0 = vllm_counters(eng.vllm_url), cpu_seconds(eng.pids)
     t0 = time.perf_counter()
     if budget:
         m = batch.run(_sampling(1), _policy(args.policy), _sampling(args.max_tokens),
@@ -122,11 +142,13 @@ def _arm(ctx, completion, prompts, args, eng, *, budget: bool, progress: bool) -
         batch.decode(_sampling(args.max_tokens))
         extra = {}
     wall = time.perf_counter() - t0
-    out = {"wall_s": wall, "output_tokens": sum(len(s.output_token_ids) for s in batch),
+    out = {"wall_s": wall, "cpu_s": cpu_seconds(eng.pids) - cpu0,
+           "output_tokens": sum(len(s.output_token_ids) for s in batch),
            **_tokens_per_step(before, vllm_counters(eng.vllm_url)), **extra,
            "max_request_tokens": max(g.prompt_tokens + len(g.token_ids)
                                      for s in batch for g in s.generations)}
     out["decode_tput"] = out["output_tokens"] / wall
+    out["tokens_per_cpu_s"] = out["output_tokens"] / out["cpu_s"] if out["cpu_s"] else None
     out["mean_footprint_tokens"] = _mean_footprint(batch)
     return out, batch
 
@@ -153,7 +175,9 @@ def _accuracy(args, log) -> dict:
     if model_dir is None:
         log(f"accuracy: skipped ({why})")
         return {"skipped": why}
-    arms = tuple(x.strip() for x in args.accuracy_arms.split(",") if x.strip())
+    default = "none,rounds,streaming,keynorm" + (
+        ",engine_streaming,engine_keynorm" if getattr(args, "in_engine", False) else "")
+    arms = tuple(x.strip() for x in (args.accuracy_arms or default).split(",") if x.strip())
     bad = [x for x in arms if x not in A.ARMS]
     if bad or not arms:
         raise SystemExit(f"--accuracy-arms: unknown {bad}; expected some of {A.ARMS}")
@@ -185,8 +209,11 @@ def _speed(args, log) -> dict:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(*TOKEN_RANGE) for _ in range(p)] for _ in range(n)]
     t0 = time.perf_counter()
+    in_engine = getattr(args, "in_engine", False)
+    conn = {"in_engine": True, "stats_interval_s": 0} if in_engine else None
     with engines(model=args.model, dtype=args.dtype, kv_tokens=cap, max_model_len=p + o + 64,
-                 chunk_size=args.chunk_size, log=log) as eng:
+                 chunk_size=args.chunk_size, log=log, connector_config=conn,
+                 vllm_args=args.vllm_args, l1_size_gb=args.l1_size_gb) as eng:
         ctx = kvedit.connect(eng.url, eng.http_url, eng.model, timeout=120)
         completion = kvedit.openai_completion(eng.vllm_url, eng.model)
         try:
@@ -203,11 +230,21 @@ def _speed(args, log) -> dict:
             log(f"budget: every={args.every} budget={b} policy={args.policy} ...")
             bud, bud_batch = _arm(ctx, completion, prompts, args, eng, budget=True,
                                   progress=not args.json)
-            live = {k for batch in (base_batch, bud_batch) for s in batch for k in s.keys}
+            batches = [base_batch, bud_batch]
+            if in_engine:
+                from kvedit.bench import long_engine
+
+                log(f"in_engine: every={args.every} budget={b} policy={args.policy} "
+                    f"positions={args.positions} ...")
+                eng_arm, eng_batch = long_engine.arm(
+                    ctx, completion, prompts, args, eng, _policy(args.policy), _sampling,
+                    _tokens_per_step, progress=not args.json)
+                batches.append(eng_batch)
+            live = {k for batch in batches for s in batch for k in s.keys}
             stats = ctx.client.stats()
             at_end = stats["objects"]
-            base_batch.release()
-            bud_batch.release()
+            for batch in batches:
+                batch.release()
             after = ctx.client.stats()
         finally:
             kvedit.close(ctx)
@@ -254,4 +291,48 @@ def _speed(args, log) -> dict:
                     "leaked_objects": "== 0"},
         "elapsed_s": time.perf_counter() - t0,
     }
+    if in_engine:
+        out.update(_three_arms(out, base, bud, eng_arm, n, cap, limit["baseline"]))
     return out
+
+
+def _three_arms(out: dict, base: dict, host: dict, eng: dict, n: int, cap: int,
+                base_limit: float) -> dict:
+    """The --in-engine view: one object per arm (none, host, in_engine), each with its gain
+    over `none` against its own KV bound; in_engine's targets beside it."""
+    def vs_none(r: dict) -> dict:
+        limit = min(n, cap / r["mean_footprint_tokens"])
+        bound = limit / base_limit
+        step = (r["tokens_per_step"] / base["tokens_per_step"]
+                if r["tokens_per_step"] and base["tokens_per_step"] else None)
+        return {"decode_gain": r["decode_tput"] / base["decode_tput"],
+                "decode_gain_bound": bound, "step_gain": step,
+                "gain_vs_bound": step / bound if step else None,
+                "arm_efficiency": r["tokens_per_step"] / limit if r["tokens_per_step"] else None}
+
+    host_arm = {**host, **vs_none(host),
+                "edit_overhead_fraction": host["edit_busy_s"] / host["wall_s"],
+                "leaked_objects": out["leaked_objects"]}
+    s = eng["in_engine"]
+    eng_arm = {**eng, **vs_none(eng),
+               "edit_overhead_fraction": eng["edit_busy_s"] / eng["wall_s"],
+               "vs_host_decode_throughput": eng["decode_tput"] / host["decode_tput"],
+               # the same with CPU seconds (engine, server and client) for wall seconds:
+               # what a shared box's load does not move
+               "vs_host_tokens_per_cpu_s": (eng["tokens_per_cpu_s"] / host["tokens_per_cpu_s"]
+                                            if eng["tokens_per_cpu_s"] and
+                                            host["tokens_per_cpu_s"] else None),
+               "vs_host_step_gain": (eng["tokens_per_step"] / host["tokens_per_step"]
+                                     if eng["tokens_per_step"] and host["tokens_per_step"]
+                                     else None),
+               "blocks_freed": s.get("blocks_released"), "blocks_reused": s.get("blocks_reused"),
+               "cow_blocks": s.get("cow_blocks"), "compactions": s.get("compactions"),
+               "stashes": s.get("stashes"), "restores": s.get("restores")}
+    return {"mode": "in_engine",
+            "none": {**base, "decode_gain": 1.0, "arm_efficiency":
+                     base["tokens_per_step"] / base_limit if base["tokens_per_step"] else None},
+            "host": host_arm, "in_engine": eng_arm,
+            "targets": {**out["targets"], "in_engine.gain_vs_bound": ">= 0.95",
+                        "in_engine.edit_overhead_fraction": "<= 0.02",
+                        "in_engine.leaked_blocks": "== 0",
+                        "in_engine.vs_host_decode_throughput": ">= 1.05"}}

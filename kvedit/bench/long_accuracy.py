@@ -7,7 +7,11 @@ Arms, each on fresh streams of the same samples (greedy, stopping at EOS or max_
   what re-sending the sequence every K tokens alone changes (bf16: a round recomputes the
   tail chunk, so greedy decoding may take another branch), apart from what a budget drops;
 - one per policy: `BatchedStream.run(..., every=K, budget=B)` with that policy (the budgeted
-  driver edits each stream whenever the next round would make it hold more than B tokens).
+  driver edits each stream whenever the next round would make it hold more than B tokens);
+- engine_<policy> (with `bench long --in-engine`): the same budget kept inside vLLM
+  (`run(..., in_engine=True)`: one request per stream, compacted in place). Count samples
+  only: a recall question is a second turn, which one vLLM request cannot take, and
+  re-sending the whole sequence would prefill it with full attention (recorded as skipped).
 Recall samples then get their question appended (`Stream.append`) and decode the answer; in
 the budgeted arms that last round holds at most B + question + answer tokens.
 Accuracy per arm and task with a 95% Wilson interval (kvedit.harness.eval.stats): count: the
@@ -22,7 +26,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ARMS = ("none", "rounds", "streaming", "keynorm")
+ARMS = ("none", "rounds", "streaming", "keynorm", "engine_streaming", "engine_keynorm")
+ENGINE = "engine_"
 UNLIMITED = 10**9  # the rounds arm's budget: never reached, so never an edit
 
 
@@ -74,9 +79,13 @@ def _run_arm(ctx, completion, samples, arm: str, cfg: AccuracyConfig, tok) -> di
                                                name=f"{s.task}-{s.index}")) for s in samples]
     most = max(s.max_tokens for s in samples)
     t0 = time.perf_counter()
+    engine = arm.startswith(ENGINE)
     if arm == "none":
         batch.prefill(_greedy(1))
         batch.decode(_greedy(most))
+    elif engine:
+        batch.run(_greedy(1), policy(arm[len(ENGINE):]), _greedy(most), every=cfg.every,
+                  budget=cfg.budget, in_engine=True)
     else:
         budget = UNLIMITED if arm == "rounds" else cfg.budget
         m = batch.run(_greedy(1), policy("streaming" if arm == "rounds" else arm),
@@ -89,7 +98,7 @@ def _run_arm(ctx, completion, samples, arm: str, cfg: AccuracyConfig, tok) -> di
     prefill_held = max(st.generations[0].prompt_tokens + 1 for st in streams)
     held = max((g.prompt_tokens + len(g.token_ids) for st in streams
                 for g in st.generations[1:]), default=0)
-    asking = [(st, s) for st, s in zip(streams, samples) if s.question_ids]
+    asking = [(st, s) for st, s in zip(streams, samples) if s.question_ids and not engine]
     if asking:
         for st, s in asking:
             st.append(s.question_ids)
@@ -105,7 +114,9 @@ def _run_arm(ctx, completion, samples, arm: str, cfg: AccuracyConfig, tok) -> di
                "count_fraction": score.fraction, "count_complete": score.complete}
         if not score.complete:
             rec["slip"] = _around_slip(text, score.produced)
-        if s.question_ids:
+        if s.question_ids and engine:
+            rec.update(depth=s.depth, ok=None, skipped="a second turn (docstring)")
+        elif s.question_ids:
             answer = tok.decode(st.output_token_ids[n:])
             rec.update(depth=s.depth, answer=answer, ok=s.recalled(answer))
         else:
@@ -130,7 +141,10 @@ def _summary(records, arm: str) -> dict:
 
     out = {}
     for task in sorted({r["task"] for r in records}):
-        rs = [r for r in records if r["task"] == task]
+        rs = [r for r in records if r["task"] == task and r["ok"] is not None]
+        if not rs:
+            out[task] = {"skipped": "no sample of this task runs in this arm"}
+            continue
         acc = accuracy(r["ok"] for r in rs).to_dict()
         acc["mean_count_fraction"] = sum(r["count_fraction"] for r in rs) / len(rs)
         out[task] = acc
@@ -152,9 +166,10 @@ def run(cfg: AccuracyConfig, model_dir: Path, log) -> dict:
                   for s in samples)
     t0 = time.perf_counter()
     arms = {}
+    conn = {"in_engine": True} if any(a.startswith(ENGINE) for a in cfg.arms) else None
     with engines(model=str(model_dir), served_model_name="smollm2", dtype="bfloat16",
                  max_model_len=longest + block_size(), chunk_size=cfg.chunk_size,
-                 log=log) as eng:
+                 log=log, connector_config=conn) as eng:
         ctx = kvedit.connect(eng.url, eng.http_url, eng.model, timeout=120)
         completion = kvedit.openai_completion(eng.vllm_url, eng.model)
         try:

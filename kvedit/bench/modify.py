@@ -1,39 +1,30 @@
 """`kvedit bench modify`: SDK modify throughput against a same-run memcpy of the same bytes.
 
-No vLLM: a kvedit server is started (or --server-url used), synthetic KV for N streams × T
+No vLLM: a kvedit server is started (or --server-url used), synthetic KV for N streams x T
 tokens of a Qwen3-8B-shaped layout is stored straight through the client, then
-BatchedStream.modify runs with the identity edit and with a drop-half edit (keep the first
-and last quarter of the chunks, drop the middle, as DropMiddle(0.5) without re-rotation),
-written in place (`drop_half`) and with torch.cat (`drop_half_cat`, which pays for fresh
-memory inside fn).
+BatchedStream.modify runs each arm's edit:
+- `identity`: fn returns kv as it is;
+- `drop_half`: keep the first and last quarter of the chunks, drop the middle (as
+  DropMiddle(0.5) without re-rotation), compacted in place in kv;
+- `new_tensor`: the same edit into a new tensor from `new_kv` (kvedit.sdk.output: the
+  context's reused pages), the way an fn that builds its output should;
+- `new_tensor_malloc`: the same with plain `torch.cat` (the process's malloc; fresh pages
+  every modify unless `--tune-glibc-heap`), for comparison.
+`identity_cold` is the first modify of the process.
 `modify_vs_memcpy` = memcpy seconds / modify seconds for the same KV bytes (target >= 0.5):
 each modify is paired with a memcpy (torch copy into touched memory, best of 3) timed just
 before it, since other work on a shared host makes timings drift; the median of the
 --repeats paired ratios is reported. `seconds`/`gbps` are the best modify.
-`identity_cold` is the first modify of the process. With write tracking (the default) in shm
-mode, fn's kv is mapped copy-on-write from the stored chunks (kvedit.sdk.chunkmap), so there
-is no retrieve copy; `--no-track-writes` measures the copy path (one copy into the context's
-reused buffers, byte-compare of reused chunks). connect() keeps large freed blocks for
-reuse by default (kvedit.sdk.alloc) and fn runs in the SDK's fn pool, whose threads
-allocate from the main malloc arena, so drop_half_cat's torch.cat reuses the previous
-output's pages once the heap has room for the outputs in flight; `--no-keep-freed-memory`
-measures malloc's default (process-wide: run the two variants in separate processes). Use
---repeats 5 or more: the first repeats pay fresh pages (heap growth for the first outputs,
-and the lazy server pool's first touch of new slots; docs/sdk.md, "where the time goes").
-
-Where fn runs. The arms above call the synchronous `batch.modify` from the main thread;
-`drop_half_cat_async` runs the same edit through the async API
-(`asyncio.run(batch.amodify(fn))`, no waiting caller). Both run a synchronous fn in the fn
-pool (kvedit.sdk.alloc.pool_reuses_memory; two streams' fns side by side), so the two arms
-differ only in the caller and in order: drop_half_cat is the first arm whose fn allocates,
-so its first repeats pay the heap's growth. With `--no-keep-freed-memory` there is no pool:
-the sync arm runs fn in the calling thread (main arena, one fn at a time), the async arm in
-the context's I/O threads (each with its own arena, fresh pages every time).
+With write tracking (the default) in shm mode, fn's kv is mapped copy-on-write from the
+stored chunks (kvedit.sdk.chunkmap), so there is no retrieve copy; `--no-track-writes`
+measures the copy path. connect() leaves the process's malloc alone by default;
+`--tune-glibc-heap` measures connect(tune_glibc_heap=True) (kvedit.sdk.glibc_tuning;
+process-wide: run the two variants in separate processes). The first repeat of an arm that
+writes new pages pays their first touch (docs/sdk.md, "where the time goes").
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -41,7 +32,7 @@ import time
 
 
 def register(bsub) -> None:
-    p = bsub.add_parser("modify", help="SDK modify (identity, drop-half) vs memcpy",
+    p = bsub.add_parser("modify", help="SDK modify (identity, drop-half, new tensor) vs memcpy",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--tokens", type=int, default=2048, help="tokens per stream")
@@ -55,9 +46,11 @@ def register(bsub) -> None:
     p.add_argument("--no-track-writes", action="store_true",
                    help="copy the KV out and byte-compare reused chunks instead of "
                         "copy-on-write mapping and tracking")
-    p.add_argument("--no-keep-freed-memory", action="store_true",
-                   help="connect(keep_freed_memory=False): leave malloc alone, so fn's fresh "
-                        "allocations fault in new pages on every modify")
+    p.add_argument("--tune-glibc-heap", action="store_true",
+                   help="connect(tune_glibc_heap=True): tune this process's malloc "
+                        "(kvedit.sdk.glibc_tuning) so new_tensor_malloc reuses touched pages")
+    p.add_argument("--arms", default="identity,drop_half,new_tensor,new_tensor_malloc",
+                   help="comma-separated arms to run (identity_cold always runs first)")
     p.add_argument("--server-url",
                    help="use this running server (tcp://...) instead of starting one")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
@@ -68,30 +61,41 @@ def _identity(kv, tokens):
     return kv, tokens
 
 
+def _halves(tokens, layout) -> tuple[int, int]:
+    """(q, tail): keep tokens [0, q) and [tail, T), the first and last quarter of the chunks."""
+    c = layout.chunk_size
+    quarter = len(tokens) // c // 4 * c
+    return quarter, len(tokens) - quarter
+
+
 def _drop_half(kv, tokens, layout):
     """Keep the first and last quarter of the chunks (chunk-granular DropMiddle, no RoPE),
     compacting in place: the kept tail moves next to the head, nothing is allocated."""
-    c = layout.chunk_size
-    quarter = len(tokens) // c // 4 * c
-    tail = len(tokens) - quarter
-    kv[:, :, quarter:2 * quarter].copy_(kv[:, :, tail:])
-    return kv[:, :, :2 * quarter], tokens[:quarter] + tokens[tail:]
+    q, tail = _halves(tokens, layout)
+    kv[:, :, q:2 * q].copy_(kv[:, :, tail:])
+    return kv[:, :, :2 * q], tokens[:q] + tokens[tail:]
 
 
-def _drop_half_cat(kv, tokens, layout):
-    """The same edit written with torch.cat: a new tensor (fresh memory, page faults)."""
+def _new_tensor(kv, tokens, layout, new_kv):
+    """The same edit into a new tensor on kvedit's reused output pages (new_kv)."""
     import torch
 
-    c = layout.chunk_size
-    quarter = len(tokens) // c // 4 * c
-    tail = len(tokens) - quarter
-    return torch.cat([kv[:, :, :quarter], kv[:, :, tail:]], dim=2), \
-        tokens[:quarter] + tokens[tail:]
+    q, tail = _halves(tokens, layout)
+    out = new_kv((2, kv.shape[1], 2 * q, kv.shape[3]), kv.dtype)
+    torch.cat([kv[:, :, :q], kv[:, :, tail:]], dim=2, out=out)
+    return out, tokens[:q] + tokens[tail:]
 
 
-def _modify(batch, fn, how: str):
-    """batch.modify from this (main) thread, or the async API (no waiting caller)."""
-    return batch.modify(fn) if how == "sync" else asyncio.run(batch.amodify(fn))
+def _new_tensor_malloc(kv, tokens, layout):
+    """The same edit with plain torch.cat: its output comes from the process's malloc."""
+    import torch
+
+    q, tail = _halves(tokens, layout)
+    return torch.cat([kv[:, :, :q], kv[:, :, tail:]], dim=2), tokens[:q] + tokens[tail:]
+
+
+ARMS = {"identity": _identity, "drop_half": _drop_half, "new_tensor": _new_tensor,
+        "new_tensor_malloc": _new_tensor_malloc}
 
 
 class _Memcpy:
@@ -149,10 +153,16 @@ def _streams(ctx, client, n: int, tokens: int, seed: int):
 def run(args) -> int:
     import torch
 
+    from kvedit.client import KVClient
+    from kvedit.launch.server import start_server
     from kvedit.layout import ModelLayout
-    from kvedit.sdk.alloc import fn_pool, keep_freed_memory
+    from kvedit.sdk import glibc_tuning
     from kvedit.sdk.context import connect
 
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        raise SystemExit(f"--arms: unknown {unknown}; expected some of {sorted(ARMS)}")
     lay = ModelLayout(num_layers=args.layers, num_kv_heads=args.kv_heads,
                       head_dim=args.head_dim, dtype=args.dtype, chunk_size=args.chunk_size)
     lay.validate()
@@ -163,41 +173,33 @@ def run(args) -> int:
     if args.server_url:
         url, http_url = args.server_url, None
     else:
-        from kvedit.launch.server import start_server
-
         # one batch at a time (deleted after each modify) + drop-half output + slack
         server = start_server(kv_bytes * 1.5 / 2**30 + 0.25, chunk_size=args.chunk_size)
         url, http_url = server.url, server.http_url
     model = "bench-qwen3-8b-shape"
     try:
-        from kvedit.client import KVClient
-
         with KVClient(url) as client:
             client.register(model, lay)
             with connect(url, http_url, model, timeout=10,
                          track_writes=False if args.no_track_writes else None,
-                         keep_freed_memory=not args.no_keep_freed_memory) as ctx:
+                         tune_glibc_heap=args.tune_glibc_heap) as ctx:
                 memcpy = _Memcpy(kv_bytes)
                 results, ratios, baselines, seed = {}, {}, [], 0
-                edits = (("identity_cold", _identity, 1, "sync"),
-                         ("identity", _identity, args.repeats, "sync"),
-                         ("drop_half", _drop_half, args.repeats, "sync"),
-                         ("drop_half_cat", _drop_half_cat, args.repeats, "sync"),
-                         ("drop_half_cat_async", _drop_half_cat, args.repeats, "async"))
-                for name, fn, repeats, how in edits:
+                edits = [("identity_cold", _identity, 1)] + \
+                    [(name, ARMS[name], args.repeats) for name in arms]
+                for name, fn, repeats in edits:
                     for _ in range(repeats):  # other work on a shared host drifts: pair
                         seed += 1             # each modify with a memcpy timed just before
                         batch = _streams(ctx, client, args.streams, args.tokens, seed)
                         batch.modify_concurrency = args.modify_concurrency
                         baselines.append(memcpy.warm())
-                        m = _modify(batch, fn, how)
+                        m = batch.modify(fn)
                         ratios.setdefault(name, []).append(baselines[-1] / m.duration)
                         if name not in results or m.duration < results[name].duration:
                             results[name] = m
                         client.delete(model, [k for s in batch for k in s.keys])
                 transfer, track = client.transfer_mode, ctx.pool.cow
-                keep_freed = not args.no_keep_freed_memory and keep_freed_memory()
-                pool = fn_pool()
+                pool = ctx.fn_pool
                 warm, fresh = statistics.median(baselines), memcpy.fresh()
     finally:
         if server is not None:
@@ -207,8 +209,8 @@ def run(args) -> int:
                    "num_layers": lay.num_layers, "num_kv_heads": lay.num_kv_heads,
                    "head_dim": lay.head_dim, "dtype": lay.dtype, "chunk_size": lay.chunk_size,
                    "modify_concurrency": args.modify_concurrency, "transfer_mode": transfer,
-                   "track_writes": track,
-                   "keep_freed_memory": keep_freed,
+                   "track_writes": track, "repeats": args.repeats,
+                   "tune_glibc_heap": glibc_tuning.tuned(),
                    "fn_pool": {"threads": pool.size, "main_arena": pool.main_arena,
                                "threads_started": pool.probes} if pool else None,
                    "torch_threads": torch.get_num_threads(),

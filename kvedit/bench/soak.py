@@ -1,15 +1,21 @@
-"""`kvedit bench soak`: minutes of mixed, hostile and unlucky load on one loopback server.
+"""`kvedit bench soak`: minutes or hours of mixed, hostile and unlucky load on a loopback server.
 
 Shared-memory and socket clients (separate processes, kvedit/bench/soak_procs.py) store,
-look up, retrieve and delete random keys of a working set larger than the pool, checking
-every chunk they read against bytes derived from its key. Meanwhile: clients SIGKILLed
-mid-store and mid-lease, a writer past its write TTL and a reader past its lease TTL, data-link
-GET and PUT transfers that stall half-way, one oversized request, one server restart, and a
-client sending a small Hello every ~10 ms for the control loop's latency. After every client
-has stopped and the TTLs have passed, the server's /status must show no lease and, once the
-cache is deleted, no slot in use. Then a scaling phase: the latency of a small request while
-/metrics (and /status, /cache pages) are scraped with 1M objects in the index (4 KiB
-chunks, lazy pool, never written), beside the same request with nobody scraping.
+look up, retrieve and delete random keys of a working set larger than the pool (eviction
+pressure), checking every chunk they read against bytes derived from its key. Meanwhile, in
+every cycle of the run: clients SIGKILLed mid-store and mid-lease, a writer past its write
+TTL and a reader past its lease TTL, data-link GET and PUT transfers that stall half-way,
+oversized requests, a restart of the L2 Redis, and idle periods longer than the data link's
+idle timeout; one server restart early and, in runs of several cycles, one half-way. All run
+long: a client sending a small Hello every ~10 ms (the control loop's latency) and, at a low
+rate, the attacks of an outside red-team run: a lease flood of one key x the key limit, a
+session pinning all the pool it may, unfinished HTTP heads beside /health probes and
+half-closed requests, and records planted in the L2 Redis without the secret. The server's
+RSS is sampled throughout. After every client has stopped and the TTLs have passed, the
+server's /status must show no lease and, once the cache is deleted, no slot in use. Then a
+scaling phase: the latency of a small request while /metrics (and /status, /cache pages) are
+scraped with 1M objects in the index (4 KiB chunks, lazy pool, never written), beside the
+same request with nobody scraping.
 Everything is bounded in time and count and stops every process it started.
 """
 from __future__ import annotations
@@ -26,22 +32,31 @@ import time
 from pathlib import Path
 
 TARGETS = {"torn_reads": 0, "leaked_slots": 0, "leaked_leases": 0, "unexpected_errors": 0,
-           "hello_p99_ms": 50.0, "scale_lookup_p99_ms": 50.0}
-RESTART_GRACE_S = 3.0   # errors this long after the restart belong to the restart
+           "hello_p99_ms": 50.0, "rss_growth_mb": 50.0, "scale_lookup_p99_ms": 50.0}
+RESTART_GRACE_S = 3.0   # errors this long after a restart belong to the restart
+CLIENT_TIMEOUT_S = 5.0  # ... and those of calls sent up to this long before it
+CYCLE_S = 600.0         # a long run repeats the timeline of events every this many seconds
+DATA_IDLE_S = 10.0      # the soak server's --data-idle-timeout (idle periods outlast it),
+                        # at most a twentieth of a cycle (short runs keep working)
+RSS_EVERY_S = 2.0
 
 
 def register(bsub) -> None:
-    p = bsub.add_parser("soak", help="minutes of mixed, hostile load; leaks, torn reads, "
-                                     "latency", description=__doc__.splitlines()[0])
+    p = bsub.add_parser("soak", help="minutes or hours of mixed, hostile load; leaks, torn "
+                                     "reads, latency, memory", description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=3.0,
                    help="length of the mixed phase (default 3; fractions are fine)")
+    p.add_argument("--hours", type=float, default=None,
+                   help="length of the mixed phase in hours (instead of --minutes)")
     p.add_argument("--shm-clients", type=int, default=2)
     p.add_argument("--socket-clients", type=int, default=2)
-    p.add_argument("--pool-mb", type=int, default=16,
-                   help="pool size (default 16 MiB: smaller than the working set)")
+    p.add_argument("--pool-mb", type=int, default=32,
+                   help="pool size (default 32 MiB: half the working set)")
     p.add_argument("--keys", type=int, default=1024,
                    help="working set in 64 KiB chunks (default 1024 = 64 MiB)")
     p.add_argument("--ttl", type=float, default=2.0, help="lease and write TTL of the server")
+    p.add_argument("--no-l2", action="store_true",
+                   help="no L2 Redis (default: one, with --l2-mac, when redis-server exists)")
     p.add_argument("--scale-objects", type=int, default=1_000_000,
                    help="objects in the index for the scaling phase (0: skip it)")
     p.add_argument("--scale-seconds", type=float, default=180.0,
@@ -137,13 +152,19 @@ def _victim(procs: _Procs, p: subprocess.Popen, rng: random.Random, shm: bool, w
     return "killed holding" if held else "killed before it held"
 
 
-def _rss_mb(pid: int, field: str = "VmRSS") -> float:
-    """VmRSS (all resident pages, the pool's shared pages the server touched included) or
-    RssAnon (the server's own heap: what a leak grows)."""
+def _rss_mb(pid: int, field: str = "own") -> float:
+    """A resident-memory figure of /proc/PID/status in MiB: VmRSS (all resident pages, the
+    pool's shared-memory pages the server touched included), RssAnon (the heap), or "own":
+    VmRSS without RssShmem, the server's own memory whatever the pool holds (the pool's
+    pages are bounded by --pool-mb by construction; a leak grows the rest)."""
+    fields = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+        name, _, rest = line.partition(":")
+        if name in ("VmRSS", "RssAnon", "RssShmem"):
+            fields[name] = int(rest.split()[0]) / 1024
+    if field == "own":
+        return fields.get("VmRSS", 0.0) - fields.get("RssShmem", 0.0)
+    return fields.get(field, 0.0)
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -153,52 +174,104 @@ def _pct(xs: list[float], q: float) -> float | None:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
 
 
-# the timeline of the mixed phase, as fractions of the run: the restart comes early so that
-# the hostile events after it are all on the server instance whose leaks are measured
-EVENTS = sorted([(0.15, "restart"), (0.30, "stall get"), (0.35, "oversized"),
-                 (0.45, "stall put")] + [(0.05 + 0.9 * k / 12, "victim") for k in range(12)])
+# One cycle of the mixed phase, as fractions of the cycle; a run has max(1, run / CYCLE_S)
+# cycles. The server restarts early in the first cycle (and half-way through a run of
+# several), so the hostile events after it are on the server instance whose leaks and memory
+# are measured; Redis restarts in every cycle.
+EVENTS = sorted([(0.30, "stall get"), (0.35, "oversized"), (0.45, "stall put"),
+                 (0.60, "redis restart")] + [(0.05 + 0.9 * k / 12, "victim") for k in range(12)])
+IDLE_AT = (0.40, 0.75)   # workers pause for the data idle timeout + 1 s here, each cycle
 VICTIM_KINDS = [(True, "store"), (False, "store"), (True, "lease"), (False, "lease"),
                 (True, "storing"), (False, "storing")]   # (shared memory?, what it holds)
+ATTACKERS = ("leaseflood", "poolpin", "httpflood")
+# what the attackers may be answered; each must also meet its `must` at least once
+ATTACK_OK = {
+    "leaseflood": {"Leased", "over_quota", "unknown_model", "no_reply"},
+    "poolpin": {"StoreSlots", "over_quota", "pool_full", "unknown_model", "no_reply",
+                "commit:Committed", "commit:store_expired", "commit:unknown_store",
+                "commit:no_reply", "release:Ok", "release:lease_expired",
+                "release:unknown_lease", "release:no_reply", "retrieve:Leased",
+                "retrieve:over_quota", "retrieve:unknown_model", "retrieve:no_reply"},
+    "httpflood": {"health:200", "half_closed_status:200"},
+    "l2poison": {"planted"},
+}
+ATTACK_MUST = {"leaseflood": "over_quota", "poolpin": "over_quota", "httpflood": "health:200",
+               "l2poison": "planted"}
 
 
 class _MixedRun:
-    """The mixed phase: one server, client processes, the timeline, then the leak check."""
+    """The mixed phase: one server (and its L2 Redis), client processes, the timeline, the
+    RSS sampler, then the leak check."""
 
     def __init__(self, args, secret_file: str, logdir: Path):
         from kvedit.bench.soak_procs import LAYOUT
+        from kvedit.launch.redis import RedisProcess, redis_server_path
         from kvedit.launch.server import start_server
-        self.args, self.ttl, self.run_s = args, args.ttl, args.minutes * 60
+        self.args, self.ttl = args, args.ttl
+        self.run_s = args.hours * 3600 if args.hours is not None else args.minutes * 60
+        self.cycles = max(1, round(self.run_s / CYCLE_S))
+        self.data_idle = round(min(DATA_IDLE_S, self.run_s / self.cycles / 20), 2)
         self.rng = random.Random(args.seed)
         self.pool_chunks = (args.pool_mb << 20) // LAYOUT.chunk_bytes
         self.chunk_bytes = LAYOUT.chunk_bytes
+        self.redis = None
+        if not args.no_l2 and redis_server_path() is not None:
+            self.redis = RedisProcess()
         t = str(args.ttl)
-        self.srv = start_server(args.pool_mb / 1024, extra_args=[
-            "--lease-ttl", t, "--write-ttl", t, "--quarantine-ttl", str(2 * args.ttl),
-            "--transfer-idle-timeout", "2", "--transfer-timeout", "20",
-            "--data-idle-timeout", "10", "--secret-file", secret_file])
+        l2 = ["--l2-url", self.redis.url, "--l2-mac"] if self.redis is not None else []
+        try:
+            self.srv = start_server(args.pool_mb / 1024, extra_args=[
+                "--lease-ttl", t, "--write-ttl", t, "--quarantine-ttl", str(2 * args.ttl),
+                "--transfer-idle-timeout", "2", "--transfer-timeout", "20",
+                "--data-idle-timeout", str(self.data_idle), "--secret-file", secret_file,
+                # the attackers meet their caps within seconds; the stalled GET (12 MiB, more
+                # than the kernel buffers) still fits beside the pool pinner's half
+                "--max-leases-per-client", "32", "--max-client-pool-fraction", "0.5", *l2])
+        except BaseException:
+            if self.redis is not None:
+                self.redis.stop()
+            raise
         self.base = {"url": self.srv.url, "secret_file": secret_file, "keys": args.keys,
-                     "ttl": args.ttl, "timeout": 5.0}
+                     "ttl": args.ttl, "timeout": CLIENT_TIMEOUT_S}
         self.procs = _Procs(logdir, self.base)
         self.secret_file = secret_file
         self.victims: list[str] = []
-        self.restart: tuple[float, float] | None = None
+        self.restarts: list[tuple[float, float]] = []   # server and Redis
         self.rss_base: tuple[float, float] | None = None
+        self.rss: list[list[float]] = []
+        self._sampling = threading.Event()
 
     def run(self) -> dict:
+        sampler = threading.Thread(target=self._sample_rss, daemon=True)
         try:
             self._start_clients()
-            self._timeline()
+            sampler.start()
+            for c in range(self.cycles):
+                self._timeline(c)
             time.sleep(max(0.0, self.deadline - time.time()))
             self.procs.collect(timeout=2 * self.ttl + 30)
-            return self._check() | _summarize(self.procs.results, self.restart) | {
-                "victims": self.victims, "restart": None if self.restart is None else
-                {"seconds": round(self.restart[1] - self.restart[0], 3),
-                 "began_s": round(self.restart[0] - self.t0, 3),
-                 "ended_s": round(self.restart[1] - self.t0, 3)},
+            checked = self._check()
+            self._sampling.set()
+            return checked | _summarize(self.procs.results, self.restarts) | {
+                "cycles": self.cycles, "l2": self.redis is not None,
+                "victims": self.victims[:24], "victim_count": len(self.victims),
+                "restarts": [{"began_s": round(a - self.t0, 3), "seconds": round(b - a, 3)}
+                             for a, b in self.restarts],
+                "rss_samples_mb": _thin(self.rss, 300),
                 "started_at": round(self.t0, 3)}
         finally:
+            self._sampling.set()
             self.procs.kill_all()
             self.server_exit_code = self.srv.stop()
+            if self.redis is not None:
+                self.redis.stop()
+
+    def _sample_rss(self) -> None:
+        while not self._sampling.wait(RSS_EVERY_S):
+            try:
+                self.rss.append([round(time.time() - self.t0, 1), round(_rss_mb(self.srv.pid), 1)])
+            except (AttributeError, OSError):   # restarting
+                pass
 
     def _start_clients(self) -> None:
         procs, rng, run_s = self.procs, self.rng, self.run_s
@@ -208,41 +281,70 @@ class _MixedRun:
                                            seed=rng.randrange(1 << 30),
                                            max_ops=int(run_s * 4000) + 100))
         self.steady.append(procs.spawn("laggard", shm=True, seed=rng.randrange(1 << 30),
-                                       max_ops=1000))
-        self.later = {name: procs.spawn(role) for name, role in (
-            ("stall get", "stall"), ("stall put", "stall"), ("oversized", "oversized"))}
+                                       max_ops=int(run_s) + 1000))
+        attackers = [procs.spawn(role, seed=rng.randrange(1 << 30)) for role in ATTACKERS]
+        if self.redis is not None:
+            attackers.append(procs.spawn("l2poison", seed=rng.randrange(1 << 30),
+                                         l2_url=self.redis.url))
         # victims start importing early (seconds on a busy box): (process, said "ready")
         self.spares = [(procs.spawn("victim"), False), (procs.spawn("victim"), False)]
         first = self.spares[0][0]
-        for p in [*self.steady, *self.later.values(), first]:   # imports done: start the clock
+        for p in [*self.steady, *attackers, first]:   # imports done: start the clock
             if procs.line(p, 180.0) is None:
                 raise RuntimeError(f"a soak client did not start: {procs.log(p)}")
         self.spares[0] = (first, True)
         self.t0 = time.time()
         self.deadline = self.t0 + run_s
+        cycle = run_s / self.cycles
+        idle = [[self.t0 + (c + f) * cycle, self.t0 + (c + f) * cycle + self.data_idle + 1]
+                for c in range(self.cycles) for f in IDLE_AT]
         for p in self.steady:
-            procs.go(p, deadline=self.deadline)
+            procs.go(p, deadline=self.deadline, idle_windows=idle)
+        for p in attackers:
+            procs.go(p, deadline=self.deadline, http=[self.srv.host, self.srv.http_port])
 
-    def _timeline(self) -> None:
-        for frac, what in EVENTS:
-            time.sleep(max(0.0, self.t0 + frac * self.run_s - time.time()))
+    def _timeline(self, c: int) -> None:
+        cycle = self.run_s / self.cycles
+        events = list(EVENTS)
+        if c == 0 or (self.cycles > 2 and c == self.cycles // 2):
+            events = sorted(events + [(0.15, "restart")])
+        for frac, what in events:
+            time.sleep(max(0.0, self.t0 + (c + frac) * cycle - time.time()))
             if what == "victim":
                 self._victim()
             elif what.startswith("stall"):
-                self.procs.go(self.later[what], what=what.split()[1],
-                              data_port=_data_port(self.srv, self.base), stall_seconds=8.0,
-                              seed=self.rng.randrange(1 << 30), deadline=self.deadline,
-                              stall_chunks=min(192, self.pool_chunks * 3 // 4))
+                self._one_shot("stall", what=what.split()[1], stall_seconds=8.0,
+                               data_port=_data_port(self.srv, self.base),
+                               seed=self.rng.randrange(1 << 30),
+                               stall_chunks=min(192, self.pool_chunks * 3 // 4))
             elif what == "oversized":
-                self.procs.go(self.later["oversized"], deadline=self.deadline)
+                self._one_shot("oversized")
+            elif what == "redis restart" and self.redis is not None:
+                r0 = time.time()
+                self.redis.kill()
+                time.sleep(1.0)
+                self.redis.start()
+                self.restarts.append((r0, time.time()))
             elif what == "restart":
                 r0 = time.time()
                 self.srv.restart()
-                self.restart = (r0, time.time())
-                time.sleep(min(5.0, self.run_s * 0.05))
-                self.rss_base = _rss_mb(self.srv.pid), _rss_mb(self.srv.pid, "RssAnon")
-        for p, _ in self.spares:
+                self.restarts.append((r0, time.time()))
+                time.sleep(min(5.0, cycle * 0.05))
+                self.rss_base = (_rss_mb(self.srv.pid), _rss_mb(self.srv.pid, "RssAnon"),
+                                 _rss_mb(self.srv.pid, "VmRSS"))
+        if c == self.cycles - 1:
+            for p, _ in self.spares:
+                self.procs.kill_one(p)
+
+    def _one_shot(self, role: str, **cfg) -> None:
+        """A client for one event: started now (raw-protocol roles import in a second)."""
+        p = self.procs.spawn(role)
+        if self.procs.line(p, 60.0) is None:
+            self.procs.results.setdefault("crashed", []).append(
+                {"role": role, "rc": None, "log": "did not start in 60 s"})
             self.procs.kill_one(p)
+            return
+        self.procs.go(p, deadline=self.deadline, **cfg)
 
     def _victim(self) -> None:
         p, ready = self.spares.pop(0)
@@ -269,9 +371,11 @@ class _MixedRun:
                     break
                 time.sleep(0.5)
             st = http.get("/status").json()
+            l2_after = st.get("l2")
             http.delete("/cache").raise_for_status()
             after = http.get("/status").json()
-            rss_end = _rss_mb(self.srv.pid), _rss_mb(self.srv.pid, "RssAnon")
+            rss_end = (_rss_mb(self.srv.pid), _rss_mb(self.srv.pid, "RssAnon"),
+                       _rss_mb(self.srv.pid, "VmRSS"))
             rss_base = self.rss_base or rss_end
             keepalive = []
             for _ in range(200):   # sequential GET /health over one keep-alive connection
@@ -286,10 +390,12 @@ class _MixedRun:
                                                         "evictions", "counters")},
             "pool_used_after_delete": after["pool"]["used"],
             "rss_mb_after_restart": round(rss_base[0], 1), "rss_mb_end": round(rss_end[0], 1),
-            "rss_growth_mb": round(rss_end[0] - rss_base[0], 1),
+            "rss_growth_mb": round(rss_end[0] - rss_base[0], 1),     # VmRSS - RssShmem
             "anon_rss_growth_mb": round(rss_end[1] - rss_base[1], 1),
+            "vmrss_growth_mb": round(rss_end[2] - rss_base[2], 1),   # with pool pages
             "http_keepalive_p50_ms": _pct(keepalive, 0.5),
             "http_keepalive_p99_ms": _pct(keepalive, 0.99),
+            "l2_status": l2_after,
         }
 
 
@@ -297,6 +403,14 @@ def mixed_phase(args, secret_file: str, logdir: Path) -> dict:
     run = _MixedRun(args, secret_file, logdir)
     out = run.run()
     return out | {"server_exit_code": run.server_exit_code}
+
+
+def _thin(points: list, n: int) -> list:
+    """At most about n of `points`, evenly spaced, the last one kept."""
+    if len(points) <= n:
+        return points
+    step = len(points) / n
+    return [points[int(i * step)] for i in range(n)] + [points[-1]]
 
 
 def _quarantined(st: dict) -> bool:
@@ -312,9 +426,9 @@ def _data_port(srv, base: dict) -> int:
     return info.data_port
 
 
-def _summarize(results: dict, restart) -> dict:
+def _summarize(results: dict, restarts: list[tuple[float, float]]) -> dict:
     def in_restart(t: float) -> bool:
-        return restart is not None and restart[0] - 0.5 <= t <= restart[1] + RESTART_GRACE_S
+        return any(a - CLIENT_TIMEOUT_S - 0.5 <= t <= b + RESTART_GRACE_S for a, b in restarts)
 
     ops, torn, stale, checked = 0, 0, 0, 0
     errors: dict[str, int] = {}
@@ -341,13 +455,26 @@ def _summarize(results: dict, restart) -> dict:
     for s in stalls:
         ok = s.get("server_closed_it") and s.get("late_reply") in (
             "store_expired", "lease_expired", "unknown_store", "unknown_lease")
-        if not ok:
+        if not ok and not s.get("setup_failed"):
             unexpected += 1
             examples.append(["stall", s])
-    over = results.get("oversized", [{}])[0]
-    if over.get("too_many_keys") != "too_many_keys" or over.get("hello_after") != "ServerInfo":
-        unexpected += 1
-        examples.append(["oversized", over])
+    overs = results.get("oversized", [])
+    for over in overs:
+        if over.get("too_many_keys") != "too_many_keys" or over.get("hello_after") != \
+                "ServerInfo" or over.get("tiny_keys") != "too_many_keys":
+            unexpected += 1
+            examples.append(["oversized", over])
+    attacks = {}
+    for role, allowed in ATTACK_OK.items():
+        for r in results.get(role, []):
+            odd = {k: n for k, n in r["counts"].items() if k not in allowed
+                   and not all(in_restart(t) for t in r["when"].get(k, [0.0]))}
+            missed = r["counts"].get(ATTACK_MUST[role], 0) == 0
+            unexpected += sum(odd.values()) + missed
+            if odd or missed:
+                examples.append([role, {"odd": odd, "missing": ATTACK_MUST[role] if missed
+                                        else None}])
+            attacks[role] = r["counts"]
     for bad in ("crashed", "overran"):
         unexpected += len(results.get(bad, []))
         examples += [[bad, x] for x in results.get(bad, [])][:3]
@@ -358,13 +485,16 @@ def _summarize(results: dict, restart) -> dict:
         examples.append(["hello without a reply within 1 s, sent at", fails[:5]])
     per_worker = [{"transport": r["notes"].get("transport"), "ops": r["ops"],
                    "by_kind": r["by_kind"], "errors": r["errors"],
-                   "chunks_checked": r["chunks_checked"]} for r in results.get("worker", [])]
+                   "chunks_checked": r["chunks_checked"],
+                   "idle_periods": r["notes"].get("idle_periods", 0),
+                   "client_counters": r["notes"].get("client_counters")}
+                  for r in results.get("worker", [])]
     return {"ops": ops, "chunks_checked": checked, "per_worker": per_worker,
             "errors_by_code": errors,
             "unexpected_errors": unexpected, "unexpected_examples": examples[:10],
             "errors_during_restart": during_restart, "torn_reads": torn,
             "stale_reads_refused_by_fence": stale, "late_writer_reader": late,
-            "stalls": stalls, "oversized": over,
+            "stalls": stalls[:6], "oversized": overs[:3], "attacks": attacks,
             "hello_count": len(hello), "hello_failures": len(fails),
             "hello_p50_ms": _pct(hello, 0.5), "hello_p99_ms": _pct(hello, 0.99),
             "hello_max_ms": _pct(hello, 1.0)}
@@ -458,7 +588,8 @@ def measure(args) -> dict:
         logdir = Path(tmp) / "logs"
         logdir.mkdir()
         t0 = time.time()
-        res = {"minutes": args.minutes, "shm_clients": args.shm_clients,
+        minutes = args.hours * 60 if args.hours is not None else args.minutes
+        res = {"minutes": minutes, "shm_clients": args.shm_clients,
                "socket_clients": args.socket_clients, "pool_mb": args.pool_mb,
                "working_set_mb": args.keys * 64 // 1024, "ttl_s": args.ttl}
         res |= mixed_phase(args, secret_file, logdir)

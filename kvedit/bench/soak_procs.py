@@ -10,7 +10,15 @@ Roles:
   victim    prepares a store, takes a lease or stores in a loop, says so, waits for SIGKILL
   pinger    a small Hello every ~10 ms on its own socket: the control loop's latency
   stall     a raw data-link GET (or PUT) that stops reading (writing) half-way
-  oversized one request over the server's key limit, one over its message size
+  oversized one request over the server's key limit, one over its message size, one as large
+            as allowed made of one-byte keys
+  leaseflood  leases one key x the key limit in a loop and never releases (must meet
+            over_quota, and nothing else)
+  poolpin   prepares stores until refused (over_quota), commits and leases them, again and
+            again: one session pinning all it may of the pool
+  httpflood unfinished HTTP request heads topped up, /health probed (every probe answered),
+            half-closed /status requests (answered)
+  l2poison  plants chunk records without the secret in the L2 Redis (never promoted)
 Each chunk's bytes derive from its key (`expected`), so any reader can verify any chunk.
 """
 from __future__ import annotations
@@ -126,12 +134,22 @@ def _read_and_check(t: Tally, c, keys: list[bytes], hold: float = 0.0) -> bool:
     return True
 
 
+def _idle_until(windows: list[list[float]]) -> float | None:
+    """The end of the idle window now falls in, if any."""
+    now = time.time()
+    return next((end for start, end in windows if start <= now < end), None)
+
+
 def worker(cfg: dict) -> dict:
     rng = random.Random(cfg["seed"])
     t = Tally()
     c = None
     deadline, nkeys = cfg["deadline"], cfg["keys"]
     while time.time() < deadline and t.ops < cfg["max_ops"]:
+        if (end := _idle_until(cfg.get("idle_windows", []))) is not None:
+            time.sleep(max(0.0, min(end, deadline) - time.time()))   # longer than the
+            t.notes["idle_periods"] = t.notes.get("idle_periods", 0) + 1   # data link keeps
+            continue
         if c is None:
             t.op_started = time.time()
             try:
@@ -159,6 +177,7 @@ def worker(cfg: dict) -> dict:
     t.notes["stopped_at"] = round(time.time(), 3)
     t.notes["transport"] = "shm" if cfg["shm"] else "socket"
     if c is not None:
+        t.notes["client_counters"] = c.counters()
         c.close()
     return t.result()
 
@@ -342,9 +361,17 @@ def oversized(cfg: dict) -> dict:
     peer = RawPeer(cfg)
     peer.call(P.Register(model=MODEL, layout=LAYOUT))
     out = {}
-    many = P.Retrieve(model=MODEL, keys=[i.to_bytes(16, "little") for i in range(200_000)])
+    info = peer.call(P.Hello())
+    many = P.Retrieve(model=MODEL, keys=[i.to_bytes(16, "little")
+                                         for i in range(info.max_keys_per_request + 1)])
     r = peer.call(many, timeout=30)
     out["too_many_keys"] = r.code if isinstance(r, P.Error) else repr(r)[:100]
+    cap = info.max_message_bytes
+    tiny = P.encoder.encode(P.Lookup(model=MODEL, keys=[b"x"] * ((cap - 200) // 3)))
+    t0 = time.perf_counter()
+    r = peer.call(tiny, timeout=30)
+    out["tiny_keys_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
+    out["tiny_keys"] = r.code if isinstance(r, P.Error) else repr(r)[:100]
     big = P.encoder.encode(P.Lookup(model=MODEL, keys=[bytes(16)])) + bytes(32 << 20)
     r = peer.call(big, timeout=10)   # over MAXMSGSIZE: libzmq drops us, no reply
     out["over_message_size"] = "no reply (dropped)" if r is None else (
@@ -358,8 +385,167 @@ def oversized(cfg: dict) -> dict:
     return out
 
 
+class Codes:
+    """What an attacker's requests got: replies by type or error code, each with the times
+    it happened (kept for the first few, to tell a server restart from a real failure)."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+        self.when: dict[str, list[float]] = {}
+
+    def add(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+        times = self.when.setdefault(what, [])
+        if len(times) < MAX_ODD:
+            times.append(round(time.time(), 3))
+
+    def result(self) -> dict:
+        return {"counts": self.counts, "when": self.when}
+
+
+def _reply_name(r) -> str:
+    return "no_reply" if r is None else r.code if isinstance(r, P.Error) else type(r).__name__
+
+
+def _paced(cfg: dict, rate: float):
+    """Yield until the deadline, about `rate` times a second."""
+    while time.time() < cfg["deadline"]:
+        yield
+        time.sleep(1.0 / rate)
+
+
+def leaseflood(cfg: dict) -> dict:
+    """Lease one ready key x the server's key limit, over and over, never releasing."""
+    peer, codes = RawPeer(cfg), Codes()
+    k = key(cfg["keys"] + (1 << 40))   # outside the workers' keys: its bytes are not checked
+    flood = None
+    for _ in _paced(cfg, cfg.get("rate", 10.0)):
+        if flood is None:
+            info = peer.call(P.Hello(), 2.0)
+            if info is None:
+                codes.add("no_reply")
+                continue
+            peer.call(P.Register(model=MODEL, layout=LAYOUT), 2.0)
+            slots = peer.call(P.PrepareStore(model=MODEL, keys=[k]), 2.0)
+            if isinstance(slots, P.StoreSlots):
+                peer.call(P.Commit(store_id=slots.store_id), 2.0)
+            flood = P.encoder.encode(P.Retrieve(model=MODEL,
+                                                keys=[k] * info.max_keys_per_request))
+        r = peer.call(flood, 5.0)
+        codes.add(_reply_name(r))
+        if isinstance(r, P.Leased) and r.count == 0 or _reply_name(r) in ("unknown_model",
+                                                                          "no_reply"):
+            flood = None   # evicted, or a restarted server: store it again
+    peer.close()
+    return codes.result()
+
+
+def poolpin(cfg: dict) -> dict:
+    """Prepare stores of fresh keys until the server refuses, then commit them and lease
+    what was committed, and start again: all the pool one session may pin, all the time."""
+    peer, codes = RawPeer(cfg), Codes()
+    rng = random.Random(cfg["seed"])
+    stores: list[tuple[int, list[bytes]]] = []
+    leases: list[int] = []
+    peer.call(P.Register(model=MODEL, layout=LAYOUT), 2.0)
+    for _ in _paced(cfg, cfg.get("rate", 20.0)):
+        keys = [key(cfg["keys"] + (1 << 41) + rng.randrange(1 << 30)) for _ in range(8)]
+        r = peer.call(P.PrepareStore(model=MODEL, keys=keys), 2.0)
+        codes.add(_reply_name(r))
+        if isinstance(r, P.StoreSlots):
+            stores.append((r.store_id, keys))
+            continue
+        if _reply_name(r) == "unknown_model":
+            peer.call(P.Register(model=MODEL, layout=LAYOUT), 2.0)
+        done = []
+        for sid, ks in stores:   # at its limit: publish and lease what it has, keep going
+            c = peer.call(P.Commit(store_id=sid), 2.0)
+            codes.add("commit:" + _reply_name(c))
+            if isinstance(c, P.Committed):
+                done += ks
+        stores = []
+        for lid in leases:
+            codes.add("release:" + _reply_name(peer.call(P.Release(lease_id=lid), 2.0)))
+        leases = []
+        if done:
+            lr = peer.call(P.Retrieve(model=MODEL, keys=done), 2.0)
+            codes.add("retrieve:" + _reply_name(lr))
+            if isinstance(lr, P.Leased):
+                leases.append(lr.lease_id)
+    peer.close()
+    return codes.result()
+
+
+def httpflood(cfg: dict) -> dict:
+    """Unfinished request heads (70, topped up), /health probes, half-closed requests."""
+    host, port = cfg["http"]
+    headers = auth.bearer_header(auth.load_secret(None, cfg.get("secret_file")))
+    codes, held = Codes(), []
+    last_half = 0.0
+    for _ in _paced(cfg, 2.0):
+        held = [c for c in held if c.fileno() != -1]
+        while len(held) < 70:
+            try:
+                c = socket.create_connection((host, port), timeout=2)
+                c.sendall(b"GET /status HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+                held.append(c)
+            except OSError:
+                break
+        if len(held) > 200:
+            for c in held[:-70]:
+                c.close()
+            held = held[-70:]
+        codes.add("health:" + _http_status(host, port, "GET /health", {}, half=False))
+        if time.time() - last_half > 5:
+            last_half = time.time()
+            codes.add("half_closed_status:" + _http_status(host, port, "GET /status", headers,
+                                                           half=True))
+    for c in held:
+        c.close()
+    return codes.result()
+
+
+def _http_status(host: str, port: int, line: str, headers: dict, half: bool) -> str:
+    """The status code of one request on a fresh connection ('none' without an answer);
+    `half`: shut our side down after the request."""
+    extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    try:
+        with socket.create_connection((host, port), timeout=5) as c:
+            c.sendall(f"{line} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{extra}\r\n"
+                      .encode())
+            if half:
+                c.shutdown(socket.SHUT_WR)
+            head = c.recv(64)
+    except OSError:
+        return "none"
+    parts = head.split()
+    return parts[1].decode() if len(parts) > 1 and head.startswith(b"HTTP/") else "none"
+
+
+def l2poison(cfg: dict) -> dict:
+    """Plant records for workers' keys in the L2 Redis without the secret: a valid checksum
+    in the plain format, or the MAC'd format with a guessed key. Any of them promoted would
+    be a torn read in a worker."""
+    import torch
+    from kvedit.server.l2_redis import RedisChunks, layout_tag, redis_key
+    rng, codes = random.Random(cfg["seed"]), Codes()
+    poison = torch.full(LAYOUT.chunk_shape, 7, dtype=torch.uint8).numpy().reshape(-1)
+    tag = layout_tag(LAYOUT)
+    for _ in _paced(cfg, 2.0):
+        rc = RedisChunks(cfg["l2_url"], timeout=2.0, mac_key=rng.choice([None, b"g" * 32]))
+        try:
+            rc.put(redis_key("kvedit", MODEL, tag, 0, key(rng.randrange(cfg["keys"]))), poison)
+            codes.add("planted")
+        except Exception as e:   # noqa: BLE001 - Redis restarting: counted, not fatal
+            codes.add(f"redis:{type(e).__name__}")
+        finally:
+            rc.close()
+    return codes.result()
+
+
 ROLES = {"worker": worker, "laggard": laggard, "victim": victim, "pinger": pinger,
-         "stall": stall, "oversized": oversized}
+         "stall": stall, "oversized": oversized, "leaseflood": leaseflood,
+         "poolpin": poolpin, "httpflood": httpflood, "l2poison": l2poison}
 
 def main(role: str, cfg: dict) -> None:
     if role in ("worker", "laggard", "victim"):   # the KVClient: torch, seconds to import

@@ -26,7 +26,7 @@ import zmq
 
 from kvedit import auth
 from kvedit import protocol as P
-from kvedit.client.datalink import LinkClient
+from kvedit.client.datalink import LinkClient, client_idle_timeout
 from kvedit.client.handles import (KVError, Retrieved, ServerUnavailable, StoreHandle, StoreResult,
                             ttl_margin)
 from kvedit.layout import ModelLayout
@@ -48,14 +48,20 @@ class KVClient:
     zero-copy views into it, valid until release(); over the socket the bytes travel on the
     data link and retrieved tensors live in receive buffers reused after release().
     Survives a server restart: the next reply with a new instance id re-attaches, and models
-    registered through this client are registered again on demand.
+    registered through this client are registered again on demand. Over the socket,
+    `data_idle_timeout` (default: half the server's --data-idle-timeout) is how long an idle
+    data connection is reused; one the server closed is replaced before use, and a transfer
+    that found it closed is sent again once (kvedit.client.datalink; `counters()`).
+    With no secret given (nor $KVEDIT_SECRET / $KVEDIT_SECRET_FILE), a loopback server's own
+    secret is read from this user's runtime directory (kvedit.rundir).
     """
 
     def __init__(self, url: str = "tcp://127.0.0.1:6555", *, use_shm: bool | None = None,
                  timeout: float = 30.0, secret: str | bytes | None = None,
-                 secret_file: str | None = None):
+                 secret_file: str | None = None, data_idle_timeout: float | None = None):
         self.url, self.timeout, self._use_shm = url, timeout, use_shm
-        self._secret = auth.load_secret(secret, secret_file)
+        self._data_idle_timeout = data_idle_timeout
+        self._secret = auth.load_secret(secret, secret_file, url=url)
         self.session = secrets.token_bytes(auth.SESSION_BYTES)
         self._ctx = zmq.Context()
         self._local = threading.local()
@@ -90,8 +96,9 @@ class KVClient:
         if self._use_shm is None and info.shm_name:
             log.info("kvedit client: socket transfers (%s)", shm)
         host = self.url.rsplit("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        idle = client_idle_timeout(info.data_idle_timeout, self._data_idle_timeout)
         self._transport = SocketTransport(LinkClient(host, info.data_port, self.timeout,
-                                                     self.session, self._secret))
+                                                     self.session, self._secret, idle))
 
     def _check_instance(self, instance: int) -> None:
         """A reply from a restarted server: re-attach before trusting its slot offsets."""
@@ -154,7 +161,10 @@ class KVClient:
             if left <= 0 or not sock.poll(max(1, int(left * 1000))):
                 self._drop_sock()
                 hint = (" (with a secret set, a server with another secret or none never "
-                        "answers: CURVE drops the connection)" if self._secret else "")
+                        "answers: CURVE drops the connection)" if self._secret else
+                        " (no secret found: a server with one, the default, never answers; "
+                        "give secret_file=, $KVEDIT_SECRET_FILE, or run as the server's user "
+                        "for a loopback server's own file, kvedit.rundir)")
                 raise ServerUnavailable("timeout", f"no reply from the kvedit server at "
                                                    f"{self.url} within {timeout or self.timeout}"
                                                    f" s to {type(msg).__name__}{hint}")
@@ -288,12 +298,37 @@ class KVClient:
         ttl = self._info.lease_ttl
         return current.open_lease(self, reply, t0 + ttl - ttl_margin(ttl))
 
+    def pin(self, model: str, keys: list[bytes], tp_rank: int = 0) -> tuple[int, int]:
+        """Lease the leading ready `keys` without reading them -> (lease id, how many): the
+        server keeps them (no eviction) until `unpin(lease id)` or its lease TTL. What the
+        connector's lookup holds until the load (kvedit.vllm.pins)."""
+        reply = self._model_call(model, tp_rank, P.Retrieve(model=model, keys=list(keys),
+                                                            tp_rank=tp_rank))
+        return reply.lease_id, reply.count
+
+    def unpin(self, lease_id: int) -> None:
+        """Let go of a pin; one already gone (expired, a restarted server) is not an error."""
+        try:
+            self.release_lease(lease_id)
+        except KVError as e:
+            if e.code not in ("unknown_lease", "lease_expired", "not_holder"):
+                raise
+
     def delete(self, model: str, keys: list[bytes], tp_rank: int = 0) -> int:
         return self._model_call(model, tp_rank,
                                 P.Delete(model=model, keys=list(keys), tp_rank=tp_rank)).n
 
     def stats(self) -> dict:
+        """The server's counters (Stats); this client's own are `counters()`."""
         return self._call(P.Stats()).stats
+
+    def counters(self) -> dict[str, int]:
+        """This client's own counters: data-link connections opened, idle ones replaced
+        before use (`idle_reconnects`), ones found closed by the server before use
+        (`closed_reconnects`) and transfers sent again after such a close (`retries`);
+        zeros over shared memory."""
+        out = {"connects": 0, "idle_reconnects": 0, "closed_reconnects": 0, "retries": 0}
+        return out | (self._transport.counters() if self._transport is not None else {})
 
     # ---- captured queries (issue 10): one object of kind "queries" per key -------------
     def store_queries(self, model: str, key: bytes, data: torch.Tensor,

@@ -116,6 +116,10 @@ class ShmTransport:
     def segment(self) -> tuple[str, torch.Tensor] | None:
         return None if self._seg is None else (self.path, self._seg)
 
+    def counters(self) -> dict[str, int]:
+        """No connection of its own to count."""
+        return {}
+
     def close(self) -> None:
         self._seg = None
         if self._mm is not None:
@@ -163,6 +167,10 @@ class SocketTransport:
 
     def segment(self) -> tuple[str, torch.Tensor] | None:
         return None
+
+    def counters(self) -> dict[str, int]:
+        """The data link's reconnects and retries (kvedit.client.datalink)."""
+        return dict(self.link.counters)
 
     def close(self) -> None:
         self.link.close()

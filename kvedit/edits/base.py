@@ -113,6 +113,9 @@ class DropPolicy:
     # True: those queries are a reconstruction pass's (KVzip, kvedit.sdk.kvzip), not the
     # prompt's own: the policy does not see the question (query-agnostic).
     needs_reconstruction: ClassVar[bool] = False
+    # False: the scores depend on positions only, never on the KV's values (an engine that
+    # compacts in place then reads only the kept tokens; kv may be a stand-in of its shape).
+    reads_kv: ClassVar[bool] = True
 
     def __post_init__(self):
         if not 0.0 <= self.ratio < 1.0:

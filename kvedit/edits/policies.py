@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,7 @@ def _heads(kv: torch.Tensor, layout: ModelLayout | None, who: str) -> torch.Tens
 class DropMiddle(DropPolicy):
     """Keep the first and last units, drop one contiguous run of units centred in between
     (the LMCache SDK example: drop the middle half of the chunks)."""
+    reads_kv: ClassVar[bool] = False
 
     def num_drop(self, units: Units) -> int:
         drop = super().num_drop(units)
@@ -70,6 +72,7 @@ class DropMiddle(DropPolicy):
 @dataclass
 class UniformDrop(DropPolicy):
     """Keep evenly spaced units (first and last included), drop the ones between them."""
+    reads_kv: ClassVar[bool] = False
 
     def score(self, kv, units, layout):
         n_keep = units.count - self.num_drop(units)
@@ -84,6 +87,7 @@ class UniformDrop(DropPolicy):
 class StreamingLLM(DropPolicy):
     """Attention sinks + a recent window (Xiao et al. 2023). `sink` is in tokens (rounded up
     to whole units); the window is `window` tokens if given, else whatever `ratio` leaves."""
+    reads_kv: ClassVar[bool] = False
     sink: int = 4
     window: int | None = None
 
@@ -240,6 +244,7 @@ class RandomDrop(DropPolicy):
     """Drop random units (kvpress's RandomPress): the floor any policy must beat. The same
     `seed` and unit count give the same choice. Same choice for every layer and head (per_head:
     an independent draw per layer and head)."""
+    reads_kv: ClassVar[bool] = False
     seed: int = 0
 
     def score(self, kv, units, layout):

@@ -141,7 +141,7 @@ def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, rope: RopeParams,
     if not per_head and delta.shape != (T,):
         raise ValueError(f"delta must have shape ({T},), got {tuple(delta.shape)}")
     dim = rotary_dim(rope, head_dim)
-    freqs = inv_freq(rope, head_dim).double().to(keys.device)
+    freqs = inv_freq(rope, head_dim).double().to(keys.device, non_blocking=True)
     k = keys.view(*keys.shape[:-1], heads, head_dim)
     if rope.is_neox:  # rotate-half: pairs (i, i + dim/2)
         x1, x2 = k[..., : dim // 2], k[..., dim // 2: dim]
@@ -149,7 +149,7 @@ def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, rope: RopeParams,
         x1, x2 = k[..., 0:dim:2], k[..., 1:dim:2]
     lead = max(1, keys[..., 0, 0].numel())
     block = max(1, _BLOCK_BYTES // (lead * heads * dim * 4 * 2))
-    delta = delta.to(device=keys.device, dtype=torch.float64)
+    delta = delta.to(device=keys.device, dtype=torch.float64, non_blocking=True)
     for s in range(0, T, block):
         if per_head:
             angle = delta[..., s: s + block, :, None] * freqs   # [..., t, H, dim/2]

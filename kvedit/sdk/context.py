@@ -9,7 +9,11 @@ Tensor parallel (kvedit.sdk.tp): a model registered with tp_size n > 1 has one l
 rank and each rank's chunks live under that rank's keys. `layout` is rank 0's (its keys are
 the ones streams hold and reference-count), `tp` holds every rank's layout and the head
 split; `keys_for` remembers the other ranks' keys of each rank-0 key so `delete_kv` deletes
-a chunk on every rank.
+a chunk on every rank. `layouts`, `fn_layout`, `rank_keys` and `split` answer the same
+questions for one rank and for n, so modify has one path for both.
+
+Nothing here changes the process beyond the context's own sockets, threads and mappings:
+glibc's malloc is tuned only on request (`tune_glibc_heap=True`, kvedit.sdk.glibc_tuning).
 """
 from __future__ import annotations
 
@@ -17,16 +21,21 @@ import asyncio
 import functools
 import itertools
 import time
+import warnings
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import torch
 
+from kvedit.auth import AuthError, bearer_header, load_secret
+from kvedit.client import KVClient, KVError
 from kvedit.keys import namespace, query_key, request_keys
 from kvedit.layout import ModelLayout
+from kvedit.sdk import glibc_tuning
 from kvedit.sdk.buffers import BufferPool
 from kvedit.sdk.errors import ConnectError
-from kvedit.sdk.tp import TPRanks, tp_ranks
+from kvedit.sdk.tp import TPRanks, scatter_ranks, tp_ranks
 
 REGISTRATION_POLL_S = 0.2  # connect() waits for a model registration, an event with no push
 
@@ -36,7 +45,7 @@ class Context:
 
     def __init__(self, client, url: str, http_url: str | None, model: str,
                  layout: ModelLayout, *, io_threads: int = 32, track_writes: bool | None = None,
-                 tp: TPRanks | None = None):
+                 tp: TPRanks | None = None, fn_pool: glibc_tuning.FnPool | None = None):
         self.client = client
         self.url, self.http_url, self.model, self.layout = url, http_url, model, layout
         self.tp = tp   # None: one rank
@@ -48,6 +57,9 @@ class Context:
         self._ids = itertools.count()
         # Touched retrieve buffers, reused across modifies; copy-on-write tracked (see buffers).
         self.pool = BufferPool(cow=track_writes)
+        # Pages for the tensors fn builds with new_kv (kvedit.sdk.output), reused likewise.
+        self.outputs = BufferPool(cow=False)
+        self.fn_pool = fn_pool   # glibc_tuning's main-arena threads, only when asked for
         # Blocking client calls (some wait server-side for stores) run here, never on the loop.
         self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvedit-io")
 
@@ -58,6 +70,27 @@ class Context:
     def next_stream_id(self) -> int:
         return next(self._ids)
 
+    @property
+    def layouts(self) -> tuple[ModelLayout, ...]:
+        """Every rank's layout (index = rank; one without tensor parallel)."""
+        return (self.layout,) if self.tp is None else self.tp.layouts
+
+    @property
+    def fn_layout(self) -> ModelLayout:
+        """The layout of the kv fn gets: every KV head (gathered under tensor parallel)."""
+        return self.layout if self.tp is None else self.tp.layout
+
+    def split(self, kv: torch.Tensor) -> list[torch.Tensor]:
+        """A kv laid out as fn_layout, cut per rank (index = rank; views, no copies)."""
+        return [kv] if self.tp is None else scatter_ranks(kv, self.tp.heads)
+
+    def columns(self) -> list[tuple[int, slice]]:
+        """How a kv laid out as fn_layout is filled: (rank, the columns of its last dimension
+        that rank's chunks hold), one rank per distinct head group."""
+        if self.tp is None:
+            return [(0, slice(None))]
+        return [(r, self.tp.heads.columns(r)) for r in self.tp.heads.source_ranks()]
+
     async def call(self, fn, *args, **kwargs):
         """Run a blocking call (KVClient or CPU work) in the context's pool."""
         if self.closed:
@@ -65,13 +98,36 @@ class Context:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
 
+    async def run_fn(self, fn, *args, **kwargs):
+        """Run a synchronous edit fn: in the context's pool, or glibc_tuning's fn pool when
+        the context was connected with tune_glibc_heap=True."""
+        if self.fn_pool is None:
+            return await self.call(fn, *args, **kwargs)
+        if self.closed:
+            raise ConnectError(f"context for {self.model!r} at {self.url} is closed")
+        return await glibc_tuning.run_fn(self.fn_pool, fn, *args, **kwargs)
+
     def rank_keys_for(self, tokens, salt: str) -> list[list[bytes]]:
         """The keys of `tokens`' full chunks on every rank (index = rank; one list without TP)."""
-        layouts = self.tp.layouts if self.tp is not None else (self.layout,)
-        return [request_keys(self.model, lay, tokens, salt) for lay in layouts]
+        return [request_keys(self.model, lay, tokens, salt) for lay in self.layouts]
+
+    def rank_keys(self, keys: list[bytes], tokens, salt: str) -> list[list[bytes]]:
+        """`keys` (rank 0's keys of `tokens`' full chunks under `salt`, as a stream holds
+        them) and the same chunks' keys on the other ranks (index = rank), remembered for
+        delete_kv. ValueError if `keys` are not rank 0's keys of those tokens."""
+        if self.tp is None:
+            return [list(keys)]
+        per_rank = self.rank_keys_for(tokens, salt)
+        if per_rank[0] != list(keys):
+            raise ValueError("its keys are not rank 0's keys of its tokens (was it created "
+                             "on another context?)")
+        self.remember(per_rank)
+        return per_rank
 
     def remember(self, per_rank: list[list[bytes]]) -> None:
         """Note the other ranks' keys of each rank-0 key (what delete_kv deletes with it)."""
+        if len(per_rank) < 2:
+            return
         for i, k in enumerate(per_rank[0]):
             self._rank_keys[k] = tuple(keys[i] for keys in per_rank[1:])
 
@@ -84,14 +140,17 @@ class Context:
         self.remember(per_rank)
         return per_rank[0]
 
+    def query_keys_for(self, prompt, salt: str, window: int) -> list[bytes]:
+        """The captured-queries key of `prompt` on every rank (index = rank); the other ranks'
+        are remembered for delete_queries."""
+        keys = [query_key(namespace(self.model, lay, salt), prompt, window)
+                for lay in self.layouts]
+        self.remember([[k] for k in keys])
+        return keys
+
     def query_key_for(self, prompt, salt: str, window: int) -> bytes:
-        """The captured-queries key of `prompt` (rank 0's under TP; the other ranks' are
-        remembered for delete_queries)."""
-        layouts = self.tp.layouts if self.tp is not None else (self.layout,)
-        keys = [query_key(namespace(self.model, lay, salt), prompt, window) for lay in layouts]
-        if self.tp is not None:
-            self.remember([[k] for k in keys])
-        return keys[0]
+        """The captured-queries key of `prompt` that streams hold: rank 0's."""
+        return self.query_keys_for(prompt, salt, window)[0]
 
     def delete_kv(self, keys: list[bytes]) -> int:
         """Delete chunks (streams' keys) from the server, on every rank under TP -> how many
@@ -132,6 +191,7 @@ class Context:
         self.closed = True
         self.executor.shutdown(wait=True, cancel_futures=True)
         self.pool.clear()
+        self.outputs.clear()
         self.client.close()
 
     def __enter__(self) -> Context:
@@ -149,7 +209,8 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
             model_name: str = "", timeout: float = 60.0, *, use_shm: bool | None = None,
             io_threads: int = 32, track_writes: bool | None = None,
             secret: str | bytes | None = None, secret_file: str | None = None,
-            keep_freed_memory: bool = True, total_kv_heads: int | None = None) -> Context:
+            total_kv_heads: int | None = None, tune_glibc_heap: bool = False,
+            keep_freed_memory: bool | None = None) -> Context:
     """Connect to the kvedit server at `url` and read `model_name`'s layout.
 
     If the model is not registered yet, wait up to `timeout` seconds for the vLLM connector to
@@ -161,9 +222,13 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
     faster for edits that read kv and return it or a new tensor, slower (a page copy per
     written page) for edits that rewrite much of kv in place; False turns it off.
 
-    `keep_freed_memory` (glibc): keep large freed blocks in this process for reuse, so an fn
-    that allocates its output (torch.cat) does not fault in fresh pages on every modify
-    (kvedit.sdk.alloc); the process then keeps its peak heap. False leaves malloc alone.
+    `tune_glibc_heap` (default False): tune glibc's malloc for the whole process so an fn
+    that allocates a large output itself (torch.cat) reuses touched pages (kvedit.sdk.
+    glibc_tuning: mallopt, one malloc arena, fn run in threads on the main arena). It
+    changes every thread's malloc and keeps the process's peak heap: only ask for it in a
+    process that runs nothing else. An fn can instead build its output with the `new_kv`
+    keyword (kvedit.sdk.output), which needs no tuning. `keep_freed_memory=True` is the
+    older name of tune_glibc_heap=True (deprecated).
 
     Tensor parallel (the connector registered tp_size n > 1): connect reads every rank's
     layout (waiting for all n within `timeout`) and modify gathers the ranks' heads for fn
@@ -172,21 +237,19 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
     the layouts when both say it).
 
     `secret` / `secret_file`: the server's shared secret (kvedit.auth); by default
-    $KVEDIT_SECRET or $KVEDIT_SECRET_FILE when set. Used for ZMQ (CURVE), the data link and
-    as the bearer token of the HTTP calls.
+    $KVEDIT_SECRET or $KVEDIT_SECRET_FILE when set, else the secret a loopback server of this
+    user made at start (kvedit.rundir). Used for ZMQ (CURVE), the data link and as the
+    bearer token of the HTTP calls.
     """
-    from kvedit.auth import AuthError, bearer_header, load_secret
-    from kvedit.client import KVClient, KVError
-
     if not model_name:
         raise ConnectError("connect() needs model_name: the served model name vLLM uses")
     if keep_freed_memory:
-        from kvedit.sdk.alloc import keep_freed_memory as keep
-
-        keep()
+        warnings.warn("connect(keep_freed_memory=True) is now tune_glibc_heap=True (off by "
+                      "default; docs/sdk.md, Allocator)", DeprecationWarning, stacklevel=2)
+        tune_glibc_heap = True
     deadline = time.monotonic() + timeout
     try:
-        key = load_secret(secret, secret_file)
+        key = load_secret(secret, secret_file, url=url)
     except AuthError as e:
         raise ConnectError(str(e)) from None
     if http_url:
@@ -218,8 +281,9 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
     except BaseException:
         client.close()
         raise
+    pool = glibc_tuning.enable() if tune_glibc_heap else None
     return Context(client, url, http_url, model_name, layout, io_threads=io_threads,
-                   track_writes=track_writes, tp=tp)
+                   track_writes=track_writes, tp=tp, fn_pool=pool)
 
 
 def _tensor_parallel(client, model: str, layout: ModelLayout, total_kv_heads: int | None,

@@ -1,10 +1,20 @@
 """The two user callables the SDK calls, declared once, and the one rule for each.
 
 EditFn: modify calls `fn(kv, tokens, **kw)` and expects `(kv, tokens)` back (a tuple, list or
-`Edited`). `kw` holds the optional keywords fn *declares by name* (or accepts through
-**kwargs): `layout` (the ModelLayout, RoPE parameters included) and `queries` (recent query
-vectors [L, W, Hq*D], when the stream captured them). `fn_kwargs` is the single place that
-assembles them. fn may be a coroutine function; it may edit kv in place.
+`Edited`). fn may be a coroutine function; it may edit kv in place. Which optional keywords
+`kw` holds is decided here and nowhere else (`wants_queries`, `fn_kwargs`):
+- `layout`: the ModelLayout of kv (RoPE parameters included; under tensor parallel the
+  gathered layout), when fn declares a `layout` parameter or takes **kwargs;
+- `queries`: the stream's captured queries [L, rows, num_q_heads*head_dim] (model dtype),
+  when `fn.needs_queries` is True, or, without that attribute, when fn declares a `queries`
+  parameter (a bare **kwargs does not ask: an edit that never asked must never fail for
+  lack of queries); `needs_queries = False` never gets them;
+- `query_start`: the prompt position of queries' row 0, with queries, when fn declares it,
+  takes **kwargs or says `needs_queries = True`;
+- `new_kv`: kvedit's output allocator (`new_kv(shape_or_like, dtype=None)`: a tensor on
+  pages kvedit owns and reuses across modifies, kvedit.sdk.output) when fn declares a
+  `new_kv` parameter by name (not through **kwargs: an fn that passes its keywords on must
+  not receive it unasked).
 
 PostCompletion: `post_completion(prompt_token_ids, sampling_params, cache_salt)` yields one
 item per generated token (an int, or an object with `.token_id`). The salt is the third
@@ -14,6 +24,7 @@ arguments is called with two, and a stream whose chunks are salted then refuses 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -24,27 +35,42 @@ from kvedit.sdk.head_tokens import as_head_tokens, check_tail, stand_ins
 
 
 class Edited(NamedTuple):
-    """What an EditFn returns: the edited KV [2, L, T', D] and its T' token ids. A per-head
-    edit returns ids [L, H_kv, T'] instead (kvedit.sdk.head_tokens): `tokens` are then the
-    stand-in ids of the slots and `heads` what each (layer, head) holds."""
+    """What an EditFn returns: the edited KV [2, L, T', D] and its T' token ids (a per-head
+    edit: ids [L, H_kv, T'], kvedit.sdk.head_tokens)."""
+    kv: torch.Tensor
+    tokens: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """fn's result once validated: kv on the host and one token id per slot. For a per-head
+    edit `tokens` are the slots' stand-in ids and `heads` [L, H_kv, T'] what each (layer,
+    head) holds. Unpacks as (kv, tokens), like what fn returned."""
     kv: torch.Tensor
     tokens: list[int]
     heads: torch.Tensor | None = None
+
+    def __iter__(self):
+        return iter((self.kv, self.tokens))
+
+
+class NewKV(Protocol):
+    """The `new_kv` an EditFn may declare: an uninitialised tensor of `shape` (or of the shape
+    and dtype of a tensor `like`), on kvedit-owned reused pages."""
+    def __call__(self, shape_or_like, dtype: torch.dtype | None = None) -> torch.Tensor: ...
 
 
 @runtime_checkable
 class EditFn(Protocol):
     def __call__(self, kv: torch.Tensor, tokens: list[int], *,
-                 layout: ModelLayout = ..., queries: torch.Tensor = ...) -> Any: ...
+                 layout: ModelLayout = ..., queries: torch.Tensor = ...,
+                 query_start: int = ..., new_kv: NewKV = ...) -> Any: ...
 
 
 @runtime_checkable
 class PostCompletion(Protocol):
     def __call__(self, prompt_token_ids: list[int], sampling_params: Any,
                  cache_salt: str) -> Any: ...
-
-
-OPTIONAL_EDIT_KWARGS = ("layout", "queries")
 
 
 def _declared(fn) -> tuple[set[str], bool]:
@@ -57,12 +83,28 @@ def _declared(fn) -> tuple[set[str], bool]:
     return names, any(p.kind is p.VAR_KEYWORD for p in params)
 
 
-def fn_kwargs(fn, stream, layout: ModelLayout) -> dict:
-    """The optional keywords to pass fn for this stream (EditFn's rule: declared by name)."""
+def wants_queries(fn) -> bool:
+    """Does modify fetch captured queries for fn? (EditFn's rule for `queries`.)"""
+    flag = getattr(fn, "needs_queries", None)
+    if flag is not None:
+        return bool(flag)
+    return "queries" in _declared(fn)[0]
+
+
+def fn_kwargs(fn, layout: ModelLayout, *, queries: torch.Tensor | None = None,
+              query_start: int | None = None, new_kv: NewKV | None = None) -> dict:
+    """The optional keywords modify passes fn (EditFn's rules, above). `queries` is given
+    only when modify fetched them, i.e. when wants_queries(fn)."""
     names, var_kw = _declared(fn)
     kw: dict = {}
     if var_kw or "layout" in names:
         kw["layout"] = layout
+    if queries is not None:
+        kw["queries"] = queries
+        if getattr(fn, "needs_queries", None) or var_kw or "query_start" in names:
+            kw["query_start"] = query_start
+    if new_kv is not None and "new_kv" in names:
+        kw["new_kv"] = new_kv
     return kw
 
 
@@ -84,7 +126,7 @@ def takes_salt(post_completion) -> bool:
     return True
 
 
-def check_result(result, layout: ModelLayout) -> Edited:
+def check_result(result, layout: ModelLayout) -> Checked:
     """fn's (kv, tokens), validated; ValueError naming what is wrong and what was expected."""
     if not isinstance(result, tuple | list) or len(result) != 2:
         raise ValueError(f"fn must return (kv, tokens), got {type(result).__name__}")
@@ -106,12 +148,12 @@ def check_result(result, layout: ModelLayout) -> Edited:
             raise ValueError(f"fn returned per-head token ids for {heads.shape[-1]} slots but "
                              f"kv holds {kv.shape[2]}")
         check_tail(heads, layout.chunk_size)
-        return Edited(kv.detach().cpu(), stand_ins(heads), heads)
+        return Checked(kv.detach().cpu(), stand_ins(heads), heads)
     tokens = check_token_ids(tokens, "the tokens fn returned")
     if len(tokens) != kv.shape[2]:
         raise ValueError(f"fn returned {len(tokens)} tokens but kv holds {kv.shape[2]} "
                          f"(kv.shape[2] must equal len(tokens))")
-    return Edited(kv.detach().cpu(), tokens)
+    return Checked(kv.detach().cpu(), tokens)
 
 
 def check_token_ids(tokens, what: str) -> list[int]:

@@ -26,13 +26,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+from kvedit.query_contract import MAX_WINDOW
 from kvedit.sdk import queries as Q
 from kvedit.sdk.errors import StreamError, raise_batch
 from kvedit.sdk.loop import run_sync
 from kvedit.sdk.metrics import Metrics, add_generation
 from kvedit.sdk.stream import Stream
 
-MAX_WINDOW = Q.MAX_WINDOW
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."  # kvpress's and the paper's
 
 

@@ -1,6 +1,6 @@
 """libc through ctypes, loaded once for the SDK: memcpy/memcmp (rowcopy), mmap/munmap
-(chunkmap) and mallopt/malloc/free (allocator tuning, kvedit.sdk.alloc). ctypes releases
-the GIL around each call.
+(chunkmap) and mallopt/malloc/free (the opt-in allocator tuning, kvedit.sdk.glibc_tuning;
+never called otherwise). ctypes releases the GIL around each call.
 Every name is None where this process has no such symbol; callers then use torch/numpy or
 skip the optimisation."""
 from __future__ import annotations

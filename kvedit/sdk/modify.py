@@ -34,32 +34,39 @@ Partial tail. Only full chunks have keys. If the edited length is not a multiple
 chunk size, the trailing tokens move into the stream's suffix: they are re-sent and
 recomputed by vLLM on the next decode (their edited KV is not used).
 
-Tensor parallel (`ctx.tp`): the same steps over every rank's chunks, fn seeing all KV heads
-gathered; kvedit.sdk.tp_edit holds that path and says what it guarantees across ranks.
+One mechanism for one rank and for tensor parallel (`ctx.tp`): the region is every rank's
+keys of the same chunks, the wait covers every rank, the KVSource (kvedit.sdk.source) gives
+fn all KV heads in one tensor (gathered from the ranks' chunks), and the store target
+(kvedit.sdk.store) cuts fn's result per rank and stores every rank staged, with one salt for
+all of them; that module says what holds across ranks when a store fails half-way.
+
+The steps, in order: region -> wait -> queries -> open -> fn -> store -> swap -> drop unused.
+Where a synchronous fn runs: in the context's thread pool (Context.run_fn), two streams' fns
+side by side (`modify_concurrency`); in glibc_tuning's main-arena threads only when the
+context was connected with tune_glibc_heap=True. A coroutine fn runs on the SDK's loop.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 
 import torch
 
 from kvedit.client.handles import KVError
-from kvedit.sdk.alloc import pool_reuses_memory, run_fn
-from kvedit.sdk.contracts import Edited, check_result, fn_kwargs, is_async_fn
+from kvedit.sdk.contracts import Checked, check_result, fn_kwargs, is_async_fn, wants_queries
 from kvedit.sdk.errors import ModifyError
 from kvedit.sdk.geometry import KVGeometry
-from kvedit.sdk.loop import has_caller, in_caller
-from kvedit.sdk.queries import query_kwargs, release_queries
-from kvedit.sdk.rowcopy import chunk_equal, save_chunk
+from kvedit.sdk.output import NewKV
+from kvedit.sdk.queries import CapturedQueries, fetch, release_queries
 from kvedit.sdk.source import KVSource, open_kv, untouched_chunks
+from kvedit.sdk.store import Stored, derive_salt, store_kv
 from kvedit.sdk.stream import Stream
 
 log = logging.getLogger("kvedit.sdk")
-__all__ = ["ModifyResult", "Stored", "check_result", "modify_stream", "store_kv"]
+__all__ = ["ModifyResult", "Stored", "check_result", "derive_salt", "modify_stream",
+           "store_kv"]
 
 
 @dataclass
@@ -80,90 +87,20 @@ class ModifyResult:
 
 
 @dataclass(frozen=True, slots=True)
-class Stored:
-    """What store_kv committed: the salt and keys the edited chunks live under."""
-    salt: str
-    keys: list[bytes]
-    stored: int    # chunks written
-    reused: int    # chunks already present (identical bytes)
-    compared: int  # present chunks whose bytes were compared
-
-
-@dataclass(frozen=True, slots=True)
 class _Region:
-    """What one modify edits: the first n full chunks of the stream's sequence."""
+    """What one modify edits: the first n full chunks of the stream's sequence, and their
+    keys on every rank (index = rank; rank 0's are the stream's)."""
     n: int
     tokens: list[int]
-    keys: list[bytes]
+    rank_keys: list[list[bytes]]
 
 
-def derive_salt(salt: str) -> str:
-    return f"{salt}~kvedit-{uuid.uuid4().hex[:12]}"
-
-
-def chunks_identical(ctx, keys: list[bytes], idx: list[int], kv: torch.Tensor) -> bool:
-    """Are the stored chunks keys[i] (i in idx) byte-identical to the edited kv's chunks?"""
-    with ctx.client.retrieve(ctx.model, [keys[i] for i in idx]) as got:
-        if len(got.tensors) < len(idx):
-            return False  # cannot prove equality: the caller switches to a fresh salt
-        return all(chunk_equal(kv, i, t) for i, t in zip(idx, got.tensors))
-
-
-class _Differs(Exception):
-    """An edited chunk's key is present with other data: abort the store, switch the salt."""
-
-
-def store_kv(ctx, tokens: list[int], salt: str, kv: torch.Tensor, keys_for,
-             old_keys: list[bytes], untouched: set[int], check_source=lambda: None,
-             fresh: bool = False) -> Stored:
-    """Store the edited full chunks under `salt` or, if a present key holds other bytes (or
-    `fresh`: a per-head edit, whose stand-in ids do not say what it holds), under a fresh
-    derived salt.
-
-    `untouched`: chunks known identical to the retrieved chunk at the same index; if their
-    key is that chunk's original key, the stored object is the one retrieved: no compare.
-    `check_source()` runs just before each commit and raises if the bytes fn read can no
-    longer be trusted (a mapped kv's lease ran out): the store is then aborted."""
-    keys = keys_for(tokens, salt)
-    check: list[int] = []
-    try:
-        if fresh:
-            raise _Differs
-        with ctx.client.prepare_store(ctx.model, keys) as h:
-            present = sorted(set(range(len(keys))) - set(h.missing))
-            check = [j for j in present
-                     if not (j in untouched and j < len(old_keys) and keys[j] == old_keys[j])]
-            if check and not chunks_identical(ctx, keys, check, kv):
-                raise _Differs
-            _fill(h, kv)
-            check_source()
-        return Stored(salt, keys, len(h.missing), len(present), len(check))
-    except _Differs:
-        pass
-    salt = derive_salt(salt)
-    keys = keys_for(tokens, salt)
-    with ctx.client.prepare_store(ctx.model, keys) as h:
-        if len(h.missing) != len(keys):
-            raise RuntimeError(f"fresh salt {salt!r} already has chunks in the server")
-        _fill(h, kv)
-        check_source()
-    return Stored(salt, keys, len(keys), 0, len(check))
-
-
-def _fill(h, kv: torch.Tensor) -> None:
-    for i, buf in h.writable():  # straight from the edited tensor into shm; refused past the TTL
-        save_chunk(buf, kv, i)
-
-
-# ---- modify_stream, as its steps ----------------------------------------------------------
 async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False,
-                        wait_timeout: float = 60.0, fn_in_caller: bool = True) -> ModifyResult:
+                        wait_timeout: float = 60.0, fn_in_caller: bool | None = None
+                        ) -> ModifyResult:
     """Apply fn to one stream's KV (see the module docstring for the exact semantics).
-    Where a synchronous fn runs: in the fn pool when its threads allocate from the main
-    malloc arena (kvedit.sdk.alloc: freed blocks are reused and the streams' fns run side by
-    side); otherwise, with `fn_in_caller`, in the thread waiting in a synchronous SDK call
-    when there is one (kvedit.sdk.loop.in_caller: the main arena too, one fn at a time),
-    else in the pool's plain threads or the context's I/O threads."""
+    `fn_in_caller` is accepted for older callers and has no effect: fn never runs in the
+    thread waiting in a synchronous SDK call."""
     if stream.released:
         raise ModifyError(stream, "the stream was released (arelease); it holds no KV any more")
     region = _region(stream)
@@ -172,65 +109,53 @@ async def modify_stream(stream: Stream, fn, *, cpu_slots, keep_old: bool = False
         res.skipped = True
         return res
     await _wait_stored(stream, region, wait_timeout)
-    if stream.ctx.tp is None:
-        extra = await query_kwargs(stream, fn, wait_timeout)  # {} unless fn takes `queries`
-        held: list[KVSource] = []
-        try:
-            async with cpu_slots:
-                new_tokens, stored = await _edit_and_store(stream, fn, region, res,
-                                                           fn_in_caller, extra, held)
-        finally:  # after the slot: an unmapping (5-10 ms) does not hold up the next stream
-            for source in held:
-                await asyncio.get_running_loop().run_in_executor(None, source.release)
-    else:   # tensor parallel: every rank's chunks, gathered for fn
-        new_tokens, stored = await _tp_edit_and_store(stream, fn, region, res, fn_in_caller,
-                                                      wait_timeout, cpu_slots)
+    queries = await fetch(stream, fn, wait_timeout) if wants_queries(fn) else None
+    held: list[KVSource] = []
+    try:
+        async with cpu_slots:
+            new_tokens, stored = await _edit_and_store(stream, fn, region, res, queries, held)
+    finally:  # after the slot: an unmapping (5-10 ms) does not hold up the next stream
+        for source in held:
+            await asyncio.get_running_loop().run_in_executor(None, source.release)
     old_keys = _swap(stream, region, new_tokens, stored, res)
     await release_queries(stream)   # they were the old sequence's: this stream is done with them
     await _drop_unused(stream, old_keys, keep_old, res)
     return res
 
 
-async def _tp_edit_and_store(stream: Stream, fn, region: _Region, res: ModifyResult,
-                             fn_in_caller: bool, wait_timeout: float, cpu_slots):
-    """The TP hook: kvedit.sdk.tp_edit's steps, fn run by _apply against the gathered
-    layout. (tp_edit imports this module, so it is imported here.)"""
-    from kvedit.sdk import tp_edit
-
-    extra = await tp_edit.query_kwargs(stream, fn, wait_timeout)
-
-    def apply(kv, tokens, layout):
-        return _apply(stream, fn, kv, tokens, fn_in_caller, extra, layout)
-
-    async with cpu_slots:
-        return await tp_edit.edit_and_store(stream, region, res, apply, wait_timeout)
-
-
 def _region(stream: Stream) -> _Region:
     c = stream.ctx.chunk_size
     n = stream.kv_tokens // c
-    return _Region(n, stream.prompt[:n * c], stream.keys[:n])
+    tokens, keys = stream.prompt[:n * c], stream.keys[:n]
+    try:
+        return _Region(n, tokens, stream.ctx.rank_keys(keys, tokens, stream.cache_salt))
+    except ValueError as e:
+        raise ModifyError(stream, str(e)) from None
 
 
 async def _wait_stored(stream: Stream, region: _Region, wait_timeout: float) -> None:
-    """Server-side wait: the connector stores asynchronously to the completion's reply."""
+    """Server-side wait for every rank's chunks: the connectors store asynchronously to the
+    completion's reply."""
     ctx = stream.ctx
-    try:
-        have = await ctx.call(ctx.client.lookup, ctx.model, region.keys,
-                              wait_timeout=wait_timeout)
-    except Exception as e:
-        raise ModifyError(stream, f"lookup of its chunks failed: {e}") from e
-    if have < region.n:
-        raise ModifyError(stream, f"only {have} of its {region.n} full chunks are in the kvedit "
-                                  f"server after waiting {wait_timeout} s (was it prefilled "
-                                  f"through a vLLM with the kvedit connector, same model and "
-                                  f"salt, and store_generated on if it decoded since?)")
+    for r, keys in enumerate(region.rank_keys):
+        on = f" on tensor-parallel rank {r}" if ctx.tp is not None else ""
+        try:
+            have = await ctx.call(ctx.client.lookup, ctx.model, keys, tp_rank=r,
+                                  wait_timeout=wait_timeout)
+        except Exception as e:
+            raise ModifyError(stream, f"lookup of its chunks{on} failed: {e}") from e
+        if have < region.n:
+            raise ModifyError(stream, f"only {have} of its {region.n} full chunks are in the "
+                                      f"kvedit server{on} after waiting {wait_timeout} s (was "
+                                      f"it prefilled through a vLLM with the kvedit connector "
+                                      f"on every worker, same model and salt, and "
+                                      f"store_generated on if it decoded since?)")
 
 
 async def _open(stream: Stream, region: _Region) -> tuple[KVSource, torch.Tensor]:
     ctx = stream.ctx
     try:
-        return await ctx.call(open_kv, ctx, region.keys)
+        return await ctx.call(open_kv, ctx, region.rank_keys)
     except KVError as e:
         if e.code != "lease_expired":
             raise ModifyError(stream, f"retrieving its KV failed: {e}") from e
@@ -241,19 +166,19 @@ async def _open(stream: Stream, region: _Region) -> tuple[KVSource, torch.Tensor
 
 
 async def _apply(stream: Stream, fn, kv: torch.Tensor, tokens: list[int],
-                 in_caller_ok: bool, extra: dict, layout=None) -> Edited:
-    """`layout`: what fn's kv is laid out as (default the context's; the gathered layout
-    under tensor parallel)."""
+                 queries: CapturedQueries | None, new_kv: NewKV) -> Checked:
+    """Run fn on kv (laid out as ctx.fn_layout) with the keywords EditFn's rules give it,
+    and validate its result against that layout."""
     ctx = stream.ctx
-    layout = layout or ctx.layout
-    kwargs = fn_kwargs(fn, stream, layout) | extra
+    layout = ctx.fn_layout
+    kwargs = fn_kwargs(fn, layout, new_kv=new_kv,
+                       queries=None if queries is None else queries.queries,
+                       query_start=None if queries is None else queries.start)
     try:
         if is_async_fn(fn):
             out = await fn(kv, list(tokens), **kwargs)
-        elif in_caller_ok and not pool_reuses_memory() and has_caller():
-            out = await in_caller(fn, kv, list(tokens), **kwargs)  # the waiting caller runs it
         else:
-            out = await run_fn(ctx, fn, kv, list(tokens), **kwargs)  # kvedit.sdk.alloc
+            out = await ctx.run_fn(fn, kv, list(tokens), **kwargs)
     except Exception as e:
         raise ModifyError(stream, f"fn raised {type(e).__name__}: {e}") from e
     try:
@@ -263,19 +188,20 @@ async def _apply(stream: Stream, fn, kv: torch.Tensor, tokens: list[int],
 
 
 async def _edit_and_store(stream: Stream, fn, region: _Region, res: ModifyResult,
-                          fn_in_caller: bool, extra: dict,
+                          queries: CapturedQueries | None,
                           held: list[KVSource]) -> tuple[list[int], Stored]:
     """Retrieve, fn, store; returns the edited tokens and what was stored. The source is
     closed here and appended to `held`: the caller releases it (KVSource.release)."""
     t0 = time.perf_counter()
     source, kv = await _open(stream, region)
     held.append(source)
+    new_kv = NewKV(stream.ctx.outputs, kv.dtype)
     edited = None
     try:
         res.bytes_retrieved = kv.numel() * kv.element_size()
         given = KVGeometry.of(kv)  # before fn can touch (or resize) it
         t1 = time.perf_counter()
-        edited = await _apply(stream, fn, kv, region.tokens, fn_in_caller, extra)
+        edited = await _apply(stream, fn, kv, region.tokens, queries, new_kv)
         kv = None
         t2 = time.perf_counter()
         stored = await _store(stream, source, given, edited, region)
@@ -283,32 +209,37 @@ async def _edit_and_store(stream: Stream, fn, region: _Region, res: ModifyResult
         return edited.tokens, stored
     finally:  # a buffer is reused (a mapping released) only once fn keeps no reference
         kv = edited = None
+        new_kv.give_back()
         source.close()
 
 
-async def _store(stream: Stream, source: KVSource, given: KVGeometry, edited: Edited,
+async def _store(stream: Stream, source: KVSource, given: KVGeometry, edited: Checked,
                  region: _Region) -> Stored:
     ctx, c = stream.ctx, stream.ctx.chunk_size
     m = len(edited.tokens) // c
     try:
         # The page map can only vouch for chunks fn returned where kv had them: for an output
-        # elsewhere (torch.cat) reading it (~2.4 ms per 300 MB of kv) would tell nothing.
+        # elsewhere (torch.cat) reading it would tell nothing.
         in_place = given.same_place(KVGeometry.of(edited.kv))
         written = await ctx.call(source.written_pages) if in_place else None
         untouched = untouched_chunks(written, given, edited.kv, range(min(region.n, m)), c)
         ctx.pool.note_outcome(written, len(untouched) / region.n + source.spares_copy)
         return await ctx.call(store_kv, ctx, edited.tokens[:m * c], stream.cache_salt,
-                              edited.kv, stream.keys_for, region.keys, untouched,
-                              source.check_lease, edited.heads is not None)
+                              edited.kv, region.rank_keys, untouched, source.check_lease,
+                              edited.heads is not None)
     except KVError as e:
         if e.code not in ("lease_expired", "store_expired"):
-            raise ModifyError(stream, f"storing the edited KV failed ({e}); the original KV "
-                                      f"is kept") from e
+            raise ModifyError(stream, f"storing the edited KV failed ({e}); {_kept(ctx)}") from e
         raise ModifyError(stream, f"the edit took longer than the server's TTL ({e}); nothing "
-                                  f"was stored, the original KV is kept") from e
+                                  f"was stored, {_kept(ctx)}") from e
     except Exception as e:
         raise ModifyError(stream, f"storing the edited KV failed ({type(e).__name__}: {e}); "
-                                  f"the original KV is kept") from e
+                                  f"{_kept(ctx)}") from e
+
+
+def _kept(ctx) -> str:
+    return "the original KV is kept" if ctx.tp is None else \
+        "no rank uses it, the original KV is kept"
 
 
 def _swap(stream: Stream, region: _Region, new_tokens: list[int], stored: Stored,
@@ -324,6 +255,7 @@ def _swap(stream: Stream, region: _Region, new_tokens: list[int], stored: Stored
     res.salt_changed = stored.salt != stream.cache_salt
     stream.cache_salt = stored.salt
     old_keys, stream.keys = stream.keys, stored.keys
+    ctx.remember(stored.rank_keys)   # so dropping them later deletes them on every rank
     ctx.ref(stored.keys)
     res.tokens_after, res.chunks_stored = m * c, stored.stored
     res.chunks_reused, res.chunks_compared = stored.reused, stored.compared

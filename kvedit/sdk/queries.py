@@ -1,18 +1,17 @@
-"""Captured queries in the SDK (issue 10): ask vLLM for them at prefill, hand them to fn.
+"""Captured queries in the SDK: ask vLLM for them at prefill, fetch them for fn, let go.
 
-How a request asks: its sampling params carry `kv_transfer_params={"kvedit_capture_queries":
-W}` (merged into any kv_transfer_params already there); `openai_completion` sends the
-params as the body of /v1/completions, where vLLM reads the top-level `kv_transfer_params`
-and the kvedit connector captures the post-RoPE queries of the last W prompt tokens of every
-attention layer and stores them in the kvedit server (docs/queries.md).
+How a request asks, the bound on the window and the stored object's shape are the
+query-capture contract (kvedit.query_contract, shared with the connector): the prefill's
+sampling params carry `kv_transfer_params={CAPTURE_FIELD: W}` (merged into any
+kv_transfer_params already there); `openai_completion` sends them as the body of
+/v1/completions, where vLLM reads the top-level `kv_transfer_params` and the kvedit connector
+captures the post-RoPE queries of the last W prompt tokens of every attention layer and
+stores them in the kvedit server, one object per tensor-parallel rank (docs/queries.md).
 
-Which fn gets them (one rule, here): `fn.needs_queries` True -> always, False -> never;
-no such attribute -> when fn's signature names a `queries` parameter (not a bare **kwargs:
-an edit that does not ask must never fail for lack of queries). fn then receives
-`queries=` a tensor [L, rows, num_q_heads*head_dim] in the model dtype (not upcast) and, when
-it takes it, `query_start=` the prompt position of row 0 (rows = min(W, prompt length), the
-last rows of the prompt that was prefilled). No queries in the server -> MissingQueries
-naming the stream; never a silent fallback.
+Which fn gets them is EditFn's rule (kvedit.sdk.contracts.wants_queries); modify then calls
+`fetch`, which reads every rank's object (its shape from the rank's registered layout) and
+hands fn `[L, rows, num_q_heads*head_dim]` in the model dtype (rank order = the model's
+query-head order), or raises MissingQueries naming the stream; never a silent fallback.
 
 Lifetime: one query object per (prompt, salt, W); streams of one context that captured the
 same one share it (reference counted like chunk keys); modify deletes it once no stream of
@@ -22,80 +21,87 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import logging
-
 import torch
 
+from kvedit.query_contract import CAPTURE_FIELD, CaptureRows, QueryShape, check_window
 from kvedit.sdk.errors import MissingQueries, ModifyError
 
 log = logging.getLogger("kvedit.sdk")
-CAPTURE_FIELD = "kvedit_capture_queries"   # the key inside kv_transfer_params
-MAX_WINDOW = 4096
+__all__ = ["CAPTURE_FIELD", "Capture", "CapturedQueries", "as_tensor", "capture_for",
+           "check_window", "expect", "fetch", "hold", "release_queries", "with_capture"]
 
 
 @dataclass(frozen=True, slots=True)
 class Capture:
-    """What one prefill asked to capture: the object's key and how to read it back."""
-    key: bytes
+    """What one prefill asked to capture: the object's key on every rank (index = rank) and
+    which prompt rows it holds."""
+    keys: tuple[bytes, ...]
     window: int          # W as asked (the key's W)
     prompt_len: int      # tokens of the prompt that was prefilled
 
     @property
+    def key(self) -> bytes:
+        """The key streams hold and count: rank 0's."""
+        return self.keys[0]
+
+    @property
     def rows(self) -> int:
-        return min(self.window, self.prompt_len)
+        return CaptureRows(self.window, self.prompt_len).rows
 
     @property
     def start(self) -> int:
         """Prompt position of row 0."""
-        return self.prompt_len - self.rows
+        return CaptureRows(self.window, self.prompt_len).start
 
 
-def check_window(window, what: str) -> int | None:
-    """None (no setting) or an int in [0, MAX_WINDOW] (0 = off); ValueError otherwise."""
-    if window is None:
-        return None
-    if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window <= MAX_WINDOW:
-        raise ValueError(f"{what} must be a number of prompt tokens in 1..{MAX_WINDOW} (0 or "
-                         f"None = off), got {window!r}")
-    return window
+@dataclass(frozen=True, slots=True)
+class CapturedQueries:
+    """What fn gets: the queries [L, rows, num_q_heads*head_dim] and row 0's prompt position."""
+    queries: torch.Tensor
+    start: int
 
 
 def with_capture(params, window: int):
-    """A copy of the sampling params that asks vLLM to capture the last `window` queries:
-    a dict (None) gets the key `kv_transfer_params`; vLLM's SamplingParams gets it inside
-    `extra_args` (where the offline LLM looks); other objects the attribute."""
+    """A copy of the sampling params that asks vLLM to capture the last `window` queries
+    (with_transfer_param)."""
+    return with_transfer_param(params, CAPTURE_FIELD, window, "capture_queries")
+
+
+def with_transfer_param(params, key: str, value, what: str = "this request"):
+    """A copy of the sampling params with kv_transfer_params[key] = value (merged into any
+    already there): a dict (None) gets the key `kv_transfer_params`; vLLM's SamplingParams
+    gets it inside `extra_args` (where the offline LLM looks); other objects the attribute.
+    TypeError when the params cannot carry it (`what` names the feature that needed it)."""
     if params is None or isinstance(params, Mapping):
         params = dict(params or {})
-        params["kv_transfer_params"] = {**(params.get("kv_transfer_params") or {}),
-                                        CAPTURE_FIELD: window}
+        params["kv_transfer_params"] = {**(params.get("kv_transfer_params") or {}), key: value}
         return params
     p = params.clone() if hasattr(params, "clone") else copy.copy(params)
     if hasattr(params, "extra_args"):
         # vLLM's SamplingParams: the offline LLM reads kv_transfer_params from extra_args
         extra = dict(params.extra_args or {})
-        extra["kv_transfer_params"] = {**(extra.get("kv_transfer_params") or {}),
-                                       CAPTURE_FIELD: window}
+        extra["kv_transfer_params"] = {**(extra.get("kv_transfer_params") or {}), key: value}
         p.extra_args = extra
         return p
-    new = {**(getattr(params, "kv_transfer_params", None) or {}), CAPTURE_FIELD: window}
+    new = {**(getattr(params, "kv_transfer_params", None) or {}), key: value}
     if dataclasses.is_dataclass(params) and any(f.name == "kv_transfer_params"
                                                 for f in dataclasses.fields(params)):
         return dataclasses.replace(params, kv_transfer_params=new)
     try:
         p.kv_transfer_params = new
     except AttributeError:
-        raise TypeError(f"capture_queries needs sampling params that can carry "
+        raise TypeError(f"{what} needs sampling params that can carry "
                         f"kv_transfer_params (a dict, or an object with that attribute); got "
                         f"{type(params).__name__}") from None
     return p
 
 
 def capture_for(ctx, prompt: list[int], salt: str, window: int) -> Capture:
-    return Capture(ctx.query_key_for(prompt, salt, window), window, len(prompt))
+    return Capture(tuple(ctx.query_keys_for(prompt, salt, window)), window, len(prompt))
 
 
 def hold(stream, capture: Capture) -> None:
@@ -127,46 +133,19 @@ def _unref(ctx, key: bytes) -> bool:
     return True
 
 
-def _params(fn):
-    try:
-        return inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return {}
-
-
-def wants_queries(fn) -> bool:
-    flag = getattr(fn, "needs_queries", None)
-    if flag is not None:
-        return bool(flag)
-    p = _params(fn).get("queries")
-    return p is not None and p.kind is not p.POSITIONAL_ONLY
-
-
-def wants_query_start(fn) -> bool:
-    params = _params(fn)
-    p = params.get("query_start")
-    if p is not None:
-        return p.kind is not p.POSITIONAL_ONLY
-    return any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
 def as_tensor(raw, capture: Capture, layout) -> torch.Tensor:
-    """The stored bytes as [L, rows, Hq*D] in the model dtype (Hq*D from the byte size)."""
-    dtype = getattr(torch, layout.dtype)
-    esize = torch.empty(0, dtype=dtype).element_size()
-    per_row = layout.num_layers * capture.rows * esize
-    width, rest = divmod(raw.nbytes, per_row)
-    if rest or not width or width % layout.head_dim:
-        raise ValueError(f"the stored queries are {raw.nbytes} bytes, not [{layout.num_layers}"
-                         f", {capture.rows}, num_q_heads*{layout.head_dim}] {layout.dtype}")
-    return torch.from_numpy(raw).view(dtype).view(layout.num_layers, capture.rows, width)
+    """One rank's stored bytes as [L, rows, Hq*D] in the model dtype, the shape the rank's
+    registered layout says (kvedit.query_contract.QueryShape); ValueError if they differ or
+    the layout does not say its query heads."""
+    shape = QueryShape.of(layout, capture.rows)
+    shape.check(raw.nbytes)
+    return torch.from_numpy(raw).view(getattr(torch, layout.dtype)).view(shape.shape)
 
 
-async def query_kwargs(stream, fn, wait_timeout: float) -> dict:
-    """{} when fn does not ask; else {"queries": ..., ["query_start": ...]} or MissingQueries
-    (the server is asked to wait up to wait_timeout: the connector stores asynchronously)."""
-    if not wants_queries(fn):
-        return {}
+async def fetch(stream, fn, wait_timeout: float) -> CapturedQueries:
+    """The stream's captured queries from every rank, concatenated along the query heads, or
+    MissingQueries (the server is asked to wait up to wait_timeout for each rank's object:
+    the connector stores asynchronously)."""
     ctx, cap = stream.ctx, stream.queries
     name = getattr(fn, "__qualname__", type(fn).__name__)
     if cap is None:
@@ -175,28 +154,36 @@ async def query_kwargs(stream, fn, wait_timeout: float) -> dict:
                                      f"window (create_request(..., capture_queries=W) or "
                                      f"BatchedStream(capture_queries=W)), or an earlier edit "
                                      f"used them (they describe the prompt before that edit)")
-    try:
-        have = await ctx.call(ctx.client.lookup, ctx.model, [cap.key],
-                              wait_timeout=wait_timeout, kind="queries")
-        raw = await ctx.call(ctx.client.fetch_queries, ctx.model, cap.key) if have else None
-    except Exception as e:
-        raise ModifyError(stream, f"fetching its captured queries failed: {e}") from e
-    if raw is None:
-        raise MissingQueries(
-            stream, f"{name} needs captured queries but the kvedit server has none for its "
-                    f"prompt (window {cap.window}, key {cap.key.hex()}) after waiting "
-                    f"{wait_timeout} s: evicted (a larger --l1-size-gb keeps them), deleted "
-                    f"by an earlier edit of this stream, or never stored (is vLLM running "
-                    f"the kvedit connector with query capture?). Prefill the stream again "
-                    f"with capture_queries={cap.window}")
-    try:
-        queries = as_tensor(raw, cap, ctx.layout)
-    except ValueError as e:
-        raise ModifyError(stream, str(e)) from None
-    out = {"queries": queries}
-    if getattr(fn, "needs_queries", None) or wants_query_start(fn):
-        out["query_start"] = cap.start
-    return out
+    parts = []
+    for r, key in enumerate(cap.keys):
+        on = f" on tensor-parallel rank {r}" if r else ""
+        try:
+            have = await ctx.call(ctx.client.lookup, ctx.model, [key], tp_rank=r,
+                                  wait_timeout=wait_timeout, kind="queries")
+            raw = await ctx.call(ctx.client.fetch_queries, ctx.model, key,
+                                 tp_rank=r) if have else None
+        except Exception as e:
+            raise ModifyError(stream, f"fetching its captured queries{on} failed: {e}") from e
+        if raw is None:
+            raise MissingQueries(stream, _missing(name, cap, key, r, wait_timeout))
+        try:
+            parts.append(as_tensor(raw, cap, ctx.layouts[r]))
+        except ValueError as e:
+            raise ModifyError(stream, f"its captured queries{on}: {e}") from None
+    return CapturedQueries(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1),
+                           cap.start)
+
+
+def _missing(name: str, cap: Capture, key: bytes, rank: int, wait_timeout: float) -> str:
+    again = f"Prefill the stream again with capture_queries={cap.window}"
+    if rank:
+        return (f"tensor-parallel rank {rank} has no captured queries for its prompt (window "
+                f"{cap.window}) after waiting {wait_timeout} s; rank 0 has them. {again}")
+    return (f"{name} needs captured queries but the kvedit server has none for its prompt "
+            f"(window {cap.window}, key {key.hex()}) after waiting {wait_timeout} s: evicted "
+            f"(a larger --l1-size-gb keeps them), deleted by an earlier edit of this stream, "
+            f"or never stored (is vLLM running the kvedit connector with query capture?). "
+            f"{again}")
 
 
 async def release_queries(stream) -> int:

@@ -1,15 +1,18 @@
 """Where modify's kv comes from: one small protocol, two implementations, chosen once.
 
-`open_kv(ctx, keys)` returns a KVSource: `kv` (the [2, L, T, D] tensor fn gets), the pages fn
-wrote, which chunks fn handed back untouched, a lease check before commit, `close()` (cheap:
-hands back what the next stream's edit reuses, so modify calls it while the stream still
-holds its CPU slot) and `release()` (what only this edit used, an unmapping of 5-10 ms:
+`open_kv(ctx, per_rank)` returns a KVSource: `kv` (the [2, L, T, D] tensor fn gets), the pages
+fn wrote, which chunks fn handed back untouched, a lease check before commit, `close()`
+(cheap: hands back what the next stream's edit reuses, so modify calls it while the stream
+still holds its CPU slot) and `release()` (what only this edit used, an unmapping of 5-10 ms:
 modify calls it once the slot is free for the next stream).
-- MappedKV (kvedit.sdk.chunkmap): shm mode with write tracking; kv is the stored chunks
-  themselves, mapped copy-on-write (no copy).
+- MappedKV (kvedit.sdk.chunkmap): shm mode with write tracking, one rank; kv is the stored
+  chunks themselves, mapped copy-on-write (no copy).
 - CopiedKV (here): one row-wise copy into a pooled buffer (kvedit.sdk.buffers), tracked
-  through a memfd's private mapping where the OS allows it, plain memory otherwise.
-modify never asks which one it has.
+  through a memfd's private mapping where the OS allows it, plain memory otherwise. Under
+  tensor parallel every rank's chunks are copied into their heads' columns of that buffer
+  (replicated heads read once, from the first rank holding them): kv holds every KV head in
+  the model's order (kvedit.sdk.tp), and the write tracking works for it as for one rank.
+modify never asks which one it has, nor how many ranks there are.
 """
 from __future__ import annotations
 
@@ -64,22 +67,26 @@ class CopiedKV:
         """Nothing left: the buffer went back to the pool at close()."""
 
 
-def open_kv(ctx, keys: list[bytes]) -> tuple[KVSource, torch.Tensor]:
-    """(source, kv): the chunks of `keys` as one contiguous [2, L, N*C, D] tensor."""
-    lay = ctx.layout
-    n = len(keys)
+def open_kv(ctx, per_rank: list[list[bytes]]) -> tuple[KVSource, torch.Tensor]:
+    """(source, kv): the chunks of `per_rank` (each rank's keys of the same chunks, index =
+    rank) as one contiguous [2, L, N*C, D] tensor laid out as ctx.fn_layout."""
+    lay = ctx.fn_layout
+    n = len(per_rank[0])
     shape, dtype = (2, lay.num_layers, n * lay.chunk_size, lay.hidden), getattr(torch, lay.dtype)
     cow = ctx.pool.use_cow()
-    if cow and (mapped := map_chunks(ctx.client, ctx.model, keys, lay)) is not None:
+    if cow and len(per_rank) == 1 \
+            and (mapped := map_chunks(ctx.client, ctx.model, per_rank[0], lay)) is not None:
         return mapped, mapped.view.view(dtype).view(shape)
     buf = ctx.pool.take(n * lay.chunk_bytes)
-    with ctx.client.retrieve(ctx.model, keys) as got:
-        if len(got.tensors) < n:
-            raise LookupError(f"only {len(got.tensors)} of its {n} chunks could be retrieved "
-                              f"(evicted meanwhile?)")
-        target = buf.target[:n * lay.chunk_bytes].view(dtype).view(shape)
-        for i, chunk in enumerate(got.tensors):
-            load_chunk(target, i, chunk)
+    target = buf.target[:n * lay.chunk_bytes].view(dtype).view(shape)
+    for r, cols in ctx.columns():   # one rank: all of it; TP: each head group's columns
+        with ctx.client.retrieve(ctx.model, per_rank[r], tp_rank=r) as got:
+            if len(got.tensors) < n:
+                where = f" on tensor-parallel rank {r}" if len(per_rank) > 1 else ""
+                raise LookupError(f"only {len(got.tensors)} of its {n} chunks could be "
+                                  f"retrieved{where} (evicted meanwhile?)")
+            for i, chunk in enumerate(got.tensors):
+                load_chunk(target[..., cols], i, chunk)
     return CopiedKV(ctx.pool, buf), buf.open(cow)[:n * lay.chunk_bytes].view(dtype).view(shape)
 
 

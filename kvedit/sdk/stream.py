@@ -21,9 +21,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvedit.budget import KEY as BUDGET_KEY
+from kvedit.budget import EngineBudget
+from kvedit.query_contract import check_window
 from kvedit.sdk.contracts import check_token_ids, takes_salt
 from kvedit.sdk.context import Context
 from kvedit.sdk import queries as Q
+from kvedit.vllm.admission import STORE_ASK
 from kvedit.sdk.errors import CompletionError, KVEditError
 
 
@@ -63,7 +67,11 @@ class Stream:
     """One request: create with `create_request`, drive with a BatchedStream."""
 
     def __init__(self, ctx: Context, post_completion, prompt_token_ids, cache_salt: str = "",
-                 name: str | None = None, capture_queries: int | None = None):
+                 name: str | None = None, capture_queries: int | None = None,
+                 budget: EngineBudget | None = None):
+        if budget is not None and not isinstance(budget, EngineBudget):
+            raise TypeError(f"budget must be a kvedit.EngineBudget, got {type(budget).__name__}")
+        self.budget = budget  # each request asks vLLM to keep the KV within it
         self.ctx = ctx
         self.id = ctx.next_stream_id()
         self.name = name
@@ -75,7 +83,7 @@ class Stream:
         self.cache_salt = cache_salt or ""
         # query window W asked at prefill (None: the batch's default; 0: off), and the
         # captured-queries object the last prefill asked for (kvedit.sdk.queries)
-        self.capture_queries = Q.check_window(capture_queries,
+        self.capture_queries = check_window(capture_queries,
                                               f"{self.label} capture_queries")
         self.queries: Q.Capture | None = None
         self.tokens: list[int] = list(self.prompt_token_ids)
@@ -108,9 +116,19 @@ class Stream:
         capture_queries=W: ask vLLM to capture the queries of the prompt's last W tokens."""
         params = sampling_params if max_tokens is None else with_max_tokens(sampling_params,
                                                                             max_tokens)
+        try:   # the edit reads this request's chunks next: stored as computed, whatever the
+            params = Q.with_transfer_param(params, STORE_ASK, "eager")   # connector's mode
+        except TypeError:   # params that cannot carry it: the connector's mode decides
+            pass
         if capture_queries:
             try:
                 params = Q.with_capture(params, capture_queries)
+            except TypeError as e:
+                raise CompletionError(self, str(e)) from None
+        if self.budget is not None:
+            try:
+                params = Q.with_transfer_param(params, BUDGET_KEY, self.budget.to_params()[
+                    BUDGET_KEY], "an in-engine budget")
             except TypeError as e:
                 raise CompletionError(self, str(e)) from None
         limit = get_max_tokens(params)
@@ -148,8 +166,9 @@ class Stream:
         self.output_token_ids += ids
         self.logprobs += lps
         self.done = limit is None or len(ids) < limit
-        # The engine computed KV for the whole prompt and every generated token but the last.
-        self._own_computed(len(prompt) + max(0, len(ids) - 1))
+        # The engine computed KV for the whole prompt and every generated token but the last
+        # (under an in-engine budget the connector stores the prompt's chunks only).
+        self._own_computed(len(prompt) + (0 if self.budget else max(0, len(ids) - 1)))
         gen = Generation(ids, len(prompt), stamps[0] - start if stamps else None,
                          (stamps[-1] - stamps[0]) / (len(ids) - 1) if len(ids) > 1 else None,
                          finish, cached)
@@ -215,10 +234,13 @@ async def _iterate(ctx: Context, gen):
 
 
 def create_request(ctx: Context, post_completion, prompt_token_ids, cache_salt: str = "",
-                   *, name: str | None = None, capture_queries: int | None = None) -> Stream:
+                   *, name: str | None = None, capture_queries: int | None = None,
+                   budget: EngineBudget | None = None) -> Stream:
     """A stream for `prompt_token_ids`; `post_completion(prompt_token_ids, sampling_params,
     cache_salt)` yields generated tokens (ints or objects with `.token_id`), sync or async.
     `capture_queries=W` (1..4096): its prefill asks vLLM to capture the queries of the last W
     prompt tokens, for an fn that takes `queries` (kvedit.sdk.queries); None: the batch's
-    default; 0: off."""
-    return Stream(ctx, post_completion, prompt_token_ids, cache_salt, name, capture_queries)
+    default; 0: off. `budget`: every request of the stream asks vLLM to keep its KV within
+    this in-engine budget (kvedit.budget; the connector needs "in_engine": true)."""
+    return Stream(ctx, post_completion, prompt_token_ids, cache_salt, name, capture_queries,
+                  budget)

@@ -14,7 +14,9 @@ views of the edited tensor. The per-rank fields of a layout do not say the model
 head count (with replication, 1 head per rank fits several totals): the connector registers
 it as `ModelLayout.total_kv_heads`, or the user passes `connect(..., total_kv_heads=)`.
 `TPRanks` is what a context keeps: the ranks' layouts, their head split and the layout of
-the gathered tensor that fn sees. kvedit.sdk.tp_edit runs modify's steps over the ranks.
+the gathered tensor that fn sees. modify (kvedit.sdk.modify) runs its one set of steps over
+every rank: kvedit.sdk.source fills the gathered kv rank by rank (`TPHeads.columns`), and
+kvedit.sdk.store stores `scatter_ranks`'s pieces under each rank's keys.
 """
 from __future__ import annotations
 
@@ -59,6 +61,11 @@ class TPHeads:
         first = rank // self.replicas * self.heads_per_rank
         return range(first, first + self.heads_per_rank)
 
+    def columns(self, rank: int) -> slice:
+        """Where rank `rank`'s heads lie in the last dimension of the gathered tensor."""
+        heads = self.heads_of(rank)
+        return slice(heads.start * self.head_dim, heads.stop * self.head_dim)
+
     def source_ranks(self) -> list[int]:
         """One rank per distinct head group, in head order: the ranks a gather reads."""
         return list(range(0, self.tp_size, self.replicas))
@@ -74,7 +81,8 @@ def tp_heads(layouts: Sequence[ModelLayout], total_kv_heads: int) -> TPHeads:
     if len(layouts) != n or [lay.tp_rank for lay in layouts] != list(range(n)):
         raise ValueError(f"rank layouts: expected ranks 0..{n - 1} of tp_size {n} in order, got "
                          f"{[(lay.tp_rank, lay.tp_size) for lay in layouts]}")
-    same = ("num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_size", "tp_size")
+    same = ("num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_size", "tp_size",
+            "num_q_heads")
     for lay in layouts[1:]:
         diff = [f for f in same if getattr(lay, f) != getattr(first, f)]
         if diff:
@@ -125,8 +133,10 @@ def scatter_ranks(kv: torch.Tensor, heads: TPHeads) -> list[torch.Tensor]:
 @dataclass(frozen=True)
 class TPRanks:
     """A tensor-parallel model as the SDK edits it: every rank's layout (index = rank), how
-    the heads are split, and `layout`, the layout of the gathered tensor fn gets (all KV heads,
-    one rank: tp_rank 0, tp_size 1, total_kv_heads not said)."""
+    the heads are split, and `layout`, the layout of the gathered tensor fn gets (all KV heads
+    and, where the ranks say them, all query heads; one rank: tp_rank 0, tp_size 1,
+    total_kv_heads not said). vLLM splits query heads without replicas, so the gathered
+    query heads are the ranks' sum."""
     layouts: tuple[ModelLayout, ...]
     heads: TPHeads
     layout: ModelLayout
@@ -151,5 +161,6 @@ def tp_ranks(layouts: Sequence[ModelLayout], total_kv_heads: int | None = None) 
         total_kv_heads = said.pop()
     heads = tp_heads(layouts, total_kv_heads)
     gathered = msgspec.structs.replace(layouts[0], num_kv_heads=heads.total_kv_heads,
-                                       tp_rank=0, tp_size=1, total_kv_heads=0)
+                                       tp_rank=0, tp_size=1, total_kv_heads=0,
+                                       num_q_heads=layouts[0].num_q_heads * heads.tp_size)
     return TPRanks(tuple(layouts), heads, gathered)

@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from kvedit.server.config import EVICTION_POLICIES, L2_WRITE_ON, ServerConfig
+from kvedit.server.config import EVICTION_POLICIES, L2_WRITE_ON, ServerConfig, eviction_name
 
 _D = ServerConfig(l1_size_gb=1.0)  # the defaults, shown in --help
 
@@ -32,8 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pool size in GiB (host memory for KV chunks)")
     p.add_argument("--chunk-size", type=int, default=_D.chunk_size,
                    help="tokens per chunk (default 256)")
-    p.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default=_D.eviction_policy,
-                   help="LRU, FIFO, or none (refuse stores when the pool is full)")
+    p.add_argument("--eviction", "--eviction-policy", dest="eviction_policy",
+                   type=_eviction, default=_D.eviction_policy,
+                   metavar="{" + ",".join(n.lower() for n in EVICTION_POLICIES) + "}",
+                   help="which ready chunk a full pool evicts: lru (least recently used, the "
+                        "default), fifo (oldest stored), arc (adaptive: recency vs reuse, a scan "
+                        "of new prefixes does not flush the hot ones), or none (refuse stores "
+                        "when the pool is full); any case; --eviction-policy is the old name")
     p.add_argument("--shm-name", default=_D.shm_name,
                    help="POSIX shared-memory segment holding the whole pool (/dev/shm/NAME); "
                         "'' = no shared memory, data travels over the socket")
@@ -53,15 +58,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             ("max_model_name", "bytes of a model name"),
             ("max_keys_per_request", "keys in one lookup/store/retrieve/delete"),
             ("max_message_bytes", "bytes of one ZMQ message (libzmq drops the connection of "
-                                  "a peer that sends more)"),
+                                  "a peer that sends more; 0: what --max-keys-per-request "
+                                  "needs)"),
             ("max_waits_per_client", "parked lookups (wait_timeout > 0) of one client"),
             ("max_waits_total", "parked lookups of all clients"),
             ("max_parked_keys", "keys of all parked lookups together"),
             ("max_data_conns", "open data-link connections"),
             ("max_query_bytes", "bytes of the largest captured-queries object (a store of a "
-                                "bigger one is refused with too_large)")):
+                                "bigger one is refused with too_large)"),
+            ("max_leases_per_client", "open (or quarantined) read leases of one client "
+                                      "session (beyond: over_quota)"),
+            ("max_leases_total", "read leases of all sessions"),
+            ("max_stores_per_client", "pending (or quarantined) stores of one session"),
+            ("max_stores_total", "pending stores of all sessions"),
+            ("max_leased_keys_per_client", "objects kept by one session's leases (a key "
+                                           "repeated in one retrieve counts once)"),
+            ("max_leased_keys_total", "objects kept by all leases"),
+            ("http_max_conns", "open HTTP connections (beyond: the oldest idle one is "
+                               "closed, or the new one refused)"),
+            ("http_max_conns_per_peer", "open HTTP connections of one peer (a local user, by "
+                                        "uid; a remote address)"),
+            ("http_max_requests", "HTTP requests in flight (beyond: 503; /health and "
+                                  "requests with the bearer token are always served)")):
         g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(_D, name),
                        help=f"{hlp} (default {getattr(_D, name)})")
+    g.add_argument("--max-client-pool-fraction", type=float,
+                   default=_D.max_client_pool_fraction,
+                   help=f"fraction of the pool whose slots one client session's leases and "
+                        f"pending stores may pin together (default "
+                        f"{_D.max_client_pool_fraction})")
+    g.add_argument("--fence-gone-sessions", action="store_true",
+                   help="quarantine the slots of an expired store/lease even when its client "
+                        "session had already disconnected (default: freed at expiry; see "
+                        "docs/protocol.md, the fence)")
     for name, hlp in (
             ("max_wait_seconds", "longest Lookup wait_timeout"),
             ("data_idle_timeout", "data link: close a connection idle this long between "
@@ -69,21 +98,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             ("handshake_timeout", "data link: time for a new connection's handshake"),
             ("transfer_idle_timeout", "data link: cut a transfer that makes no progress "
                                       "this long"),
-            ("transfer_timeout", "data link: cut a single PUT/GET that takes longer")):
+            ("transfer_timeout", "data link: cut a single PUT/GET that takes longer"),
+            ("http_head_timeout", "HTTP: close a connection that has not sent a whole request "
+                                  "head this long after it opened or after its last answer")):
         g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(_D, name),
                        help=f"seconds: {hlp} (default {getattr(_D, name)})")
     add_l2_arguments(p)
     a = p.add_argument_group("authentication (one shared secret for ZMQ, data link and HTTP)")
     a.add_argument("--secret-file", default=None,
                    help="file holding the shared secret (else $KVEDIT_SECRET, then "
-                        "$KVEDIT_SECRET_FILE); with a secret ZMQ uses CurveZMQ, the data link "
-                        "an HMAC handshake and HTTP a bearer token")
+                        "$KVEDIT_SECRET_FILE, else one made at start, see --insecure); with a "
+                        "secret ZMQ uses CurveZMQ, the data link an HMAC handshake and HTTP a "
+                        "bearer token")
     a.add_argument("--gen-secret", metavar="PATH", default=None,
                    help="write a new random secret to PATH (mode 0600, must not exist), print "
                         "the path and use it")
     a.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback --host without a secret (anyone who reaches the "
-                        "ports can read and change every tenant's KV)")
+                   help="run without a secret: anyone who reaches the ports (any local user, "
+                        "or anyone on the network with a non-loopback --host) can read, "
+                        "change and delete every tenant's KV. Without --insecure and without "
+                        "a secret the server makes one at start and writes it (mode 0600) to "
+                        "$XDG_RUNTIME_DIR/kvedit/PORT.secret or /tmp/kvedit-UID/PORT.secret, "
+                        "where clients of the same user find it")
+
+
+def _eviction(name: str) -> str:
+    try:
+        return eviction_name(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_l2_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,6 +152,11 @@ def add_l2_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--l2-timeout", type=float, default=_D.l2_timeout,
                    help=f"Redis socket timeout in seconds; past it Redis counts as down "
                         f"(default {_D.l2_timeout:g})")
+    g.add_argument("--l2-mac", action="store_true",
+                   help="write each record with an HMAC of the shared secret and promote only "
+                        "records whose HMAC holds, so whoever can write to the Redis but lacks "
+                        "the secret cannot plant a chunk (hashing costs ~0.5 GB/s per thread; "
+                        "every server sharing the Redis needs the same secret)")
 
 
 def config_from_args(args) -> ServerConfig:
@@ -118,13 +166,18 @@ def config_from_args(args) -> ServerConfig:
              "max_waits_per_client", "max_waits_total", "max_parked_keys", "max_wait_seconds",
              "max_data_conns", "max_query_bytes", "data_idle_timeout", "handshake_timeout",
              "transfer_idle_timeout", "transfer_timeout", "insecure",
+             "max_leases_per_client", "max_leases_total", "max_stores_per_client",
+             "max_stores_total", "max_leased_keys_per_client", "max_leased_keys_total",
+             "max_client_pool_fraction", "fence_gone_sessions",
+             "http_max_conns", "http_max_conns_per_peer", "http_max_requests",
+             "http_head_timeout",
              "l2_url", "l2_prefix", "l2_ttl", "l2_write_on", "l2_write_queue_mb",
-             "l2_lookup_wait", "l2_timeout")
+             "l2_lookup_wait", "l2_timeout", "l2_mac")
     return ServerConfig(l1_size_gb=args.l1_size_gb, **{n: getattr(args, n) for n in names})
 
 
 def run(args) -> int:
-    from kvedit import auth
+    from kvedit import auth, rundir
     from kvedit.server.main import serve
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -142,7 +195,10 @@ def run(args) -> int:
         else:
             secret = auth.load_secret(secret_file=args.secret_file)
             cfg.secret_file = args.secret_file or ""
-    except auth.AuthError as e:
+        if secret is None and not args.insecure:   # secure by default: make one (rundir.py)
+            cfg.secret_path = str(rundir.ensure() / rundir.secret_path(cfg.port).name)
+            secret = auth.make_secret()
+    except (auth.AuthError, rundir.RundirError) as e:
         log.error("cannot start: %s", e)
         return 2
     cfg.authenticated = secret is not None

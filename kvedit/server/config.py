@@ -1,16 +1,29 @@
 """ServerConfig: every knob of `kvedit server`, one dataclass (what /config reports).
 
 Every resource a client can make the server hold has a bound here (models, keys per request,
-message size, parked lookups, data connections) and a deadline (TTLs, transfer timeouts,
-quarantine). docs/protocol.md lists them with the error code a client gets at the bound.
+message size, parked lookups, data connections, what one session holds, HTTP connections)
+and a deadline (TTLs, transfer timeouts, quarantine, the HTTP head timeout). docs/protocol.md
+lists them with the error code a client gets at the bound.
 """
 from __future__ import annotations
 
 import ipaddress
 from dataclasses import asdict, dataclass
 
-EVICTION_POLICIES = ("LRU", "FIFO", "none")
+from kvedit.protocol import MAX_KEY_BYTES, MAX_KEYS
+from kvedit.server.quota import QuotaLimits
+
+EVICTION_POLICIES = ("LRU", "FIFO", "ARC", "none")
 L2_WRITE_ON = ("commit", "evict")
+
+
+def eviction_name(name: str) -> str:
+    """The canonical policy name for `name` in any case ("arc" -> "ARC"); ValueError else."""
+    for p in EVICTION_POLICIES:
+        if name.lower() == p.lower():
+            return p
+    raise ValueError(f"eviction policy {name!r} is not one of "
+                     f"{[p.lower() for p in EVICTION_POLICIES]}")
 L2_SCHEMES = ("redis", "rediss", "unix")
 GIB = 1 << 30
 MIB = 1 << 20
@@ -24,32 +37,49 @@ class ServerConfig:
     http_port: int = 8080
     data_port: int = 0                # data link (socket-mode bytes); 0 = a free port
     chunk_size: int = 256             # tokens per chunk; registered layouts must match
-    eviction_policy: str = "LRU"      # LRU, FIFO, or none (refuse stores when full)
+    eviction_policy: str = "LRU"      # LRU, FIFO, ARC, or none (refuse stores when full)
     shm_name: str = "kvedit"          # POSIX shm segment holding the pool; "" = no shm
     l1_use_lazy: bool = True          # False: allocate and pre-fault the whole pool at start
     lease_ttl: float = 300.0          # seconds a read lease lives without release
     write_ttl: float = 300.0          # seconds a prepared store lives without commit/abort
     quarantine_ttl: float = 0.0       # seconds expired slots stay unused; 0 = 4 x the longer TTL
-    # ---- limits (items 3-5, 7 of issue 9) ----
+    # ---- limits ----
     max_models: int = 64              # registered (model, tp_rank) layouts
     max_model_name: int = 256         # bytes of a model name (UTF-8)
     max_keys_per_request: int = 8192  # bounds one request's loop time (docs/protocol.md)
-    max_message_bytes: int = 16 * MIB  # ZMQ MAXMSGSIZE: libzmq drops the peer's connection above
+    max_message_bytes: int = 0        # ZMQ MAXMSGSIZE (libzmq drops the peer's connection
+                                      # above); 0 = what max_keys_per_request needs
     max_waits_per_client: int = 1024  # parked lookups of one client session
     max_waits_total: int = 16384
     max_parked_keys: int = 1 << 20    # keys of all parked lookups together (their memory)
     max_wait_seconds: float = 600.0   # longest Lookup.wait_timeout
     max_data_conns: int = 256         # open data-link connections (a thread each)
     max_query_bytes: int = 256 * MIB  # largest captured-queries object (kind "queries")
+    # ---- what one client session may hold (quota.py): counts, and bytes as pool fractions ----
+    max_leases_per_client: int = 4096
+    max_leases_total: int = 65536
+    max_stores_per_client: int = 4096       # pending stores
+    max_stores_total: int = 65536
+    max_leased_keys_per_client: int = 1 << 18   # objects kept by a session's leases
+    max_leased_keys_total: int = 1 << 21
+    max_client_pool_fraction: float = 0.75  # of the pool: slot bytes one session's leases
+                                            # and pending stores pin together
+    fence_gone_sessions: bool = False  # quarantine also what a disconnected session held
+    # ---- HTTP (http.py) ----
+    http_max_conns: int = 256           # open connections; beyond, the oldest idle one goes
+    http_max_conns_per_peer: int = 16   # per peer (a local user by uid, else an address)
+    http_max_requests: int = 64         # in flight; beyond, 503 (not for /health, nor
+                                        # requests with the right bearer token)
+    http_head_timeout: float = 3.0      # seconds for a whole request head
     data_idle_timeout: float = 60.0   # data link: seconds without a request before closing
     handshake_timeout: float = 5.0    # data link: seconds for the client's first bytes
     transfer_idle_timeout: float = 10.0  # data link: seconds without progress mid-transfer
     transfer_timeout: float = 300.0   # data link: longest single PUT/GET
-    # ---- authentication (item 8) ----
+    # ---- authentication ----
     secret_file: str = ""             # where the shared secret came from ("" = none / env)
     authenticated: bool = False       # a secret is in use (the secret itself is never here)
     insecure: bool = False            # allow a non-loopback host without a secret
-    # ---- second tier on Redis (issue 12; docs/l2.md) ----
+    # ---- second tier on Redis (docs/l2.md) ----
     l2_url: str = ""                  # redis://[user:pass@]host:port/db, rediss://, unix://
     l2_prefix: str = "kvedit"         # first part of every Redis key
     l2_ttl: float = 0.0               # seconds a chunk lives in Redis (EX); 0 = no expiry
@@ -57,6 +87,9 @@ class ServerConfig:
     l2_write_queue_mb: float = 1024.0  # write-behind backlog bound (MiB); oldest dropped beyond
     l2_lookup_wait: float = 1.0       # longest a no-wait lookup waits for promotion from L2
     l2_timeout: float = 5.0           # Redis socket timeout (seconds) before it counts as down
+    l2_mac: bool = False              # records carry an HMAC of the secret (a Redis writer
+                                      # without it cannot plant a chunk); needs a secret
+    secret_path: str = ""             # where a secret made at start was written (rundir.py)
 
     @property
     def pool_bytes(self) -> int:
@@ -67,6 +100,25 @@ class ServerConfig:
     def quarantine_seconds(self) -> float:
         return self.quarantine_ttl or 4 * max(self.lease_ttl, self.write_ttl)
 
+    @property
+    def message_bytes(self) -> int:
+        """The ZMQ message cap: --max-message-bytes, or (0) what the largest request needs
+        (max keys of MAX_KEY_BYTES each, plus a name and framing). Kept no larger than that by
+        default: the loop decodes a message whole before it can refuse it."""
+        return self.max_message_bytes or (self.max_keys_per_request * (MAX_KEY_BYTES + 3)
+                                          + 64 * 1024)
+
+    def quota_limits(self) -> QuotaLimits:
+        pool = self.pool_bytes
+        return QuotaLimits(
+            leases_per_client=self.max_leases_per_client, leases_total=self.max_leases_total,
+            stores_per_client=self.max_stores_per_client, stores_total=self.max_stores_total,
+            lease_keys_per_client=self.max_leased_keys_per_client,
+            lease_keys_total=self.max_leased_keys_total,
+            # 1: no share at all (the pool itself bounds a session), not "at most the pool"
+            bytes_per_client=(int(pool * self.max_client_pool_fraction)
+                              if self.max_client_pool_fraction < 1 else 1 << 62))
+
     def validate(self) -> None:
         """Raise ValueError naming the bad setting and what is expected."""
         if self.pool_bytes <= 0:
@@ -74,8 +126,8 @@ class ServerConfig:
         if self.chunk_size <= 0:
             raise ValueError(f"--chunk-size must be a positive token count, got {self.chunk_size}")
         if self.eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"--eviction-policy {self.eviction_policy!r} is not one of "
-                             f"{list(EVICTION_POLICIES)}")
+            raise ValueError(f"--eviction {self.eviction_policy!r} is not one of "
+                             f"{[p.lower() for p in EVICTION_POLICIES]}")
         for name in ("lease_ttl", "write_ttl", "max_wait_seconds", "data_idle_timeout",
                      "handshake_timeout", "transfer_idle_timeout", "transfer_timeout"):
             if not getattr(self, name) > 0:  # also refuses NaN
@@ -84,15 +136,27 @@ class ServerConfig:
         if not self.quarantine_ttl >= 0:
             raise ValueError(f"--quarantine-ttl must be >= 0 seconds (0 = 4 x the TTL), got "
                              f"{self.quarantine_ttl}")
-        for name in ("max_models", "max_model_name", "max_keys_per_request", "max_message_bytes",
+        for name in ("max_models", "max_model_name", "max_keys_per_request",
                      "max_waits_per_client", "max_waits_total", "max_parked_keys",
-                     "max_data_conns", "max_query_bytes"):
+                     "max_data_conns", "max_query_bytes", "max_leases_per_client",
+                     "max_leases_total", "max_stores_per_client", "max_stores_total",
+                     "max_leased_keys_per_client", "max_leased_keys_total", "http_max_conns",
+                     "http_max_conns_per_peer", "http_max_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
                                  f"{getattr(self, name)}")
-        if self.max_message_bytes < 64 * 1024:
-            raise ValueError(f"--max-message-bytes must be at least 65536 (a request with a few "
-                             f"keys must fit), got {self.max_message_bytes}")
+        if self.max_keys_per_request > MAX_KEYS:
+            raise ValueError(f"--max-keys-per-request must be at most {MAX_KEYS} (the "
+                             f"protocol's bound), got {self.max_keys_per_request}")
+        if self.max_message_bytes and self.max_message_bytes < 64 * 1024:
+            raise ValueError(f"--max-message-bytes must be 0 (derived) or at least 65536 (a "
+                             f"request with a few keys must fit), got {self.max_message_bytes}")
+        if not 0 < self.max_client_pool_fraction <= 1:
+            raise ValueError(f"--max-client-pool-fraction is a fraction of the pool in (0, 1], "
+                             f"got {self.max_client_pool_fraction}")
+        if not self.http_head_timeout > 0:
+            raise ValueError(f"--http-head-timeout must be > 0 seconds, got "
+                             f"{self.http_head_timeout}")
         if not 0 <= self.data_port < 65536:
             raise ValueError(f"--data-port must be 0 (any free port) or 1..65535, got "
                              f"{self.data_port}")
@@ -124,13 +188,19 @@ class ServerConfig:
                              f"got {self.l2_ttl}")
         if not self.l2_timeout > 0:
             raise ValueError(f"--l2-timeout must be > 0 seconds, got {self.l2_timeout}")
+        if self.l2_mac and not self.authenticated:
+            raise ValueError("--l2-mac signs L2 records with the shared secret, and this "
+                             "server has none (--insecure): drop one of the two")
         if not self.l2_prefix or ":" in self.l2_prefix:
             raise ValueError(f"--l2-prefix must be non-empty without ':', got "
                              f"{self.l2_prefix!r}")
 
     def to_dict(self) -> dict:
+        q = self.quota_limits()
         return asdict(self) | {"pool_bytes": self.pool_bytes,
                                "quarantine_seconds": self.quarantine_seconds,
+                               "message_bytes": self.message_bytes,
+                               "client_pool_bytes": q.bytes_per_client,
                                "l2_url": redacted(self.l2_url)}
 
 

@@ -6,6 +6,8 @@ every keep-alive request waited ~44 ms for a delayed ACK, and logged a BrokenPip
 for each client that left early). Routes read the service only through http_state's
 narrow functions; the ones that take the service lock run in the worker thread pool, so a
 long control-loop request never stalls the event loop (and /health with it).
+Connections are bounded per peer and in all, heads have a deadline, and /health is answered
+however many connections others hold (_Gate, _Protocol below; docs/http.md).
 The socket is bound in the constructor, so a busy port fails `kvedit server` at start.
 """
 from __future__ import annotations
@@ -27,15 +29,15 @@ from starlette.routing import Route
 from kvedit.auth import http_authorized
 from kvedit.server import http_state as state
 from kvedit.server.http_openapi import MAX_CURSOR, MAX_MODEL_PARAM, MAX_PAGE, SPEC
+from kvedit.server.http_peer import PeerKey, peer_key
 from kvedit.server.service import Service
 
 log = logging.getLogger("kvedit.server")
 ENDPOINTS = "/health /status /config /metrics /cache (GET, DELETE) /openapi.json"
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-MAX_CONNECTIONS = 64         # uvicorn answers 503 beyond this many open connections
 KEEP_ALIVE_S = 5             # an idle keep-alive connection is closed after this
-HEADER_TIMEOUT_S = 10        # ... and one that has not sent a whole request head by then
 MAX_HEAD_BYTES = 64 << 10    # a request head larger than this is refused (431) and closed
+# the connection bounds and the head timeout are ServerConfig's http_* settings
 
 
 def _json(body, status: int = 200, headers: dict | None = None) -> Response:
@@ -113,6 +115,8 @@ class _Routes:
                 return _error(401, f"{req.url.path} needs the header 'Authorization: Bearer "
                                    f"<secret>' (the server's --secret-file / KVEDIT_SECRET)",
                               {"WWW-Authenticate": 'Bearer realm="kvedit"'})
+            if req.method == "DELETE" and await req.is_disconnected():
+                return _error(499, "the client went away before its request was run")
             try:
                 return await asyncio.to_thread(fn, req)
             except _BadParam as e:
@@ -163,17 +167,79 @@ def build_app(service: Service, secret: bytes | None) -> Starlette:
     return _Routes(service, secret).app()
 
 
+class _Gate:
+    """The open connections of one HTTP server, and who may take another (event-loop thread
+    only). Bounds: `max_conns` in all, `per_peer` per peer (http_peer.py: a local user by
+    uid, else an address). A new connection over a bound closes the oldest *idle* one of that
+    peer (or of all): one with no request being served, i.e. a head not yet complete or a
+    keep-alive between requests. So connections held open without a request cannot lock
+    anyone out, whoever holds them; only when every connection has a request in flight is the
+    newcomer refused (503, closed)."""
+
+    def __init__(self, max_conns: int, per_peer: int):
+        self.max_conns, self.per_peer = max_conns, per_peer
+        self.open: dict[_Protocol, PeerKey] = {}     # in the order they opened
+        self.count: dict[PeerKey, int] = {}
+
+    def admit(self, conn: _Protocol, peer: PeerKey) -> bool:
+        if self.count.get(peer, 0) >= self.per_peer and not self._evict(peer):
+            return False
+        if len(self.open) >= self.max_conns and not self._evict(None):
+            return False
+        self.open[conn] = peer
+        self.count[peer] = self.count.get(peer, 0) + 1
+        return True
+
+    def leave(self, conn: _Protocol) -> None:
+        peer = self.open.pop(conn, None)
+        if peer is not None:
+            self.count[peer] -= 1
+            if not self.count[peer]:
+                del self.count[peer]
+
+    def _evict(self, peer: PeerKey | None) -> bool:
+        for conn, p in self.open.items():
+            if (peer is None or p == peer) and conn.idle():
+                self.leave(conn)
+                conn.transport.close()
+                return True
+        return False
+
+
 class _Protocol(HttpToolsProtocol):
-    """uvicorn's HTTP protocol plus a deadline on request heads. uvicorn waits forever for
-    the first bytes of a connection and for a head that stops half-way, so MAX_CONNECTIONS
-    silent peers would leave everyone else with 503s. A connection with no request in
-    flight is closed HEADER_TIMEOUT_S after it opened or after its last response."""
+    """uvicorn's HTTP protocol plus: the connection bounds (_Gate), a deadline on request
+    heads, requests in flight bounded except /health and authorized ones, and answers to a
+    client that half-closes after its request.
+
+    uvicorn waits forever for the first bytes of a connection and for a head that stops
+    half-way, and its connection cap answers 503 to everyone, /health included, once
+    anybody holds that many connections. Here a connection with no request in flight is
+    closed `head_timeout` after it opened or after its last response, /health and requests
+    carrying the bearer token are always served, and the others get 503 only while
+    `max_requests` are being served. A client that shuts down its sending side after a
+    request (EOF) still gets the answer: asyncio would close the transport on EOF, and a
+    thread-backed endpoint's answer (DELETE /cache done!) would go nowhere."""
+
+    gate: _Gate
+    secret: bytes | None
+    head_timeout: float
+    max_requests: int
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._heads = self._done = self._head_bytes = 0
         self._timer = None
+        self._eof = False
+        peer = peer_key(transport.get_extra_info("sockname"),
+                        transport.get_extra_info("peername"))
+        if not self.gate.admit(self, peer):
+            transport.write(_BUSY)
+            transport.close()
+            return
         self._arm()
+
+    def idle(self) -> bool:
+        return self._heads == self._done and not self.transport.is_closing()
 
     def data_received(self, data: bytes) -> None:
         # httptools sets no limit on a request head: bound the bytes we buffer for one
@@ -190,15 +256,34 @@ class _Protocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._heads += 1
+        # uvicorn answers 503 when connections or tasks reach limit_concurrency: 0 makes it
+        # answer 503 now, None serves the request
+        busy = len(self.tasks) >= self.max_requests and not self._exempt()
+        self.limit_concurrency = 0 if busy else None
         super().on_headers_complete()
+
+    def _exempt(self) -> bool:
+        if self.url.split(b"?", 1)[0] == b"/health":
+            return True
+        auth = next((v for k, v in self.headers if k == b"authorization"), None)
+        return self.secret is not None and http_authorized(
+            auth.decode("latin-1") if auth is not None else None, self.secret)
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        return self._heads > self._done   # True: keep the transport to send the answer
 
     def on_response_complete(self) -> None:
         self._done += 1
         self._head_bytes = 0
         super().on_response_complete()
+        if self._eof and self._heads == self._done:
+            self.transport.close()   # the client sends nothing more
+            return
         self._arm()
 
     def connection_lost(self, exc) -> None:
+        self.gate.leave(self)
         if self._timer is not None:
             self._timer.cancel()
         super().connection_lost(exc)
@@ -206,7 +291,7 @@ class _Protocol(HttpToolsProtocol):
     def _arm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = self.loop.call_later(HEADER_TIMEOUT_S, self._deadline, self._done)
+        self._timer = self.loop.call_later(self.head_timeout, self._deadline, self._done)
 
     def _deadline(self, done_when_armed: int) -> None:
         self._timer = None
@@ -214,6 +299,19 @@ class _Protocol(HttpToolsProtocol):
             return
         if self._done == done_when_armed and not self.transport.is_closing():
             self.transport.close()
+
+
+_BUSY_BODY = b'{"error": "too many open HTTP connections, each with a request in flight"}\n'
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+
+
+def protocol_class(secret: bytes | None, *, max_conns: int, per_peer: int,
+                   head_timeout: float, max_requests: int) -> type[_Protocol]:
+    """The protocol uvicorn instantiates per connection, bound to one server's gate."""
+    return type("KveditHttp", (_Protocol,), {
+        "gate": _Gate(max_conns, per_peer), "secret": secret,
+        "head_timeout": head_timeout, "max_requests": max_requests})
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -238,10 +336,14 @@ class HttpApi:
 
     def __init__(self, service: Service, host: str, port: int, secret: bytes | None = None):
         self.sock = _bind(host, port)
+        c = service.cfg
+        proto = protocol_class(secret, max_conns=c.http_max_conns,
+                               per_peer=c.http_max_conns_per_peer,
+                               head_timeout=c.http_head_timeout,
+                               max_requests=c.http_max_requests)
         # log_level "error": a peer's malformed request is its problem, not a server log line
         cfg = uvicorn.Config(build_app(service, secret), log_config=None, log_level="error",
-                             access_log=False, lifespan="off", loop="asyncio", http=_Protocol,
-                             limit_concurrency=MAX_CONNECTIONS,
+                             access_log=False, lifespan="off", loop="asyncio", http=proto,
                              timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self._serve, name="kvedit-http", daemon=True)

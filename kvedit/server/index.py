@@ -12,7 +12,7 @@ concern:
   leased nor quarantined (`_let_go`), and never given to two objects;
 - pending.py: stores and leases in flight (holders, TTLs, the deadline heap, data-link
   transfers and `busy`, the fence of ended ids, quarantine pins);
-- eviction.py: the LRU/FIFO order of the evictable objects, per slot size, and the victim;
+- eviction.py: the LRU/FIFO/ARC order of the evictable objects, per slot size, and the victim;
 - pages.py: ready objects in commit order (/cache pages, clear, drop_model).
 The index evicts only when the allocator has no free range that fits (best fit, pool.py):
 `_alloc` evicts the victim eviction.py names until one fits.
@@ -33,11 +33,12 @@ from kvedit.protocol import ObjectKind
 from kvedit.server.eviction import EvictionOrder
 from kvedit.server.index_types import (  # noqa: F401  (re-exported: the index's API)
     FINISH_GRACE, READY, WRITING, Busy, CacheEntry, Committed, Counters, Expiry, Gone, Ident,
-    Kind, Leased, LeaseExpired, NotHolder, Obj, Page, Pending, PoolFull, Prepared, Quarantined,
-    Refused, Released, Slot, StoreExpired, Transfer, UnknownLease, UnknownStore)
+    Kind, Leased, LeaseExpired, NotHolder, Obj, OverQuota, Page, Pending, PoolFull, Prepared,
+    Quarantined, Refused, Released, Slot, StoreExpired, Transfer, UnknownLease, UnknownStore)
 from kvedit.server.pages import CommitOrder
 from kvedit.server.pending import Pendings
 from kvedit.server.pool import Allocator
+from kvedit.server.quota import QuotaLimits
 
 _COUNTER_FIELDS = tuple(f.name for f in fields(Counters))
 
@@ -45,7 +46,8 @@ _COUNTER_FIELDS = tuple(f.name for f in fields(Counters))
 class Index:
     def __init__(self, allocator: Allocator, policy: str, lease_ttl: float, write_ttl: float,
                  *, quarantine_ttl: float | None = None, transfer_timeout: float = 120.0,
-                 clock=time.monotonic):
+                 limits: QuotaLimits | None = None, exempt: frozenset[bytes] = frozenset(),
+                 fence_gone: bool = False, clock=time.monotonic):
         self.alloc = allocator
         self.clock = clock   # monotonic seconds; tests pass a fake one
         self.policy = policy
@@ -57,7 +59,8 @@ class Index:
             self.counters, clock, self._let_go, lease_ttl=lease_ttl, write_ttl=write_ttl,
             quarantine_ttl=(quarantine_ttl if quarantine_ttl is not None
                             else 4 * max(lease_ttl, write_ttl)),
-            transfer_timeout=transfer_timeout)
+            transfer_timeout=transfer_timeout, limits=limits, exempt=exempt,
+            fence_gone=fence_gone)
         self.order = EvictionOrder(policy)
         self.pages = CommitOrder()
         self.on_evict = None   # called with an object just before eviction frees it (L2)
@@ -88,13 +91,17 @@ class Index:
         return n
 
     def snapshot(self) -> dict:
-        """The counters as a dict (O(1): a fixed number of fields)."""
+        """The counters and what all sessions hold (quota.py) as a dict (O(1))."""
         c = self.counters
-        return {f: getattr(c, f) for f in _COUNTER_FIELDS}
+        return {f: getattr(c, f) for f in _COUNTER_FIELDS} | self.pending.quota.snapshot()
 
     def page(self, model: str | None, after: int | None, limit: int) -> Page:
         """Up to `limit` ready objects (of `model`) in commit order after cursor `after`."""
         return self.pages.page(model, after, limit)
+
+    def leased_keys(self) -> int:
+        """Objects kept by all leases (quota.py's total): what leases cost in memory."""
+        return self.pending.quota.total.lease_keys
 
     def evictable(self) -> int:
         """Objects in the eviction order (READY, live, not leased, not quarantined)."""
@@ -102,22 +109,30 @@ class Index:
 
     # ---- leases -----------------------------------------------------------------------
     def lease(self, model: str, tp_rank: int, keys: list[bytes], holder: bytes,
-              kind: ObjectKind = "kv") -> Leased:
+              kind: ObjectKind = "kv", ordered: bool = False) -> Leased:
+        """Lease the leading ready objects of `keys`. The lease keeps each object once (a key
+        repeated in the request costs nothing more); `ordered` (a data-link retrieve) keeps
+        them in key order, repeats included, for the GET that sends them.
+        OverQuota (nothing leased) past the holder's or the total caps (quota.py)."""
+        self.pending.admit("lease", holder, [])   # a session at its lease cap: refused cheaply
         objs, get = [], self.table(kind).get
         for k in keys:   # the leading ready objects
             o = get((model, tp_rank, k))
             if o is None or o.state != READY:
                 break
             objs.append(o)
-        first = []   # newly leased (a key may repeat in one request)
-        for o in objs:
+        distinct = list(dict.fromkeys(objs)) if len(objs) > 1 else objs
+        kept = objs if ordered else distinct
+        self.pending.admit("lease", holder, kept, distinct=distinct)   # OverQuota
+        first = []   # newly leased
+        for o in kept:
             if o.leases == 0:
                 first.append(o)
             o.leases += 1
         self.counters.leased += len(first)
         self.order.leave(first)
-        self.order.touch(objs)   # LRU: their place when their last lease goes
-        p = self.pending.open("lease", holder, objs)
+        self.order.touch(distinct)   # LRU: their place when their last lease goes
+        p = self.pending.open("lease", holder, kept, distinct=distinct)
         return Leased(p.id, objs, [o.offset for o in objs], sum(o.nbytes for o in objs))
 
     def release(self, lease_id: int, holder: bytes) -> Released:
@@ -154,6 +169,8 @@ class Index:
             if have[i] is None and k not in seen:   # not present, not a duplicate
                 seen.add(k)
                 missing.append(i)
+        slot = self.alloc.rounded(nbytes)
+        self.pending.admit("store", holder, [], len(missing) * slot)   # OverQuota
         try:
             offsets = self._alloc(nbytes, len(missing))
         finally:
@@ -167,14 +184,13 @@ class Index:
                 f"{self.counters.quarantined_bytes} bytes in quarantine) and nothing more is "
                 f"evictable (eviction policy {self.policy}; leased and in-flight objects are "
                 f"not evictable)")
-        slot = self.alloc.rounded(nbytes)
         objs = [Obj(model, tp_rank, keys[i], off, nbytes, slot, kind=kind)
                 for i, off in zip(missing, offsets)]
         for o in objs:
             table[o.ident] = o
         self.counters.objects += len(objs)
         self.counters.writing += len(objs)
-        p = self.pending.open("store", holder, objs)
+        p = self.pending.open("store", holder, objs, len(objs) * slot)
         return Prepared(p.id, missing, offsets, len(keys) - len(missing))
 
     def commit(self, store_id: int, holder: bytes) -> Committed:
@@ -277,8 +293,13 @@ class Index:
     # ---- clients and deadlines --------------------------------------------------------
     def session_gone(self, holder: bytes) -> int:
         """The holder's last socket went away: end its quarantines -> bytes freed (deleted
-        objects; live ones go back to the eviction order)."""
+        objects; live ones go back to the eviction order). What it still holds is not
+        quarantined when it expires."""
         return self.pending.session_gone(holder)
+
+    def session_seen(self, holder: bytes) -> None:
+        """The holder sent a request (it is connected again, if it had gone)."""
+        self.pending.session_seen(holder)
 
     def next_deadline(self) -> float | None:
         return self.pending.next_deadline()
@@ -303,19 +324,19 @@ class Index:
                 self.pending.expire(p)
                 for o in p.objs:   # the holder may still be writing into them (shm)
                     self._hide(o)
-                self.pending.quarantine(p, now)
+                freed += self.pending.quarantine(p, now)
                 stores += 1
             else:
                 self.pending.expire(p)
-                self.pending.quarantine(p, now)   # the holder may still read them (shm)
+                freed += self.pending.quarantine(p, now)   # the holder may still read (shm)
                 self._unlease(p.objs)
                 leases += 1
         return Expiry(stores, leases, cut, freed)
 
     # ---- internals: an object's life --------------------------------------------------
     def _unlease(self, objs: list[Obj]) -> None:
-        """Drop one lease on each of `objs` (a key repeated in one lease is listed twice);
-        the ones no lease holds any more are let go."""
+        """Drop one lease on each entry of `objs` (an ordered lease may list an object more
+        than once); the ones no lease holds any more are let go."""
         last = []
         for o in objs:
             o.leases -= 1
@@ -387,6 +408,7 @@ class Index:
             return False
         if self.on_evict is not None:
             self.on_evict(o)
+        self.order.evicted(o)
         self._forget(o)
         self.counters.evictions += 1
         return True

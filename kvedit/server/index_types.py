@@ -56,6 +56,12 @@ class Busy(Refused):
     code = "busy"
 
 
+class OverQuota(Refused):
+    """The client session (or all of them) already holds as many leases, stores, leased keys
+    or pinned bytes as the server allows (quota.py)."""
+    code = "over_quota"
+
+
 # ---- state ------------------------------------------------------------------------------
 @dataclass(slots=True, eq=False)
 class Obj:
@@ -74,6 +80,7 @@ class Obj:
                              # leased nor pinned
     seq: int = 0             # commit order (the /cache cursor); 0 while WRITING
     rank: int = 0            # place in the eviction order (LRU: last use, FIFO: commit)
+    hot: bool = False        # ARC: used again since it entered (its T2 queue), eviction.py
     evictable: bool = False  # in the eviction order right now
     kind: ObjectKind = "kv"  # which key space (Index table) it lives in
 
@@ -84,14 +91,19 @@ class Obj:
 
 @dataclass(slots=True, eq=False)
 class Pending:
-    """A prepared store or a read lease: its objects, holder and deadlines."""
+    """A prepared store or a read lease: its objects, holder and deadlines, and what it counts
+    against its holder's quota (quota.py) from open until it leaves every table (closed, or
+    its quarantine ended)."""
     kind: Kind
     id: int
     holder: bytes
-    objs: list[Obj]
+    objs: list[Obj]          # a lease: each object once (in key order for a data-link GET)
     deadline: float
     started: float
     transfer_deadline: float | None = None   # set while the data link moves its bytes
+    nbytes: int = 0          # a store: the slot bytes it pins (quota.py)
+    repeats: bool = False    # a lease whose objs list an object more than once (ordered)
+    counted: bool = False    # still counted against its holder's quota (take, not yet give)
 
     @property
     def busy(self) -> bool:
@@ -107,11 +119,19 @@ class Gone:
 
 @dataclass(slots=True)
 class Quarantined:
-    """The objects of one expired store/lease, pinned (one pin per object of it) until the
-    holder acknowledges, its session goes, or the deadline passes."""
-    holder: bytes
-    objs: list[Obj]
+    """One expired store/lease whose objects are pinned (one pin per entry of its list, the
+    list itself, not a copy) until the holder acknowledges, its session goes, or the
+    deadline passes."""
+    pending: Pending
     deadline: float
+
+    @property
+    def holder(self) -> bytes:
+        return self.pending.holder
+
+    @property
+    def objs(self) -> list[Obj]:
+        return self.pending.objs
 
 
 @dataclass(slots=True)

@@ -119,7 +119,8 @@ class L2Counters:
 
 class L2Tier:
     def __init__(self, host: L2Host, url: str, *, prefix: str, ttl: float, timeout: float,
-                 max_queue_bytes: int, write_on: str = "commit"):
+                 max_queue_bytes: int, write_on: str = "commit",
+                 mac_key: bytes | None = None):
         if redis is None:
             raise RuntimeError(f"--l2-url needs the `l2` extra (redis, xxhash), which is not "
                                f"installed ({_MISSING_EXTRA}): pip install 'kvedit[l2]'")
@@ -143,8 +144,8 @@ class L2Tier:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._writer_redis = RedisChunks(url, timeout, ttl)
-        self._reader_redis = RedisChunks(url, timeout, ttl)
+        self._writer_redis = RedisChunks(url, timeout, ttl, mac_key)
+        self._reader_redis = RedisChunks(url, timeout, ttl, mac_key)
         self._threads = [threading.Thread(target=self._write_loop, name="kvedit-l2-writer",
                                           daemon=True),
                          threading.Thread(target=self._read_loop, name="kvedit-l2-reader",
@@ -221,6 +222,11 @@ class L2Tier:
                 rk = self.rkeys(obj.model, obj.tp_rank, layout, [obj.key])[0]
                 self._enqueue(_Write(obj, rk, obj.nbytes, bytes(view)))
                 self._cv.notify()
+
+    @property
+    def queue_bytes(self) -> int:
+        """Bytes of the writes waiting (a plain read: the loop's memory estimate, trim.py)."""
+        return self._queued_bytes
 
     def can_probe(self) -> bool:
         """Whether a lookup that misses L1 should wait for L2 (up, reader not swamped)."""

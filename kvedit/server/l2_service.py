@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
+from kvedit import auth
 from kvedit import protocol as P
 from kvedit.server.index import PoolFull, Refused
 from kvedit.server.l2 import PROMOTE_FOR, Fill, FillRefusal, L2Tier, Probe, ProbeDone, Promoted
@@ -24,7 +25,7 @@ L2_HOLDER = b"\x00kvedit-l2"   # holder of the promotion stores (no ZMQ identity
 class L2Methods:
     """Mixed into Service: uses its cfg, index, lock, arena, layouts, waiters, metrics."""
 
-    def _l2_init(self) -> None:
+    def _l2_init(self, secret: bytes | None) -> None:
         cfg = self.cfg
         self.l2: L2Tier | None = None
         self._l2_answer_when_probed: set[Waiter] = set()
@@ -33,7 +34,8 @@ class L2Methods:
         self.l2 = L2Tier(self, cfg.l2_url, prefix=cfg.l2_prefix, ttl=cfg.l2_ttl,
                          timeout=cfg.l2_timeout,
                          max_queue_bytes=int(cfg.l2_write_queue_mb * (1 << 20)),
-                         write_on=cfg.l2_write_on)
+                         write_on=cfg.l2_write_on,
+                         mac_key=auth.l2_mac_key(secret) if cfg.l2_mac and secret else None)
         self.index.on_evict = self._l2_evicted
 
     # ---- loop side ----------------------------------------------------------------------

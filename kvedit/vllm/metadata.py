@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvedit.vllm.budget_plan import BudgetStep
+
 
 @dataclass(slots=True)
 class ChunkRun:
@@ -42,6 +44,9 @@ class QueryRun:
 class KVEditMetadata(KVConnectorMetadata):
     loads: list[ChunkRun] = field(default_factory=list)   # server -> paged, before forward
     stores: list[ChunkRun] = field(default_factory=list)  # paged -> server, after forward
+    pre_stores: list[ChunkRun] = field(default_factory=list)  # paged -> server, before it
+                                                              # (blocks this step reuses)
     queries: list[QueryRun] = field(default_factory=list)  # query rows to capture
     query_drops: list[str] = field(default_factory=list)   # requests gone: free their rows
+    budget: BudgetStep | None = None                       # in-engine budgets' work
 

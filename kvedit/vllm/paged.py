@@ -133,9 +133,12 @@ class PagedKV:
     def slots(self, block_ids, start: int, end: int) -> tuple[list[torch.Tensor], ...]:
         """Index tensors of the tokens in [start, end) for K and for V: (kernel block,
         *position factors), given the request's scheduler block ids."""
-        pos = torch.arange(start, end, dtype=torch.int64)
-        blocks = torch.as_tensor(block_ids, dtype=torch.int64)[pos // self.block_size]
-        return self._to_device(self._host_slots(blocks, pos % self.block_size))
+        return self.slots_at(block_ids, torch.arange(start, end, dtype=torch.int64))
+
+    def slots_at(self, block_ids, positions: torch.Tensor) -> tuple[list[torch.Tensor], ...]:
+        """`slots` of the tokens at `positions` (a host LongTensor, any order)."""
+        blocks = torch.as_tensor(block_ids, dtype=torch.int64)[positions // self.block_size]
+        return self._to_device(self._host_slots(blocks, positions % self.block_size))
 
     def chunk_slots(self, chunks: list[tuple[list[int], int]],
                     chunk_size: int) -> tuple[list[torch.Tensor], ...]:

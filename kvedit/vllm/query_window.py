@@ -1,9 +1,10 @@
 """Scheduler side of query capture: which requests ask, and which tokens of their window
 each step computes (sent to the workers as paged slots).
 
-A request asks with kv_transfer_params {"kvedit_capture_queries": W} (vLLM 0.32 reads
-`Request.kv_transfer_params` from `SamplingParams.extra_args["kv_transfer_params"]`; the
-OpenAI API's top-level body field `kv_transfer_params` lands there). Its window is the last
+A request asks with kv_transfer_params {CAPTURE_FIELD: W} (kvedit.query_contract, which the
+SDK imports too; vLLM 0.32 reads `Request.kv_transfer_params` from
+`SamplingParams.extra_args["kv_transfer_params"]`; the OpenAI API's top-level body field
+`kv_transfer_params` lands there). Its window is the last
 min(W, prompt length) prompt tokens. Every window token must be *computed* for its query to
 exist, so an asking request never reads vLLM's own prefix cache (a cached block may hold
 window tokens of an earlier identical prompt): the connector sets `skip_reading_prefix_cache`
@@ -21,33 +22,16 @@ import time
 from dataclasses import dataclass
 
 from kvedit.keys import namespace, query_key
+from kvedit.query_contract import CaptureRows, requested_window
 from kvedit.vllm.metadata import KVEditMetadata, QueryRun
 
 logger = logging.getLogger("vllm.kvedit")
-
-ASK_KEY = "kvedit_capture_queries"
-MAX_WINDOW = 4096
-
-
-def requested_window(params) -> int:
-    """The W a request's kv_transfer_params ask for; 0 when it does not ask. ValueError
-    naming the field and the expected values when the value is bad."""
-    if not isinstance(params, dict) or params.get(ASK_KEY) in (None, 0):
-        return 0
-    w = params[ASK_KEY]
-    if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_WINDOW:
-        raise ValueError(f"kv_transfer_params[{ASK_KEY!r}] is {w!r}; expected an integer "
-                         f"number of prompt tokens in [1, {MAX_WINDOW}] (0 or absent: no "
-                         "capture)")
-    return w
 
 
 @dataclass(slots=True)
 class _Window:
     request: object          # vllm Request (prompt, salt)
-    window: int              # the W asked (the key's)
-    start: int               # prompt position of row 0
-    rows: int                # min(W, prompt length)
+    at: CaptureRows          # the W asked (the key's) and the prompt rows it holds
     nbytes: int              # the object's size on one rank
     keys: list[bytes] | None = None  # query_key per rank, made at the first plan
     done: bool = False       # every row planned (the worker completes it that step)
@@ -84,15 +68,14 @@ class WindowPlanner:
         prompt = getattr(request, "prompt_token_ids", None)
         if not prompt:
             return self._refuse(request, "it has no prompt token ids (prompt embeddings?)")
-        rows = min(w, len(prompt))
-        nbytes = rows * self.row_bytes
+        at = CaptureRows(w, len(prompt))
+        nbytes = at.rows * self.row_bytes
         if self.in_flight + nbytes > self.max_bytes:
             return self._refuse(request, f"{nbytes} bytes of queries would exceed "
                                          f"max_capture_bytes={self.max_bytes} in flight")
         self.in_flight += nbytes
         request.skip_reading_prefix_cache = True  # every window token must be computed
-        self.windows[request.request_id] = _Window(request, w, len(prompt) - rows, rows,
-                                                    nbytes)
+        self.windows[request.request_id] = _Window(request, at, nbytes)
 
     def asks(self, req_id: str) -> bool:
         return req_id in self.windows
@@ -122,19 +105,20 @@ class WindowPlanner:
         win = self.windows.get(req_id)
         if win is None:
             return
-        end = min(computed + scheduled, win.start + win.rows)
-        lo = max(computed, win.start)
+        start, rows = win.at.start, win.at.rows
+        end = min(computed + scheduled, start + rows)
+        lo = max(computed, start)
         if lo >= end:
             return
         if win.keys is None:
             salt = getattr(win.request, "cache_salt", None) or ""
             prompt = win.request.prompt_token_ids
-            win.keys = [query_key(namespace(self.model, lay, salt), prompt, win.window)
+            win.keys = [query_key(namespace(self.model, lay, salt), prompt, win.at.window)
                         for lay in layouts]
         bs = self.block_size
         slots = [block_ids[p // bs] * bs + p % bs for p in range(lo, end)]
-        meta.queries.append(QueryRun(req_id, win.keys, win.rows, lo - win.start, slots))
-        if end == win.start + win.rows and not win.done:
+        meta.queries.append(QueryRun(req_id, win.keys, rows, lo - start, slots))
+        if end == start + rows and not win.done:
             win.done = True  # the worker stores it after this step: no longer in flight
             self.in_flight -= win.nbytes
 

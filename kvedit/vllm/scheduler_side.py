@@ -1,8 +1,9 @@
 """Scheduler-side connector logic: what the server holds, what to load, what to store.
 
 Runs in vLLM's engine-core process. It asks the server how many leading chunks of a new
-request it holds (beyond vLLM's own prefix-cache hit), and each step tells the workers which
-chunks to load before the forward and which newly completed chunks to store after it.
+request it holds (beyond vLLM's own prefix-cache hit) and pins what it reports until the load
+has run (pins.py), and each step tells the workers which chunks to load before the forward
+and which chunks to store after it: which and when is the store mode's (admission.py).
 """
 from __future__ import annotations
 
@@ -10,11 +11,17 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import vllm
+
 from kvedit.keys import request_keys
 from kvedit.layout import ModelLayout
+from kvedit.query_contract import QueryShape
+from kvedit.vllm.admission import STORE_ASK, Admission, Deferred
+from kvedit.vllm.budget_scheduler import NOT_MINE, BudgetScheduler
 from kvedit.vllm.inflight import InFlightKeys
 from kvedit.vllm.link import ServerLink
 from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
+from kvedit.vllm.pins import Pins
 from kvedit.vllm.query_capture import capture_unavailable
 from kvedit.vllm.query_window import WindowPlanner
 from kvedit.vllm.settings import ConnectorSettings, model_layout
@@ -31,6 +38,9 @@ class _Req:
     held: int = 0                        # tokens [0, held) computed by vLLM or in the server
     load: tuple[int, int] | None = None  # token range to load on its first scheduled step
     waiting_since: float | None = None   # first lookup answered "not yet" (in-flight store)
+    done: int = 0                        # tokens whose KV is computed once planned steps ran
+    sighted: int = 0                     # chunks counted as seen (store mode "reuse")
+    eager: bool = False                  # kv_transfer_params asked for every chunk stored
 
 
 class SchedulerSide:
@@ -42,10 +52,19 @@ class SchedulerSide:
         self.model = name[0] if isinstance(name, (list, tuple)) else name
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.layouts: list[ModelLayout] | None = None
+        sc = getattr(vllm_config, "scheduler_config", None)   # the most one schedule takes
+        reach = (getattr(sc, "max_num_batched_tokens", 8192) // block_size
+                 + getattr(sc, "max_num_seqs", 256))
+        self.admission = Admission(settings.store, block_size, settings.chunk_size or 0,
+                                   reach_blocks=reach)
+        self.pins = Pins(settings.pin_max_chunks, settings.pin_ttl_s)
+        self.steps = 0                    # metadata built so far (the next one's index)
+        self.to_store: list[Deferred] = []  # remembered chunks to store in the next step
         if settings.chunk_size:
             self._set_chunk_size(settings.chunk_size)
         self.reqs: dict[str, _Req] = {}
         self.queries = self._window_planner(vllm_config, settings, block_size)
+        self.budget = _budget_scheduler(vllm_config, settings, block_size)
         self.new_request_hook = False  # vLLM calls on_new_request (0.32 does)
         # Workers that commit stores in the background: wait for keys still in flight.
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
@@ -62,17 +81,23 @@ class SchedulerSide:
                              f"vLLM's block size {self.block_size}")
         self.layouts = [model_layout(self.vllm_config, chunk_size, r, self.settings.rope_is_neox)
                         for r in range(self.tp_size)]
+        self.admission.chunk = chunk_size
 
     def _on_connect(self, client) -> None:
         if self.layouts is None:  # chunk size not configured: the server's
             self._set_chunk_size(client.server_info().chunk_size)
+        ttl = client.server_info().lease_ttl   # a pin must end well before its lease would
+        self.pins.ttl_s = min(self.settings.pin_ttl_s, ttl / 4)
+
+    def bind_pool(self, pool) -> None:
+        """vLLM's block pool (vLLM >= 0.32 binds it): store mode "evict" watches it."""
+        self.admission.bind_pool(pool)
 
     def _window_planner(self, vllm_config, settings, block_size: int) -> WindowPlanner:
         import vllm
 
-        mc, pc = vllm_config.model_config, vllm_config.parallel_config
-        row_bytes = (mc.get_num_layers(pc) * mc.get_num_attention_heads(pc)
-                     * mc.get_head_size() * mc.dtype.itemsize)
+        # every rank's object has the same shape: one window row on one rank
+        row_bytes = QueryShape.of(model_layout(vllm_config, block_size, 0), 1).row_bytes
         return WindowPlanner(self.model, block_size, row_bytes, settings.max_capture_bytes,
                              capture_unavailable(settings.query_capture, vllm.__version__))
 
@@ -89,21 +114,38 @@ class SchedulerSide:
         return [k[:n_chunks] for k in st.keys]
 
     # ---- vLLM hooks ---------------------------------------------------------------------
+    def bind(self, manager, scheduler) -> None:
+        """vLLM's KVCacheManager and Scheduler (found when vLLM binds its block pool)."""
+        self.budget.scheduler = scheduler
+        if self.settings.in_engine:
+            self.budget.bind(manager, scheduler)
+
     def on_new_request(self, request) -> None:
         self.new_request_hook = True
+        self.budget.add(request)
         self.queries.add(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int | None:
         """Tokens beyond `num_computed_tokens` the server holds, or None ("ask again next
         step") while the server's run of chunks stops at one whose store is in flight."""
         if not self.new_request_hook and request.request_id not in self.reqs:
+            self.budget.add(request)
             self.queries.add(request)  # a vLLM without on_new_request: at least say no
-        st = self.reqs.setdefault(request.request_id, _Req(request))
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            st = self.reqs[request.request_id] = _Req(request, eager=self._asks_eager(request))
         st.held, st.load = num_computed_tokens, None
+        restored = self.budget.matched_tokens(request, num_computed_tokens)
+        if restored != NOT_MINE:  # refused (None), or a stash written back on resume
+            return restored
         client = self.link.client
+        self.pins.release(client, request.request_id)  # asked again: not scheduled last time
         if client is None or self.layouts is None:
             return 0
         n_full = request.num_tokens // self.chunk
+        if self.admission.mode == "reuse" and st.sighted < n_full:
+            self.admission.sighted(self._keys(st, n_full)[0][st.sighted:])
+            st.sighted = n_full
         window = self.queries.window_start(request.request_id)
         if window is not None:  # capturing: its window tokens must be computed (query_window)
             n_full = min(n_full, window // self.chunk)
@@ -119,12 +161,24 @@ class SchedulerSide:
             return 0
         if self._store_in_flight(st, keys, first, first + held):
             return None
+        if held:   # pinned: the load finds them (None: a hit reported unpinned)
+            pinned = self.pins.pin(client, self.model, request.request_id,
+                                   [k[first:] for k in keys], held)
+            held = held if pinned is None else pinned
         # Leave vLLM at least one token to compute (it needs logits for the last one).
         end = min((first + held) * self.chunk, request.num_tokens - 1)
         st.held = max(end, num_computed_tokens)
-        if window is not None and end > num_computed_tokens:
+        if end <= num_computed_tokens:
+            self.pins.release(client, request.request_id)
+        elif window is not None:
             self.queries.lift(request)
         return max(0, end - num_computed_tokens)
+
+    def _asks_eager(self, request) -> bool:
+        """Whether the request's kv_transfer_params ask for every chunk stored as computed
+        ({"kvedit_store": "eager"}: the SDK's prefill does, its edit reads them next)."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        return isinstance(params, dict) and params.get(STORE_ASK) == "eager"
 
     def _store_in_flight(self, st: _Req, keys: list[list[bytes]], first: int, stop: int) -> bool:
         """Whether chunk `stop` (the first one the server lacks) is still being stored."""
@@ -147,23 +201,33 @@ class SchedulerSide:
         return False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if self.budget.after_alloc(request, blocks):
+            return  # the stash is written back, nothing comes from the server
         st = self.reqs.get(request.request_id)
+        if num_external_tokens <= 0:
+            self.pins.release(self.link.client, request.request_id)  # nothing to load
         if st is None or num_external_tokens <= 0:
             return
         st.load = (st.held - num_external_tokens, st.held)
 
     def build_meta(self, out) -> KVEditMetadata:
         meta = KVEditMetadata()
+        meta.budget = self.budget.build()
         self.queries.relock()
         self.queries.take_drops(meta)
+        step, self.steps = self.steps, self.steps + 1
         if self.layouts is None:
             return meta
+        self.pins.expire(self.link.client)
+        self._store_deferred(self.to_store, meta.stores)
+        self.to_store = []
+        self._store_deferred(self.admission.due(_written_before_forward(out)), meta.pre_stores)
         for new in out.scheduled_new_reqs:
             st = self.reqs.get(new.req_id)
             if st is not None:
                 st.block_ids = list(new.block_ids[0])
                 self._plan(st, new.req_id, new.num_computed_tokens,
-                           out.num_scheduled_tokens[new.req_id], meta)
+                           out.num_scheduled_tokens[new.req_id], meta, step)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self.reqs.get(req_id)
@@ -175,11 +239,11 @@ class SchedulerSide:
             elif new_blocks:
                 st.block_ids.extend(new_blocks[0])
             self._plan(st, req_id, cached.num_computed_tokens[i],
-                       out.num_scheduled_tokens[req_id], meta)
+                       out.num_scheduled_tokens[req_id], meta, step)
         return meta
 
     def _plan(self, st: _Req, req_id: str, computed: int, scheduled: int,
-              meta: KVEditMetadata) -> None:
+              meta: KVEditMetadata, step: int) -> None:
         c = self.chunk
         if st.load is not None:
             start, end = st.load
@@ -187,6 +251,7 @@ class SchedulerSide:
             first, last = start // c, -(-end // c)
             keys = [k[first:last] for k in self._keys(st, last)]
             meta.loads.append(ChunkRun(req_id, first, keys, start, end, list(st.block_ids)))
+            self.pins.loading(req_id, step)
             if st.stored >= first:  # the loaded whole chunks are in the server: never store
                 st.stored = max(st.stored, end // c)  # them again (a failed load resets it)
         # Chunks whose every token has KV in vLLM's blocks once this step has run, and
@@ -194,17 +259,40 @@ class SchedulerSide:
         self.queries.plan(req_id, st.block_ids, computed, scheduled, self.layouts, meta)
         req = st.request
         done = min(computed + scheduled, len(req.all_token_ids))
-        if not self.settings.store_generated:
+        # A budgeted request's blocks are compacted once it decodes: store its prompt only.
+        if not self.settings.store_generated or self.budget.is_budgeted(req_id):
             done = min(done, req.num_prompt_tokens)
+        st.done = max(st.done, done)
         n_full = done // c
-        if n_full > st.stored:
-            keys = [k[st.stored:n_full] for k in self._keys(st, n_full)]
-            meta.stores.append(ChunkRun(req_id, st.stored, keys, st.stored * c, n_full * c,
-                                        list(st.block_ids)))
+        if n_full <= st.stored:
+            return
+        keys = self._keys(st, n_full)
+        if self.admission.mode == "reuse" and st.sighted < n_full:
+            self.admission.sighted(keys[0][st.sighted:n_full])
+            st.sighted = n_full
+        upto = n_full if st.eager else self.admission.storable(keys[0], st.stored, n_full)
+        if upto > st.stored:
+            self._store(meta, ChunkRun(req_id, st.stored, [k[st.stored:upto] for k in keys],
+                                       st.stored * c, upto * c, list(st.block_ids)))
+            st.stored = upto
+
+    def _store(self, meta: KVEditMetadata, run: ChunkRun) -> None:
+        meta.stores.append(run)
+        if self.inflight is not None:
+            for k in run.keys:
+                self.inflight.add(k)
+
+    def _store_deferred(self, chunks: list[Deferred], runs: list[ChunkRun]) -> None:
+        """Store remembered chunks of finished requests (store mode "evict") in `runs` (the
+        step's stores, after its forward, or pre_stores, before it)."""
+        c = self.chunk
+        for d in chunks:
+            run = ChunkRun(d.req_id, d.index, [[k] for k in d.keys], d.index * c,
+                           (d.index + 1) * c, d.block_ids)
+            runs.append(run)
             if self.inflight is not None:
-                for k in keys:
+                for k in run.keys:
                     self.inflight.add(k)
-            st.stored = n_full
 
     def invalid_blocks(self, block_ids: set[int]) -> None:
         """vLLM will recompute from the first block that failed to load: store it again then."""
@@ -218,9 +306,59 @@ class SchedulerSide:
                     st.stored = min(st.stored, bad)
                     break
 
+    def step_done(self) -> None:
+        """A step's output came back (vLLM calls update_connector_output in step order)."""
+        self.pins.step_done(self.link.client)
+
     def request_finished(self, request) -> None:
-        self.reqs.pop(request.request_id, None)
+        st = self.reqs.pop(request.request_id, None)
         self.queries.finished(request.request_id)
+        self.pins.release(self.link.client, request.request_id)
+        if st is not None and self.layouts is not None and not st.eager:
+            full = st.done // self.chunk
+            if full > st.stored:
+                self.to_store += self.admission.finished(
+                    request.request_id, self._keys(st, full), st.stored, full,
+                    list(st.block_ids))
+        self.budget.finished(request.request_id)
 
     def close(self) -> None:
+        self.pins.release_all(self.link.client)
         self.link.close()
+
+
+def _written_before_forward(out) -> set[int]:
+    """Blocks vLLM writes before this step's forward: zeroed new blocks (hybrid and
+    mixed-precision caches) and copy-on-write destinations."""
+    blocks = set(getattr(out, "new_block_ids_to_zero", None) or ())
+    for copy in getattr(out, "kv_cache_block_copies", None) or ():
+        blocks.add(copy[1] if isinstance(copy, (tuple, list)) else getattr(copy, "dst", -1))
+    return blocks
+
+
+def _budget_scheduler(vllm_config, settings: ConnectorSettings,
+                      block_size: int) -> BudgetScheduler:
+    """In-engine budgets' scheduler side, with the reason budgets cannot apply here, if any."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    token_bytes = (2 * mc.get_num_layers(pc) * mc.get_num_kv_heads(pc) * mc.get_head_size()
+                   * mc.dtype.itemsize)
+    why = None
+    if not settings.in_engine:
+        why = ('in-engine budgets are off in this vLLM (start it with kv_connector_extra_config '
+               '{"in_engine": true})')
+    elif getattr(vllm_config, "speculative_config", None) is not None:
+        why = ("this vLLM runs speculative decoding, whose rollbacks move the token counts a "
+               "compaction relies on")
+    elif pc.pipeline_parallel_size > 1:
+        why = (f"this vLLM runs pipeline parallel ({pc.pipeline_parallel_size} stages); each "
+               "stage would have to compact alike")
+    elif pc.tensor_parallel_size > 1:
+        why = (f"this vLLM runs tensor parallel ({pc.tensor_parallel_size} ranks): in-engine "
+               "compaction is single-rank for now")
+    elif max(getattr(pc, "decode_context_parallel_size", 1),
+             getattr(pc, "prefill_context_parallel_size", 1)) > 1:
+        why = "this vLLM runs context parallel, whose KV split the compaction does not know"
+    no_queries = capture_unavailable(settings.query_capture, vllm.__version__)
+    return BudgetScheduler(block_size, token_bytes, settings.stash_bytes, why, no_queries,
+                           turn_tokens=settings.turn_tokens,
+                           stats_every=settings.stats_interval_s)

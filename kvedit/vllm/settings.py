@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
+from kvedit.auth import load_secret
 from kvedit.layout import ModelLayout, RopeParams
+from kvedit.vllm.admission import STORE_MODES, StoreMode
 
 # Model types whose rotary embedding pairs adjacent dims (GPT-J style) instead of halves.
 GPTJ_STYLE_MODELS = {"gptj", "glm", "glm4", "chatglm", "cohere", "cohere2", "commandr",
@@ -37,12 +39,32 @@ class ConnectorSettings:
     store_wait_s: float = 5.0
     gpu_staging_bytes: int = 0  # the device staging ring (0: 3/4 of min(2 GiB, GPU mem / 32))
     stats_interval_s: float = 30.0     # store/load stats lines in vLLM's log (0: every one)
-    kvedit_secret_file: str = ""       # the server's shared secret; "": $KVEDIT_SECRET(_FILE)
+    kvedit_secret_file: str = ""       # the server's shared secret; "": $KVEDIT_SECRET(_FILE),
+                                       # else a loopback server's own (kvedit.rundir)
     # Query capture (docs/queries.md): "auto" hooks attention where the vLLM is supported and
     # otherwise warns each asking request; "on" refuses to start on an unsupported vLLM;
     # "off" never hooks. max_capture_bytes bounds the windows in flight per rank.
     query_capture: QueryCaptureMode = "auto"
     max_capture_bytes: int = 1 << 30
+    # Which computed chunks are stored, and when (admission.py; docs/connector.md):
+    # "eager" every chunk as it is computed, "evict" only when vLLM is about to evict its
+    # blocks, "reuse" on the second sight of its prefix. A request's kv_transfer_params
+    # {"kvedit_store": "eager"} stores its chunks as computed whatever the mode (the SDK's
+    # prefill asks: its edit reads them next).
+    store: StoreMode = "evict"
+    # A lookup's hits stay leased until loaded (pins.py): at most pin_max_chunks chunks at
+    # once (0: no pins), each pin at most pin_ttl_s (and a quarter of the lease TTL).
+    pin_max_chunks: int = 4096
+    pin_ttl_s: float = 30.0
+    # In-engine budgets (docs/in-engine.md): hook vLLM's scheduler and model runner so a
+    # request may ask, in kv_transfer_params, to have its KV compacted in place; off, such a
+    # request is refused. stash_bytes bounds the host memory per worker that holds preempted
+    # compacted requests (past it a preempted one is recomputed in full).
+    in_engine: bool = False
+    stash_bytes: int = 1 << 30
+    # When budgeted requests do not all fit, one that has run turn_tokens since it last
+    # started yields its blocks to a stashed one (time slicing); fewer swaps, longer turns.
+    turn_tokens: int = 512
 
     def background_commit(self, on_cuda: bool) -> bool:
         """Whether stores commit from a background thread: async_store, else on CUDA only.
@@ -51,10 +73,9 @@ class ConnectorSettings:
         return on_cuda if self.async_store is None else bool(self.async_store)
 
     def secret(self) -> bytes | None:
-        """The shared secret: kvedit_secret_file, else the environment (kvedit.auth)."""
-        from kvedit.auth import load_secret
-
-        return load_secret(secret_file=self.kvedit_secret_file or None)
+        """The shared secret: kvedit_secret_file, else the environment, else the file the
+        server at kvedit_url made in this user's runtime directory (kvedit.auth)."""
+        return load_secret(secret_file=self.kvedit_secret_file or None, url=self.kvedit_url)
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ConnectorSettings":
@@ -68,6 +89,21 @@ class ConnectorSettings:
         if mode not in get_args(QueryCaptureMode):
             raise ValueError(f"kvedit connector: query_capture {mode!r}; expected one of "
                              f"{list(get_args(QueryCaptureMode))}")
+        defaults = {f.name: f.default for f in fields(cls)}
+        store = extra.get("store", defaults["store"])
+        if store not in STORE_MODES:
+            raise ValueError(f"kvedit connector: store {store!r}; expected one of "
+                             f"{list(STORE_MODES)}")
+        pins = extra.get("pin_max_chunks", defaults["pin_max_chunks"])
+        ttl = extra.get("pin_ttl_s", defaults["pin_ttl_s"])
+        if isinstance(pins, bool) or not isinstance(pins, int) or pins < 0:
+            raise ValueError(f"kvedit connector: pin_max_chunks {pins!r}; expected a chunk "
+                             "count >= 0 (0: no pins)")
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
+            raise ValueError(f"kvedit connector: pin_ttl_s {ttl!r}; expected seconds > 0")
+        if not isinstance(extra.get("in_engine", False), bool):
+            raise ValueError(f"kvedit connector: in_engine {extra['in_engine']!r}; expected "
+                             "true or false")
         wait = extra.get("store_wait_s", 5.0)
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 300:
             raise ValueError(f"kvedit connector: store_wait_s {wait!r}; expected seconds "
@@ -112,6 +148,7 @@ def model_layout(vllm_config, chunk_size: int, tp_rank: int,
         num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
         head_dim=head_dim, dtype=str(mc.dtype).removeprefix("torch."),
         chunk_size=chunk_size, tp_rank=tp_rank, tp_size=pc.tensor_parallel_size,
-        rope=rope_params(mc.hf_config, head_dim, is_neox))
+        rope=rope_params(mc.hf_config, head_dim, is_neox),
+        num_q_heads=mc.get_num_attention_heads(pc))   # the captured queries' width
     layout.validate()
     return layout

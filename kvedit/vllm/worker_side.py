@@ -15,6 +15,8 @@ import logging
 import torch
 
 from kvedit.layout import ModelLayout
+from kvedit.vllm.budget_plan import BudgetStep
+from kvedit.vllm.budget_worker import BudgetWorker, find_runner
 from kvedit.vllm.copier import PagedCopier
 from kvedit.vllm.link import ServerLink
 from kvedit.vllm.metadata import KVEditMetadata
@@ -39,6 +41,7 @@ class WorkerSide:
         self.link: ServerLink | None = None
         self.copier: PagedCopier | None = None  # built once the layout is known
         self.capture: QueryCapture | None = None  # None: query capture off in this process
+        self.budget: BudgetWorker | None = None   # None: in-engine budgets off
 
     # ---- start-up -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -48,6 +51,13 @@ class WorkerSide:
         self.paged = PagedKV([kv_caches[n] for n in names], self._paged_kind(names[0], kv_caches),
                              self.vllm_config.model_config.get_head_size(), self.block_size)
         self._install_capture(names)
+        if self.settings.in_engine:
+            # the policies' layout (head_dim, RoPE; chunk units as the host path's edits)
+            layout = model_layout(self.vllm_config, self.settings.chunk_size or 256,
+                                  self.tp_rank, self.settings.rope_is_neox)
+            ctx = self.vllm_config.compilation_config.static_forward_context
+            self.budget = BudgetWorker(find_runner(), self.paged, layout,
+                                       [ctx[n] for n in names], self.settings.stats_interval_s)
         self.link = ServerLink(self.settings.kvedit_url, self.settings.timeout,
                                self.settings.retry_interval, self._on_connect, "worker",
                                secret=self.settings.secret())
@@ -137,16 +147,20 @@ class WorkerSide:
                 logger.info("kvedit: %s loaded tokens [%d, %d) of [%d, %d); rest recomputed",
                             run.req_id, run.start, loaded, run.start, run.end)
 
-    def store(self, meta: KVEditMetadata) -> None:
-        """Store this step's completed chunks of every request: one prepare/commit pair with
-        the server per step, one gather per chunk the server is missing."""
-        failed, self.failed_from = self.failed_from, {}
+    def store(self, runs: list, before_forward: bool = False) -> None:
+        """Store chunks of `runs`: after the forward, this step's completed chunks of every
+        request; before it (`before_forward`), chunks whose blocks this step reuses (store
+        mode "evict"). One prepare/commit pair with the server per call, one gather per chunk
+        the server is missing."""
+        failed = {}
+        if not before_forward:   # this step's failed loads: blocks past them hold garbage
+            failed, self.failed_from = self.failed_from, {}
         client = self.link.client if self.link else None
-        if client is None or not meta.stores:
+        if client is None or not runs:
             return
         c = self.layout.chunk_size
         todo: dict[bytes, tuple[list[int], int]] = {}  # key -> (block ids, chunk index)
-        for run in meta.stores:
+        for run in runs:
             keys = run.keys[self.tp_rank]
             if run.req_id in failed:  # blocks past a failed load hold garbage: never store them
                 keys = keys[:max(0, failed[run.req_id] // c - run.first)]
@@ -159,22 +173,40 @@ class WorkerSide:
         except Exception as e:
             self.link.failed(e)
 
-    def begin_step(self, meta: KVEditMetadata) -> None:
-        """Before the forward (vLLM binds the step's metadata): arm query capture."""
-        STATS.steps += 1
-        if self.capture is None or not (meta.queries or meta.query_drops):
-            return
-        from vllm.forward_context import get_forward_context
+    def run_budget(self, step: BudgetStep) -> None:
+        """Before vLLM applies the step: the in-engine budgets' stashes, compactions and
+        restores (called from the connector's handle_preemptions)."""
+        if self.budget is None:
+            raise RuntimeError("kvedit: the scheduler sent in-engine budget work to a worker "
+                               "without in-engine budgets (the two sides' settings differ)")
+        self.budget.run(step)
 
-        self.capture.drop(meta.query_drops)
-        if meta.queries:
-            self.capture.arm(meta.queries, get_forward_context())
+    def begin_step(self, meta: KVEditMetadata) -> None:
+        """Before the forward (vLLM binds the step's metadata): store the chunks whose blocks
+        this step reuses (their bytes are still theirs until the forward), then write the
+        in-engine budgets' compacted KV (which may go into such blocks), arm query
+        capture."""
+        if meta.pre_stores:
+            self.store(meta.pre_stores, before_forward=True)
+        if self.budget is not None:
+            self.budget.write()
+        STATS.steps += 1
+        if self.capture is not None and (meta.queries or meta.query_drops):
+            from vllm.forward_context import get_forward_context
+
+            self.capture.drop(meta.query_drops)
+            if meta.queries:
+                self.capture.arm(meta.queries, get_forward_context())
+        if self.budget is not None:
+            self.budget.recent.arm()  # after query capture's: it wraps whatever is there
 
     def end_step(self) -> None:
         """vLLM cleared the step's metadata: never leave the hook in place past it (a
         forward that raised skips wait_for_save)."""
         if self.capture is not None and self.capture.step is not None:
             self.capture.abandon()
+        if self.budget is not None:
+            self.budget.recent.disarm()
 
     def store_queries(self) -> None:
         """After the forward: send the query windows completed this step."""

@@ -176,7 +176,8 @@ def test_lmcache_sdk_code_runs_on_kvedit(kv_server, vllm_server, tiny_model, cap
         assert held[:-1] == p[t:] and len(held) == len(p) - t + 1   # + the prefill's token
         sent = 2 * C + len(held)
         n, params, usage = next(r for r in decode if r[0] == sent)
-        assert "kv_transfer_params" not in params           # decode asks no capture
+        assert "kvedit_capture_queries" not in params.get("kv_transfer_params", {})  # decode
+        # asks no capture
         assert usage["prompt_tokens"] == sent
         assert usage["prompt_tokens_details"]["cached_tokens"] >= 2 * C
         perf = batch.perf_metrics[s.request_stream_id]

@@ -298,7 +298,8 @@ def _worker(kv_server, tiny_model, model: str):
         model_config=SimpleNamespace(
             served_model_name=model, hf_config=AutoConfig.from_pretrained(tiny_model),
             dtype=torch.float32, get_head_size=lambda: 64,
-            get_num_layers=lambda pc: 4, get_num_kv_heads=lambda pc: 2),
+            get_num_layers=lambda pc: 4, get_num_kv_heads=lambda pc: 2,
+            get_num_attention_heads=lambda pc: 4),
         parallel_config=SimpleNamespace(rank=0, tensor_parallel_size=1),
         cache_config=SimpleNamespace(cache_dtype="auto"),
         compilation_config=SimpleNamespace(
@@ -317,7 +318,7 @@ def test_missing_chunk_is_a_load_error_and_never_stored(kv_server, tiny_model, c
     try:
         tokens = prompt_of(2 * CHUNK, seed=11)
         keys = request_keys(model, ws.layout, tokens)
-        ws.store(KVEditMetadata(stores=[ChunkRun("a", 0, [keys], 0, 2 * CHUNK, [3, 0, 5, 1])]))
+        ws.store([ChunkRun("a", 0, [keys], 0, 2 * CHUNK, [3, 0, 5, 1])])
         ws.copier.flush()  # a background commit (async_store) has landed
         assert client.lookup(model, keys) == 2
         assert client.delete(model, keys[1:]) == 1  # evicted between lookup and load
@@ -328,7 +329,7 @@ def test_missing_chunk_is_a_load_error_and_never_stored(kv_server, tiny_model, c
         assert torch.equal(buf[:, [2, 4]], before[:, [3, 0]])  # chunk 0 landed
         assert torch.equal(buf[:, [6, 7]], before[:, [6, 7]])
         # This step's store must not publish the blocks whose load failed.
-        ws.store(KVEditMetadata(stores=[ChunkRun("b", 0, [keys], 0, 2 * CHUNK, run.block_ids)]))
+        ws.store([ChunkRun("b", 0, [keys], 0, 2 * CHUNK, run.block_ids)])
         ws.copier.flush()
         assert client.lookup(model, keys[1:]) == 0
     finally:

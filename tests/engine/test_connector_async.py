@@ -42,6 +42,7 @@ def async_vllm(tiny_model, kv_server, delay_file):
         "kv_connector_module_path": "tests.slow_commit_connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"kvedit_url": kv_server.url, "chunk_size": CHUNK,
+                                      "store": "eager",
                                       "async_store": True, "store_wait_s": WAIT_S}})
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(DELAY_FILE_ENV, str(delay_file))

@@ -74,6 +74,7 @@ def test_prefill_with_capture_then_modify_gets_the_queries(ctx, post, kv_server,
     window of the other reaching into the partial last chunk); fn gets [L, W, Hq*D] equal to
     transformers'; the objects are gone after the edit; decode still runs."""
     salt = f"sdkq-{uuid.uuid4().hex[:8]}"
+    assert ctx.layout.num_q_heads * ctx.layout.head_dim == Q_WIDTH   # the connector says it
     p1, p2 = prompt(2 * C + 50), prompt(C + 100)
     s1 = create_request(ctx, post, p1, salt)                      # batch default: 24
     s2 = create_request(ctx, post, p2, salt, capture_queries=130)  # longer than the tail

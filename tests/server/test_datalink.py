@@ -23,7 +23,7 @@ POOL_CHUNKS = 80
 LEASED = 64                         # 16 MiB: more than the kernel buffers hold, so a GET stalls
 FLAGS = ["--lease-ttl", "2", "--write-ttl", "2", "--transfer-idle-timeout", "1",
          "--handshake-timeout", "1", "--data-idle-timeout", "2", "--max-data-conns", "4",
-         "--quarantine-ttl", "30"]
+         "--quarantine-ttl", "30", "--max-client-pool-fraction", "1"]   # one session leases 80%
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,8 @@ CHUNK = SMALL.chunk_bytes
 def server():
     # room for exactly 2 chunks; a long quarantine so only an ack or a disconnect ends it
     with start_server(2 * CHUNK / 2**30, extra_args=[
-            "--write-ttl", "1", "--lease-ttl", "1", "--quarantine-ttl", "60"]) as s:
+            "--write-ttl", "1", "--lease-ttl", "1", "--quarantine-ttl", "60",
+            "--max-client-pool-fraction", "1"]) as s:
         with KVClient(s.url) as c:
             c.register("m", SMALL)
         yield s

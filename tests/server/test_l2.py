@@ -39,7 +39,9 @@ def redis_srv():
 
 
 def l2_server(redis_url: str, pool_gb: float = 0.05, *extra: str):
-    return start_server(pool_gb, extra_args=["--l2-url", redis_url, *extra])
+    # one client fills these small pools on its own: no per-session share (quota.py)
+    return start_server(pool_gb, extra_args=["--l2-url", redis_url,
+                                             "--max-client-pool-fraction", "1", *extra])
 
 
 def status(server) -> dict:

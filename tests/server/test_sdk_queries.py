@@ -12,22 +12,25 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import msgspec
 import pytest
 import torch
 
+from kvedit.vllm.admission import STORE_ASK
 from kvedit.client import KVClient
 from kvedit.keys import namespace, query_key, request_keys
 from kvedit.layout import ModelLayout
 from kvedit.sdk.batch import BatchedStream
 from kvedit.sdk.context import connect
-from kvedit.sdk.errors import MissingQueries
+from kvedit.sdk.errors import MissingQueries, ModifyError
 from kvedit.sdk.openai import OpenAICompletion
 from kvedit.sdk.queries import CAPTURE_FIELD, with_capture
 from kvedit.sdk.stream import create_request
 
 C = 256
-LAYOUT = ModelLayout(num_layers=3, num_kv_heads=2, head_dim=16, dtype="bfloat16", chunk_size=C)
-Q_HEADS = 4   # GQA: twice the KV heads, so the SDK must derive the width from the byte size
+Q_HEADS = 4   # GQA: twice the KV heads; the connector registers it in the layout
+LAYOUT = ModelLayout(num_layers=3, num_kv_heads=2, head_dim=16, dtype="bfloat16", chunk_size=C,
+                     num_q_heads=Q_HEADS)
 MODEL = "sdk-queries-model"
 
 
@@ -115,7 +118,7 @@ def test_fn_declaring_queries_gets_them_then_they_are_deleted(ctx, engine, kv_se
     s = create_request(ctx, engine, p, capture_queries=window)
     batch = BatchedStream([s], progress=False)
     batch.prefill({"max_tokens": 1})
-    assert engine.asked[-1] == {CAPTURE_FIELD: window}
+    assert engine.asked[-1] == {CAPTURE_FIELD: window, STORE_ASK: "eager"}
     qk = qkey_of(p, window)
     assert ctx.client.lookup(MODEL, [qk], kind="queries") == 1
     before = query_objects(kv_server)
@@ -197,7 +200,7 @@ def test_missing_queries_name_the_stream_and_change_nothing(ctx, engine):
     s = create_request(ctx, engine, p, "never-asked", name="no-capture")
     batch = BatchedStream([s], progress=False)
     batch.prefill({"max_tokens": 1})
-    assert engine.asked[-1] is None
+    assert engine.asked[-1] == {STORE_ASK: "eager"}   # every SDK request: stored as computed
     with pytest.raises(MissingQueries) as e:
         batch.modify(Recorder())
     assert "no-capture" in str(e.value) and "capture_queries=W" in str(e.value)
@@ -304,3 +307,37 @@ def test_capture_params_for_vllm_sampling_params():
     assert mine.extra_args == {"kv_transfer_params": {"other": 2}}
     assert with_capture(SamplingParams(max_tokens=1), 8).extra_args == {
         "kv_transfer_params": {CAPTURE_FIELD: 8}}
+
+
+
+def test_the_registered_layout_decides_the_queries_shape(kv_server, ctx, engine):
+    """The queries object's shape comes from the layout the connector registered
+    (num_q_heads), never from its byte size: an object of another width is refused, and a
+    registration without num_q_heads (an older connector) is refused naming why; the
+    stream is unchanged either way."""
+    p, window = prompt(C + 8), 8
+    s = create_request(ctx, engine, p, "narrow", capture_queries=window)
+    BatchedStream([s], progress=False).prefill({"max_tokens": 1})
+    narrow = torch.zeros(LAYOUT.num_layers, window, 2 * LAYOUT.head_dim, dtype=torch.bfloat16)
+    ctx.client.store_queries(MODEL, qkey_of(p, window, "narrow"), narrow)   # 2 query heads
+    keys = list(s.keys)
+    with pytest.raises(ModifyError, match=r"not \[3, 8, 64\] bfloat16") as e:
+        BatchedStream([s], progress=False).modify(Recorder())
+    assert not isinstance(e.value, MissingQueries) and s.keys == keys and s.tokens == p
+
+    older, lay = "sdk-queries-older-connector", msgspec.structs.replace(LAYOUT, num_q_heads=0)
+    with KVClient(kv_server.url) as c:
+        c.register(older, lay)
+        keys = request_keys(older, lay, p)
+        c.store(older, keys, [torch.zeros(LAYOUT.chunk_shape, dtype=torch.bfloat16)] * len(keys))
+        c.store_queries(older, query_key(namespace(older, lay, ""), p, window),
+                        torch.zeros(LAYOUT.num_layers, window, Q_HEADS * LAYOUT.head_dim,
+                                    dtype=torch.bfloat16))
+    with connect(kv_server.url, None, older, timeout=5) as octx:
+        assert octx.layout.num_q_heads == 0   # readable: the layout itself is fine
+        t = create_request(octx, None, p, capture_queries=window)
+        with pytest.raises(ModifyError, match="does not say its query heads") as e:
+            BatchedStream([t], progress=False).modify(Recorder())
+        assert "restart vLLM with this kvedit's connector" in str(e.value) and t.tokens == p
+        m = BatchedStream([t], progress=False).modify(drop_last_chunk)   # no queries: fine
+        assert m.chunks_deleted == 1

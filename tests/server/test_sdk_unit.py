@@ -145,42 +145,6 @@ def test_import_kvedit_is_light():
     assert out.stdout.strip() == "ok", out.stderr
 
 
-_FAULTS = """
-import resource, sys, torch
-if sys.argv[1] == "keep":
-    from kvedit.sdk.alloc import keep_freed_memory
-    assert keep_freed_memory()
-def faults():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-src = torch.ones(64 * 2**20, dtype=torch.uint8)
-before = faults()
-for i in range(10):  # like an fn's torch.cat output on every modify, other allocations between
-    out = torch.empty_like(src).copy_(src)
-    small = [torch.empty(100) for _ in range(50)]
-    del out
-print(faults() - before)
-"""
-
-
-@pytest.mark.skipif(__import__("kvedit.sdk.libc", fromlist=["x"]).mallopt is None,
-                    reason="needs glibc's mallopt")
-def test_keep_freed_memory_reuses_a_large_freed_block_without_page_faults():
-    """A 64 MiB allocation repeated: malloc's default maps fresh pages each time (a fault per
-    4 KiB page), kvedit.sdk.alloc's setting reuses the freed, touched block."""
-    import subprocess
-    import sys
-
-    def faults(mode: str) -> int:
-        r = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True,
-                           text=True, check=True, timeout=120)
-        return int(r.stdout.split()[-1])
-
-    pages = 64 * 2**20 // 4096
-    plain, keep = faults("plain"), faults("keep")
-    assert plain > 10 * pages // 4  # fresh memory every time (huge pages may cut the count)
-    assert keep < plain / 2 and keep < 5 * pages  # mostly the same touched block again
-
-
 def test_post_completion_bugs_and_bad_items_are_reported_for_what_they_are(registered):
     """A bug inside post_completion is reported as its exception, never as a bad token; an
     item that is not a token is reported as such; the salt rule binds three arguments."""

@@ -58,7 +58,7 @@ def test_request_id_is_echoed(raw):
     (P.Register(model="x", layout=ModelLayout(num_layers=1, num_kv_heads=1, head_dim=64,
                                               dtype="float32", chunk_size=16)),
      "bad_layout", "--chunk-size 256"),
-    (P.Register(model="x", layout=ModelLayout(num_layers=4096, num_kv_heads=8, head_dim=128,
+    (P.Register(model="x", layout=ModelLayout(num_layers=1024, num_kv_heads=64, head_dim=128,
                                               dtype="float32", chunk_size=256)),
      "too_large", "larger than the whole pool"),
 ])

@@ -173,17 +173,19 @@ def test_secret_guards_status_config_and_cache(secret_server):
 
 
 def test_silent_connections_are_closed(server):
-    """More silent peers than the connection cap (and one with half a request head): the
-    server closes each of them (HEADER_TIMEOUT_S), then serves requests again."""
+    """More silent peers than one peer may hold (and one with half a request head): the
+    server closes each of them (the oldest ones as newer arrive, the rest at the head
+    timeout), then serves requests again."""
     import socket
 
-    from kvedit.server.http import HEADER_TIMEOUT_S, MAX_CONNECTIONS
+    from kvedit.server.config import ServerConfig
+    d = ServerConfig(l1_size_gb=1)
     peers = [socket.create_connection(("127.0.0.1", server.http_port))
-             for _ in range(MAX_CONNECTIONS + 6)]
-    peers[0].sendall(b"GET /status HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+             for _ in range(d.http_max_conns_per_peer + 6)]
+    peers[-1].sendall(b"GET /status HTTP/1.1\r\nHost: x\r\nX-Slow: ")
     try:
         for p in peers:
-            p.settimeout(HEADER_TIMEOUT_S * 3)
+            p.settimeout(d.http_head_timeout * 3)
             assert p.recv(100) == b""   # closed by the server, not by our timeout
     finally:
         for p in peers:

@@ -15,6 +15,7 @@ from tests.kv_helpers import SMALL, chunk_for, key, matches
 CHUNK = SMALL.chunk_bytes
 POOL_CHUNKS = 16
 POOL_GB = POOL_CHUNKS * CHUNK / 2**30
+WHOLE_POOL = ["--max-client-pool-fraction", "1"]   # one client fills the pool (eviction tests)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,7 @@ def test_killed_client_slot_is_reclaimed(ttl_server):
 
 @pytest.mark.parametrize("policy", ["LRU", "FIFO"])
 def test_eviction_order(policy):
-    with start_server(POOL_GB, eviction=policy) as s, KVClient(s.url) as c:
+    with start_server(POOL_GB, eviction=policy, extra_args=WHOLE_POOL) as s, KVClient(s.url) as c:
         c.register("m", SMALL)
         ks = [key(i, policy) for i in range(POOL_CHUNKS)]
         c.store("m", ks, [chunk_for(k) for k in ks])
@@ -117,7 +118,7 @@ def test_eviction_order(policy):
 
 
 def test_leased_objects_are_not_evicted_and_none_refuses():
-    with start_server(POOL_GB, eviction="LRU") as s, KVClient(s.url) as c:
+    with start_server(POOL_GB, eviction="LRU", extra_args=WHOLE_POOL) as s, KVClient(s.url) as c:
         c.register("m", SMALL)
         ks = [key(i, "pin") for i in range(POOL_CHUNKS)]
         c.store("m", ks, [chunk_for(k) for k in ks])
@@ -127,7 +128,7 @@ def test_leased_objects_are_not_evicted_and_none_refuses():
             assert e.value.code == "pool_full" and "leased" in str(e.value)
             assert all(matches(k, t) for k, t in zip(ks, r.tensors))
         c.store("m", [key(100, "pin")], [chunk_for(key(100, "pin"))])  # now one goes
-    with start_server(POOL_GB, eviction="none") as s, KVClient(s.url) as c:
+    with start_server(POOL_GB, eviction="none", extra_args=WHOLE_POOL) as s, KVClient(s.url) as c:
         c.register("m", SMALL)
         ks = [key(i, "none") for i in range(POOL_CHUNKS)]
         c.store("m", ks, [chunk_for(k) for k in ks])
@@ -155,7 +156,7 @@ def test_delete_while_leased_frees_on_release(kv_server):
 
 def test_present_keys_survive_their_own_store():
     """Keys a store reports present are not evicted to make room for its missing ones."""
-    with start_server(POOL_GB, eviction="LRU") as s, KVClient(s.url) as c:
+    with start_server(POOL_GB, eviction="LRU", extra_args=WHOLE_POOL) as s, KVClient(s.url) as c:
         c.register("m", SMALL)
         ks = [key(i, "own") for i in range(POOL_CHUNKS)]
         c.store("m", ks, [chunk_for(k) for k in ks])

@@ -1,6 +1,6 @@
-"""A short `kvedit bench soak`: the real bench, shortened (real server, client processes,
-SIGKILLs, stalls, a restart). Asserts the correctness figures; its latencies are reported by
-the bench, never asserted here."""
+"""A short `kvedit bench soak`: the real bench, shortened (real server and L2 Redis, client
+processes, SIGKILLs, stalls, restarts, idle periods, the red-team attackers). Asserts the
+correctness figures; its latencies are reported by the bench, never asserted here."""
 from __future__ import annotations
 
 import json
@@ -21,20 +21,28 @@ def test_short_soak_keeps_every_invariant():
     res = json.loads(done.stdout)
     detail = json.dumps({k: res.get(k) for k in (
         "unexpected_examples", "errors_by_code", "stalls", "oversized", "late_writer_reader",
-        "victims", "status_after_clients")}, indent=1)
+        "victims", "status_after_clients", "attacks")}, indent=1)
     assert res["torn_reads"] == 0, detail
     assert res["leaked_slots"] == 0 and res["pool_used_after_delete"] == 0, detail
     assert res["leaked_leases"] == 0, detail
     assert res["unexpected_errors"] == 0, detail
-    # it did real work, on both transports, and every hostile event happened
-    assert res["ops"] > 2000 and res["chunks_checked"] > 200, detail
-    assert all(w["ops"] > 500 for w in res["per_worker"]) and len(res["per_worker"]) == 2
+    # it did real work, on both transports, and every hostile event happened (the work is
+    # modest: 18 s on a shared box beside the attackers, an L2 Redis and idle periods)
+    assert res["ops"] > 1000 and res["chunks_checked"] > 100, detail
+    assert all(w["ops"] > 300 for w in res["per_worker"]) and len(res["per_worker"]) == 2
     assert res["errors_by_code"].get("store_expired", 0) >= 1      # the late writer, refused
     assert {s["kind"] for s in res["stalls"]} == {"get", "put"}
     assert all(s["server_closed_it"] for s in res["stalls"]), detail
-    assert res["oversized"]["too_many_keys"] == "too_many_keys"
+    assert res["oversized"][0]["too_many_keys"] == "too_many_keys"
+    assert res["oversized"][0]["tiny_keys"] == "too_many_keys"
     assert sum("killed holding" in v for v in res["victims"]) >= 8, res["victims"]
-    assert res["restart"] is not None and res["server_exit_code"] == 0
+    assert res["restarts"] and res["server_exit_code"] == 0
+    # every attacker met its bound, and nothing else (unexpected_errors above counts the rest)
+    assert res["attacks"]["leaseflood"].get("over_quota", 0) >= 1, detail
+    assert res["attacks"]["poolpin"].get("over_quota", 0) >= 1, detail
+    assert res["attacks"]["httpflood"].get("health:200", 0) >= 5, detail
+    assert all(w["idle_periods"] >= 1 for w in res["per_worker"]), res["per_worker"]
+    assert len(res["rss_samples_mb"]) >= 5
     assert res["hello_count"] > 100 and res["hello_p99_ms"] is not None
     assert res["scaling"]["objects"] == res["scaling"]["ready_in_status"] == 20000
     assert res["scaling"]["lookups"] > 50

@@ -22,7 +22,7 @@ from kvedit.client import KVClient
 from kvedit.client.handles import KVError
 from kvedit.keys import namespace, query_key, request_keys
 from kvedit.layout import ModelLayout
-from kvedit.sdk import tp_edit
+from kvedit.sdk import store
 from kvedit.sdk.batch import BatchedStream
 from kvedit.sdk.context import connect
 from kvedit.sdk.errors import ConnectError, MissingQueries, ModifyError
@@ -49,10 +49,14 @@ def client(server):
         yield c
 
 
+Q_HEADS = 8   # the model's query heads, split over the ranks without replicas
+
+
 def layouts(tp: int, total: int, said: bool = True) -> list[ModelLayout]:
     return [ModelLayout(num_layers=L, num_kv_heads=max(1, total // tp), head_dim=D,
                         dtype="float32", chunk_size=C, tp_rank=r, tp_size=tp,
-                        total_kv_heads=total if said else 0) for r in range(tp)]
+                        total_kv_heads=total if said else 0, num_q_heads=Q_HEADS // tp)
+            for r in range(tp)]
 
 
 def cut(kv: torch.Tensor, heads: list[int]) -> torch.Tensor:
@@ -159,6 +163,7 @@ def test_connect_reads_every_rank_and_the_connectors_total(server, client):
         assert ctx.tp.size == 4 and ctx.tp.heads.replicas == 2
         assert ctx.layout.tp_rank == 0   # streams' keys are rank 0's
         assert (ctx.tp.layout.num_kv_heads, ctx.tp.layout.tp_size) == (2, 1)
+        assert ctx.tp.layout.num_q_heads == Q_HEADS   # the ranks' query heads, summed
     with pytest.raises(ConnectError, match=r"registered total_kv_heads \[2\], not 4"):
         connect(server.url, model_name=model, timeout=5, total_kv_heads=4)
 
@@ -226,7 +231,37 @@ def test_identity_edit_stores_nothing_and_keeps_every_rank(server, client):
         m = BatchedStream([s], progress=False).modify(lambda kv_, t: (kv_, t))
         assert (m.chunks_stored, m.chunks_reused, m.salt_changes, m.chunks_deleted) == \
             (0, N_CHUNKS, 0, 0)
+        if ctx.pool.cow:   # the gathered kv is write-tracked like one rank's: nothing compared
+            assert m.chunks_compared == 0
         assert [client.lookup(model, old[r], tp_rank=r) for r in range(2)] == [N_CHUNKS] * 2
+
+
+def test_an_in_place_change_to_one_ranks_heads_switches_every_rank_to_a_fresh_salt(server,
+                                                                                     client):
+    """Same tokens, one byte of rank 1's heads changed in place: the chunk is compared on
+    every rank (rank 0's bytes are equal, rank 1's are not), and every rank stores the edit
+    under one fresh salt; the original chunks stay readable until they are dropped."""
+    model, salt, toks = model_name(), "s", tokens_of(13)
+    lays = layouts(2, 8)
+    kv = full_kv(8, len(toks) // C * C, seed=13)
+    prefill(client, model, lays, toks, salt, kv, 8)
+
+    def poke(kv_in, tokens):
+        kv_in[1, 0, C + 5, 4 * D + 1] += 1.0   # V, layer 0, chunk 1, head 4 (rank 1's)
+        return kv_in, tokens
+
+    with connect(server.url, model_name=model, timeout=5) as ctx:
+        s = create_request(ctx, never, toks, salt)
+        m = BatchedStream([s], progress=False).modify(poke, keep_old=True)
+        assert m.salt_changes == 1 and m.chunks_stored == N_CHUNKS
+        assert m.chunks_compared >= 2   # chunk 1 on both ranks (before the salt switch)
+        edited = kv.clone()
+        edited[1, 0, C + 5, 4 * D + 1] += 1.0
+        got = stored(client, model, lays, s.tokens, s.cache_salt)
+        for r in range(2):
+            assert torch.equal(got[r], cut(edited, VLLM_SPLIT[2, 8][r])), f"rank {r}"
+        before = stored(client, model, lays, toks[:N_CHUNKS * C], salt)
+        assert torch.equal(before[1], cut(kv, VLLM_SPLIT[2, 8][1]))   # kept (keep_old)
 
 
 def test_a_store_failing_on_rank_1_leaves_rank_0_unedited(server, client):
@@ -271,7 +306,7 @@ def test_a_failed_commit_deletes_what_earlier_ranks_committed(server, client):
             h.write([torch.zeros(lays[r].chunk_shape)] * len(h.missing))
         handles[1].abort()   # lost between the two commits
         with pytest.raises(KVError):
-            tp_edit._commit_all(ctx, per_rank, handles)
+            store._commit_all(ctx, per_rank, handles)
         assert client.lookup(model, per_rank[0], tp_rank=0) == 0
 
 
@@ -315,3 +350,26 @@ def test_releasing_a_stream_deletes_its_chunks_and_queries_on_every_rank(server,
     for r in range(4):
         assert client.lookup(model, old[r], tp_rank=r) == 0, f"rank {r}"
         assert client.lookup(model, [qkeys[r]], tp_rank=r, kind="queries") == 0, f"rank {r}"
+
+
+def test_new_kv_output_is_cut_per_rank(server, client):
+    """An fn that builds its result with new_kv gets a tensor of the gathered width; each
+    rank stores its heads of it."""
+    model, salt, toks = model_name(), "", tokens_of(61)
+    lays = layouts(2, 8)
+    kv = full_kv(8, len(toks) // C * C, seed=61)
+    prefill(client, model, lays, toks, salt, kv, 8)
+
+    def fn(kv_in, tokens, new_kv):
+        out = new_kv((2, L, 2 * C, kv_in.shape[3]))
+        torch.cat([kv_in[:, :, :C], kv_in[:, :, 2 * C:3 * C]], dim=2, out=out)
+        return out, tokens[:C] + tokens[2 * C:3 * C]
+
+    with connect(server.url, model_name=model, timeout=5) as ctx:
+        s = create_request(ctx, never, toks, salt)
+        m = BatchedStream([s], progress=False).modify(fn)
+        assert (m.chunks_reused, m.chunks_stored, m.salt_changes) == (1, 1, 0)
+        edited = torch.cat([kv[:, :, :C], kv[:, :, 2 * C:3 * C]], dim=2)
+        got = stored(client, model, lays, s.tokens, s.cache_salt)
+        for r in range(2):
+            assert torch.equal(got[r], cut(edited, VLLM_SPLIT[2, 8][r])), f"rank {r}"

@@ -93,8 +93,9 @@ SWITCH_FILES = ["kvedit/client/kv_client.py", "kvedit/client/handles.py", "kvedi
                 "kvedit/client/datalink.py", "kvedit/sdk/chunkmap.py", "kvedit/sdk/modify.py",
                 "kvedit/sdk/context.py", "kvedit/vllm/worker_side.py", "kvedit/vllm/copier.py",
                 "kvedit/vllm/link.py",
-                "kvedit/sdk/source.py", "kvedit/sdk/contracts.py", "kvedit/sdk/driver.py",
-                "kvedit/sdk/queries.py", "kvedit/bench/connector.py"]
+                "kvedit/sdk/source.py", "kvedit/sdk/store.py", "kvedit/sdk/output.py",
+                "kvedit/sdk/contracts.py", "kvedit/sdk/driver.py",
+                "kvedit/sdk/queries.py", "kvedit/query_contract.py", "kvedit/bench/connector.py"]
 
 
 def test_no_transfer_mode_switches_or_private_reaches_left():
@@ -114,7 +115,7 @@ def test_no_transfer_mode_switches_or_private_reaches_left():
 
 CLIENT_FILES = SWITCH_FILES[:-1] + ["kvedit/sdk/buffers.py", "kvedit/sdk/rowcopy.py",
                                     "kvedit/sdk/geometry.py", "kvedit/sdk/libc.py",
-                                    "kvedit/sdk/alloc.py", "kvedit/sdk/tp.py",
+                                    "kvedit/sdk/glibc_tuning.py", "kvedit/sdk/tp.py",
                                     "kvedit/keys.py", "kvedit/protocol.py", "kvedit/wire.py"]
 
 

@@ -454,6 +454,41 @@ def _recount(ix: Index) -> dict:
                              if o.state == I.READY and not o.leases and id(o) not in pins)}
 
 
+def _recount_quota(ix: Index) -> dict:
+    """What each holder holds, from the tables (quota.py must agree): a store or lease counts
+    while open, cut (until finished) or quarantined."""
+    pend = ix.pending
+    counted = {id(p): p for p in [*pend.stores.values(), *pend.leases.values(),
+                                  *pend.cut.values(),
+                                  *(q.pending for q in pend.quarantined.values())]}
+    held: dict[bytes, dict] = {}
+    distinct: dict[bytes, dict] = {}
+    for p in counted.values():
+        h = held.setdefault(p.holder, {"leases": 0, "stores": 0, "lease_keys": 0,
+                                       "store_bytes": 0})
+        if p.kind == "store":
+            h["stores"] += 1
+            h["store_bytes"] += p.nbytes
+        else:
+            h["leases"] += 1
+            h["lease_keys"] += len(p.objs)
+            distinct.setdefault(p.holder, {}).update({id(o): o.slot for o in p.objs})
+    for holder, h in held.items():
+        h["lease_bytes"] = sum(distinct.get(holder, {}).values())
+    return held
+
+
+def _quota_as_held(ix: Index) -> dict:
+    q = ix.pending.quota
+    out = {}
+    for holder in (A, B):
+        h = q.held(holder)
+        if h is not None:
+            out[holder] = {f: getattr(h, f) for f in ("leases", "stores", "lease_keys",
+                                                      "store_bytes", "lease_bytes")}
+    return out
+
+
 def _finish(ix: Index, pid: int) -> None:
     p = ix.pending.cut.get(pid) or ix.stores.get(pid) or ix.leases.get(pid)
     (ix.finish_put if p.kind == "store" else ix.finish_get)(pid, False)
@@ -527,6 +562,7 @@ def test_counters_equal_a_recount_after_random_operations(seed):
         assert got == {key: v for key, v in _recount(ix).items() if key != "evictable"}, step
         assert ix.evictable() == _recount(ix)["evictable"]
         assert c.ready == len(ix.pages) == ix.page(None, None, 1).total
+        assert _quota_as_held(ix) == _recount_quota(ix), step
     # drain: everything ends; every slot comes back
     for pid in [*ix.pending.cut, *ix.stores, *ix.leases]:
         _finish(ix, pid)
@@ -535,6 +571,7 @@ def test_counters_equal_a_recount_after_random_operations(seed):
         ix.expire(clock())
     ix.clear()
     assert ix.alloc.used == 0 and ix.alloc.holes == 1
+    assert ix.pending.quota.snapshot()["holders"] == 0   # nothing counted any more
     assert ix.counters == I.Counters(evictions=c.evictions, expired_leases=c.expired_leases,
                                      expired_stores=c.expired_stores,
                                      cut_transfers=c.cut_transfers,
@@ -585,4 +622,4 @@ def test_every_refusal_is_a_protocol_error_code():
     from kvedit.protocol import ERROR_CODES
     from kvedit.server.waiters import TooManyWaits
     codes = {c.code for c in I.Refused.__subclasses__()} | {TooManyWaits.code}
-    assert len(codes) == 8 and codes <= ERROR_CODES
+    assert len(codes) == 9 and codes <= ERROR_CODES

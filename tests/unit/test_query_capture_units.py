@@ -15,7 +15,8 @@ from kvedit.vllm.query_capture import (
     capture_unavailable,
     check_capture_version,
 )
-from kvedit.vllm.query_window import WindowPlanner, requested_window
+from kvedit.query_contract import requested_window
+from kvedit.vllm.query_window import WindowPlanner
 from kvedit.vllm.settings import ConnectorSettings
 
 

@@ -108,3 +108,12 @@ def test_answered_waiters_do_not_grow_the_deadline_heap():
     ws.next_deadline()          # drops w's entry while it is taken ...
     ws.park(w, 1)               # ... so re-parking gives it one again
     assert ws.expired(6.0) == [w]
+
+
+def test_packed_keys_read_like_the_list_they_replace():
+    from kvedit.server.waiters import PackedKeys
+    keys = [b"a", b"bb" * 8, b"", b"c" * 64, b"d"]
+    packed = PackedKeys(keys)
+    assert len(packed) == 5 and list(packed) == keys
+    assert [packed[i] for i in range(5)] == keys and packed[-1] == b"d"
+    assert packed[1:4] == keys[1:4] and packed[3:] == keys[3:]

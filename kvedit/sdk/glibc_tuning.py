@@ -1,41 +1,30 @@
-"""Reuse of large freed blocks, so an fn that allocates (torch.cat, index_select) does not
-pay a page fault per 4 KiB on every modify.
+"""Opt-in tuning of glibc's malloc for edit fns that allocate large outputs themselves.
 
-glibc serves every allocation above its mmap threshold (at most 32 MiB) with a fresh mmap and
-returns it to the kernel on free; the next modify's 100+ MB output then faults in (and the
-kernel zeroes) every page again: `torch.cat` in fn reached ~0.3x memcpy in `kvedit bench
-modify`. With `mallopt(M_MMAP_MAX, 0)` large blocks come from the heap instead, and a high
-`M_TRIM_THRESHOLD` keeps freed heap memory mapped, so the next allocation of that size
-reuses touched pages. fn may still allocate whatever it likes; the cost is that the process
-keeps its peak heap (the largest modify's working set) instead of returning it to the OS.
+Nothing here runs unless asked: `connect(..., tune_glibc_heap=True)` or `enable()`. It
+changes the whole process (every thread, every library in it), which is why kvedit never
+does it by default; an fn that builds a new tensor can use kvedit's own output pages
+instead (`new_kv`, kvedit.sdk.output), which need none of this.
 
-That works only in the main arena (the brk heap). A thread other than the main one gets its
-own arena, whose heaps are at most 64 MiB: a larger request is a direct mmap whatever
-M_MMAP_MAX says, unmapped again on free. So synchronous fns run where their allocations come
-from the main arena:
-- in the fn pool here (`batch.modify`, the async API and the budgeted driver alike;
-  `pool_reuses_memory()`): `fn_pool()` threads that were checked to allocate from the main
-  arena, two streams' fns side by side;
-- only if the pool could not get such threads, a synchronous `batch.modify(...)` runs fn in
-  its waiting thread (kvedit.sdk.loop.in_caller: the main arena when that is the main
-  thread, one fn at a time).
-The pool: glibc hands a new thread an arena round-robin once no new arena may be created,
-so with `M_ARENA_MAX=1` a new thread lands on the main arena every few threads; the pool
-starts threads until it has enough that do (the probe: an untouched 80 MiB tensor lies in
-the brk heap), parking the others meanwhile, then lets the others go. If that fails (the
-process already had more than 8 arenas, so glibc fixed its arena limit before), the pool
-runs fn in plain threads and `fn_pool().main_arena` is False.
+What it does, and why each part. glibc serves an allocation above its mmap threshold (at
+most 32 MiB) with a fresh mmap and returns it to the kernel on free, so an fn's 100+ MB
+`torch.cat` output faults in (and the kernel zeroes) every page again on every modify.
+- `mallopt(M_MMAP_MAX, 0)` makes large blocks come from the heap, and a high
+  `M_TRIM_THRESHOLD` keeps freed heap memory mapped: the next allocation of that size reuses
+  touched pages. Cost: the process keeps its peak heap instead of returning it to the OS.
+- That works only in the main arena (the brk heap): any other thread's arena maps a block
+  over 64 MiB afresh whatever M_MMAP_MAX says. So `M_ARENA_MAX=1`, and the fn pool: threads
+  that were checked to allocate from the main arena (glibc hands new threads the existing
+  arenas round-robin once no new arena may be made; the pool starts threads until enough
+  land on the main arena, the probe being an untouched 80 MiB tensor in the brk heap) run
+  the synchronous fns, two streams' side by side. Cost: threads created later share the
+  existing arenas (more lock contention for programs that malloc heavily from many threads).
+  If the process had more arenas before, glibc fixed its limit already; the pool then runs
+  fn in plain threads and `fn_pool().main_arena` is False.
+- Around every fn the pool thread settles its tcache (`settle_small_cache`, below), or
+  posix_memalign's small alignment tails pin the freed blocks and the heap grows per call.
 
-Process-wide and glibc-only: `connect(keep_freed_memory=True)` (the default) applies it
-once; `False` leaves malloc alone. The costs: the process keeps its peak heap, and with
-M_ARENA_MAX=1 threads created later share the existing arenas (more lock contention for
-programs that malloc heavily from many threads).
-
-Measured (`kvedit bench modify --json --repeats 9`): see docs/sdk.md "decode-time editing".
-Not used: torch's THP_MEM_ALLOC_ENABLE=1 (huge pages for large CPU tensors; this kernel's
-THP mode is `madvise`) helps a fresh torch.cat in a worker thread (0.26 -> 0.55x a warm copy
-in a micro-benchmark) but c10 reads it once, at the first CPU allocation, so a library
-cannot turn it on after torch has run; a user may set it in the environment.
+glibc only (`libc.mallopt` None elsewhere: `enable()` returns None and nothing changes).
+Measured effect and history: docs/sdk.md, "Allocator".
 """
 from __future__ import annotations
 
@@ -46,6 +35,8 @@ import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+
+import torch
 
 from kvedit.sdk import libc
 
@@ -62,8 +53,14 @@ _applied: bool | None = None
 _pool: FnPool | None = None
 
 
+def enable() -> FnPool | None:
+    """Apply the malloc settings (once per process) and start the fn pool -> the pool, or
+    None where glibc's mallopt is not available or refused a setting."""
+    return fn_pool() if keep_freed_memory() else None
+
+
 def keep_freed_memory() -> bool:
-    """Apply the allocator setting once per process; True if it is in effect."""
+    """Apply the allocator settings once per process; True if they are in effect."""
     global _applied
     with _lock:
         if _applied is None:
@@ -119,8 +116,6 @@ def on_main_arena() -> bool:
     """Does the calling thread allocate a large tensor from the main arena's brk heap?
     (With M_MMAP_MAX=0 the main arena grows that heap; any other arena mmaps the block.)
     The probe is not touched: it costs address space, not pages."""
-    import torch
-
     p = torch.empty(PROBE_BYTES, dtype=torch.uint8)
     heap = _brk_heap()
     return heap is not None and heap[0] <= p.data_ptr() < heap[1]
@@ -196,19 +191,11 @@ def fn_pool() -> FnPool | None:
         return _pool
 
 
-def pool_reuses_memory() -> bool:
-    """Does the fn pool run fn where kept freed blocks are reused (every thread on the main
-    arena)? Then it is where modify runs a synchronous fn, even with a waiting caller: two
-    streams' fns run at once instead of one after the other in the caller's thread
-    (`kvedit bench modify`, 6 runs, 5 alternating with the tree that ran it in the caller:
-    drop_half_cat 0.48-0.62x memcpy vs 0.42-0.49; docs/sdk.md "where the time goes")."""
-    pool = fn_pool()
-    return pool is not None and pool.main_arena
+def tuned() -> bool:
+    """Is the tuning in effect in this process (enable() was called and glibc took it)?"""
+    return bool(_applied)
 
 
-async def run_fn(ctx, fn, /, *args, **kwargs):
-    """fn(*args, **kwargs) in the fn pool (or the context's pool without one)."""
-    pool = fn_pool()
-    if pool is None:
-        return await ctx.call(fn, *args, **kwargs)
+async def run_fn(pool: FnPool, fn, /, *args, **kwargs):
+    """fn(*args, **kwargs) in the fn pool, awaited."""
     return await asyncio.wrap_future(pool.submit(fn, *args, **kwargs))

@@ -1,0 +1,122 @@
+"""The in-engine arm of `kvedit bench long --in-engine`: the same streams and budget as the
+host arm, but each stream sends one request and vLLM compacts its KV in place
+(`BatchedStream.run(..., in_engine=True)`), and the figures that compare the three arms.
+
+Where the in-engine figures come from:
+- decode throughput and tokens per engine step: as for the other arms (wall clock; vLLM's
+  counters).
+- mean footprint: the budget rule replayed per stream (a stream holds P, grows by one per
+  generated token, and drops to `budget - every` when the next token would pass `budget`):
+  exactly what the scheduler side enforces, so the bound is min(N, cap/F) as for the others.
+- edit overhead: the workers' time inside compactions (scoring, moving KV, stash copies),
+  from the `kvedit: in-engine worker stats` lines the connector logs (stats_interval_s 0),
+  over the arm's wall time. On CUDA it includes waiting for the device work it queued.
+- blocks: the scheduler side's `kvedit: in-engine stats` line (compactions, blocks released
+  back to vLLM, freed blocks vLLM handed out again, copies on write, stashes/restores).
+- leaked blocks: vLLM's own `vllm:kv_cache_usage_perc` once every request is done (a block
+  still held by nobody's request), times the pool size; and the scheduler side's count of
+  free blocks when idle, as a second opinion.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+import uuid
+
+STATS = re.compile(r"kvedit: in-engine (worker )?stats (\{.*\})")
+
+
+def stats(log_path) -> dict[str, dict]:
+    """The last scheduler ("scheduler") and worker ("worker") stats lines in vLLM's log."""
+    out: dict[str, dict] = {}
+    if log_path is None:
+        return out
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            m = STATS.search(line)
+            if m:
+                out["worker" if m[1] else "scheduler"] = json.loads(m[2])
+    return out
+
+
+def delta(before: dict, after: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
+
+
+def mean_footprint(prompt_len: int, max_tokens: int, budget: int, every: int) -> float:
+    """KV tokens a stream holds while generating, averaged over its tokens, under the
+    in-engine rule (the i-th token is computed over the resident tokens before it)."""
+    resident, held = prompt_len, 0
+    for _ in range(max_tokens + 1):   # the prefill's token, then max_tokens more
+        held += resident
+        if resident + 1 > budget:
+            resident = budget - every
+        resident += 1
+    return held / (max_tokens + 1)
+
+
+def kv_usage(vllm_url: str) -> float | None:
+    try:
+        with urllib.request.urlopen(f"{vllm_url}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    m = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\}\s+([0-9.eE+-]+)$", text, re.M)
+    return float(m[1]) if m else None
+
+
+def flush(vllm_url: str, model: str) -> None:
+    """One 1-token request, so the engine takes a step: the scheduler side logs its idle
+    stats after the last budgeted request's blocks were freed."""
+    body = json.dumps({"model": model, "prompt": [101, 102, 103], "max_tokens": 1}).encode()
+    req = urllib.request.Request(f"{vllm_url}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        r.read()
+
+
+def arm(ctx, completion, prompts, args, eng, policy, sampling, per_step, *,
+        progress: bool) -> tuple[dict, object]:
+    """The in-engine arm on fresh streams: (result dict, the batch). `per_step(before,
+    after)` turns vLLM's counters around the arm into steps and tokens per step."""
+    import kvedit
+    from kvedit.harness.experiment import cpu_seconds, vllm_counters as counters
+
+    salt = f"long-engine-{uuid.uuid4().hex[:8]}"
+    batch = kvedit.BatchedStream(progress=progress)
+    for p in prompts:
+        batch.add(kvedit.create_request(ctx, completion, p, cache_salt=salt))
+    before_stats, before = stats(eng.log_path), counters(eng.vllm_url)
+    cpu0 = cpu_seconds(eng.pids)
+    t0 = time.perf_counter()
+    batch.run(sampling(1), policy, sampling(args.max_tokens), every=args.every,
+              budget=args.budget, in_engine=True, positions=args.positions)
+    wall = time.perf_counter() - t0
+    cpu = cpu_seconds(eng.pids) - cpu0
+    after = counters(eng.vllm_url)
+    flush(eng.vllm_url, eng.model)
+    usage = kv_usage(eng.vllm_url)
+    time.sleep(0.5)  # the log lines of the flush step
+    after_stats = stats(eng.log_path)
+    sched = delta(before_stats.get("scheduler", {}), after_stats.get("scheduler", {}))
+    work = delta(before_stats.get("worker", {}), after_stats.get("worker", {}))
+    total_blocks = after_stats.get("scheduler", {}).get("pool_total")
+    out = {"wall_s": wall, "cpu_s": cpu,
+           "output_tokens": sum(len(s.output_token_ids) for s in batch),
+           **per_step(before, after),
+           # compactions, stash copies and the per-step input shifts of compacted requests
+           "edit_busy_s": work.get("compact_s", 0.0) + work.get("shift_s", 0.0)
+           + work.get("device_s", 0.0),
+           "in_engine": sched,
+           "worker": work, "kv_cache_usage_after": usage,
+           "pool_free_when_idle": after_stats.get("scheduler", {}).get("pool_free"),
+           "pool_total": total_blocks}
+    out["decode_tput"] = out["output_tokens"] / wall
+    out["tokens_per_cpu_s"] = out["output_tokens"] / cpu if cpu else None
+    out["mean_footprint_tokens"] = mean_footprint(args.prompt_len, args.max_tokens,
+                                                  args.budget, args.every)
+    out["leaked_blocks"] = round(usage * total_blocks) if usage is not None and total_blocks \
+        else None
+    return out, batch

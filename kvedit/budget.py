@@ -1,0 +1,156 @@
+"""The in-engine budget request contract: what a request puts in its `kv_transfer_params`
+to have vLLM keep its KV within a budget, compacting it in place (docs/in-engine.md).
+
+One module, imported by both sides of the wire: the SDK writes it
+(`create_request(..., budget=EngineBudget(...))`), the connector's scheduler side parses and
+validates it when the request arrives and hands the parsed value to the workers. An OpenAI
+client sends it as the body field `kv_transfer_params`; offline `LLM` users put the same dict
+under `SamplingParams(extra_args={"kv_transfer_params": {...}})`:
+
+    {"kvedit_budget": {"tokens": 768, "every": 128, "policy": "key_norm",
+                       "args": {}, "protect": 16, "positions": "compact", "per_head": false,
+                       "queries": 0}}
+
+- tokens: the most KV tokens the engine holds for the request once its prompt is computed
+  (the prompt itself is computed whole, however long).
+- every: when the next token would pass `tokens`, the request is compacted to
+  `tokens - every` kept tokens, so it compacts at most once per `every` generated tokens.
+- policy, args: a `kvedit.edits.POLICIES` name and its dataclass fields; the worker scores the
+  request's resident tokens with that very policy object (`DropPolicy.select`). `ratio` is
+  set per compaction; `granularity` defaults to "token".
+- protect: the most recent tokens always kept (in every head).
+- positions: "compact" re-rotates kept keys to contiguous positions and numbers new tokens
+  after them (what the host path's edit does); "logical" leaves RoPE alone and new tokens at
+  their true positions.
+- per_head: one selection per (layer, KV head), equal counts (kvedit.edits.base).
+- queries: for a query-aware policy (SnapKV, TOVA), the worker keeps the post-RoPE queries of
+  the request's last `queries` computed tokens and the policy scores with them (the most
+  recent tokens are the observation window); `protect` must cover them, so the window's
+  tokens stay resident. Such a request computes its whole prompt (no prefix-cache hits).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from kvedit.edits import POLICIES
+
+KEY = "kvedit_budget"
+Positions = Literal["compact", "logical"]
+FIELDS = ("tokens", "every", "policy", "args", "protect", "positions", "per_head", "queries")
+MAX_QUERIES = 4096
+
+
+class BudgetError(ValueError):
+    """A request's budget is malformed or cannot apply in this engine."""
+
+
+@dataclass(frozen=True)
+class EngineBudget:
+    tokens: int
+    every: int = 64
+    policy: str = "streaming_llm"
+    args: dict[str, Any] = field(default_factory=dict)
+    protect: int = 0
+    positions: Positions = "compact"
+    per_head: bool = False
+    queries: int = 0
+
+    def __post_init__(self):
+        self._check()
+
+    @property
+    def keep(self) -> int:
+        """Tokens kept by each compaction."""
+        return self.tokens - self.every
+
+    def to_params(self) -> dict:
+        """The kv_transfer_params entry that asks for this budget."""
+        return {KEY: dataclasses.asdict(self)}
+
+    def policy_object(self):
+        """The DropPolicy this budget scores with (a new object)."""
+        kw = {"granularity": "token", **self.args, "per_head": self.per_head,
+              "protect_last": self.protect}
+        try:
+            return POLICIES[self.policy](**kw)
+        except (TypeError, ValueError) as e:
+            raise BudgetError(f"{KEY}.args {self.args!r} for policy {self.policy!r}: {e}") \
+                from None
+
+    def _check(self) -> None:
+        def bad(name: str, expected: str):
+            return BudgetError(f"{KEY}.{name} is {getattr(self, name)!r}; expected {expected}")
+
+        for name in ("tokens", "every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise bad(name, "a positive integer number of tokens")
+        if isinstance(self.protect, bool) or not isinstance(self.protect, int) \
+                or self.protect < 0:
+            raise bad("protect", "an integer number of recent tokens >= 0")
+        if self.keep < max(1, self.protect):
+            raise BudgetError(f"{KEY}: tokens {self.tokens} - every {self.every} leaves "
+                              f"{self.keep} tokens per compaction; it must keep at least 1 and "
+                              f"the {self.protect} protected ones (raise tokens or lower every)")
+        if self.positions not in get_args(Positions):
+            raise bad("positions", f"one of {list(get_args(Positions))}")
+        if not isinstance(self.per_head, bool):
+            raise bad("per_head", "true or false")
+        if not isinstance(self.args, dict) or "ratio" in self.args \
+                or {"per_head", "protect_last"} & set(self.args):
+            raise bad("args", "a dict of the policy's fields other than ratio, per_head and "
+                              "protect_last (set per compaction or by the budget's own fields)")
+        if self.policy not in POLICIES:
+            raise bad("policy", f"one of {sorted(POLICIES)}")
+        q = self.queries
+        if isinstance(q, bool) or not isinstance(q, int) or not 0 <= q <= MAX_QUERIES:
+            raise bad("queries", f"a number of recent tokens in [0, {MAX_QUERIES}]")
+        pol = self.policy_object()
+        if pol.needs_queries and not q:
+            raise BudgetError(f"{KEY}.policy {self.policy!r} scores with captured queries: "
+                              "set queries to the number of recent tokens whose queries it "
+                              "scores with (e.g. 32), and protect to at least that")
+        if q and not pol.needs_queries:
+            raise bad("queries", f"0 for policy {self.policy!r}, which scores without queries")
+        if q > self.protect:
+            raise BudgetError(f"{KEY}: protect {self.protect} must be >= queries {q} (the "
+                              "tokens whose queries score the others stay resident)")
+        if self.positions == "logical" and self.policy == "leverage":
+            raise BudgetError(f"{KEY}: policy 'leverage' un-rotates keys assuming token i sits "
+                              "at position i, which only positions 'compact' keeps true")
+
+
+def from_policy(policy, tokens: int, every: int, *, positions: Positions = "compact",
+                protect: int | None = None, queries: int = 0) -> EngineBudget:
+    """The budget that scores with `policy` (a kvedit.edits DropPolicy of a POLICIES class):
+    its fields other than ratio become `args`; per_head and protect_last carry over
+    (`protect` overrides protect_last)."""
+    names = [n for n, cls in POLICIES.items() if type(policy) is cls]
+    if not names:
+        raise BudgetError(f"an in-engine budget scores with a kvedit.edits policy by name; "
+                          f"{type(policy).__name__} is not one of "
+                          f"{sorted(c.__name__ for c in POLICIES.values())}")
+    args = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)
+            if f.name not in ("ratio", "per_head", "protect_last")
+            and (getattr(policy, f.name) != f.default or f.name == "granularity")}
+    return EngineBudget(tokens, every, names[0], args,
+                        policy.protect_last if protect is None else protect, positions,
+                        policy.per_head, queries)
+
+
+def from_params(params) -> EngineBudget | None:
+    """The budget a request's kv_transfer_params ask for (None: none). BudgetError naming the
+    field and what was expected when the value is bad."""
+    if not isinstance(params, dict) or params.get(KEY) is None:
+        return None
+    raw = params[KEY]
+    if not isinstance(raw, dict):
+        raise BudgetError(f"kv_transfer_params[{KEY!r}] is {raw!r}; expected an object with "
+                          f"fields {list(FIELDS)} (tokens required)")
+    unknown = sorted(set(raw) - set(FIELDS))
+    if unknown or "tokens" not in raw:
+        raise BudgetError(f"kv_transfer_params[{KEY!r}]: unknown fields {unknown}, or no "
+                          f"'tokens'; expected fields {list(FIELDS)} (tokens required)")
+    return EngineBudget(**raw)

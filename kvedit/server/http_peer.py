@@ -1,0 +1,69 @@
+"""Who is at the other end of an HTTP connection: a local user (by uid) or an address.
+
+Why: the HTTP API bounds connections per peer, so that one peer holding connections open
+cannot crowd out the others. By address alone every local process is the same peer
+(127.0.0.1), and one local user could crowd out every other one, the liveness probe included.
+For a loopback connection the kernel knows which user opened the client's socket: one
+sock_diag netlink query (the socket's exact 4-tuple, no table scan: tens of microseconds)
+gives its uid. Remote peers, and loopback ones whose socket cannot be found (not Linux, the
+query refused), are keyed by address.
+"""
+from __future__ import annotations
+
+import ipaddress
+import socket
+import struct
+
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+NLM_F_REQUEST = 1
+NLMSG_ERROR = 2
+_NLMSG = struct.Struct("=IHHII")               # len, type, flags, seq, pid
+_REQ = struct.Struct("=BBBBI")                 # family, protocol, ext, pad, states
+_ANY_STATE = 0xFFFFFFFF
+_NO_COOKIE = struct.pack("=II", 0xFFFFFFFF, 0xFFFFFFFF)
+_UID_AT = _NLMSG.size + 4 + 48 + 12            # inet_diag_msg: 4 bytes, sockid, 3 u32, uid
+
+PeerKey = tuple[str, object]                   # ("uid", 1000) or ("addr", "10.0.0.7")
+
+
+def peer_key(sockname, peername) -> PeerKey:
+    """The peer of a connection whose local and remote addresses are these (as asyncio's
+    get_extra_info gives them)."""
+    host = peername[0] if peername else "?"
+    if _is_loopback(host):
+        uid = loopback_uid(sockname, peername)
+        if uid is not None:
+            return ("uid", uid)
+    return ("addr", host)
+
+
+def loopback_uid(sockname, peername) -> int | None:
+    """The uid owning the client socket of a loopback TCP connection, or None."""
+    try:
+        family = socket.AF_INET6 if ":" in peername[0] else socket.AF_INET
+        sockid = (struct.pack("!HH", peername[1], sockname[1]) + _addr(family, peername[0])
+                  + _addr(family, sockname[0]) + struct.pack("=I", 0) + _NO_COOKIE)
+        req = _REQ.pack(family, socket.IPPROTO_TCP, 0, 0, _ANY_STATE) + sockid
+        msg = _NLMSG.pack(_NLMSG.size + len(req), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, 1, 0)
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
+            nl.settimeout(0.5)
+            nl.send(msg + req)
+            data = nl.recv(4096)
+    except (OSError, AttributeError, ValueError, struct.error):
+        return None
+    if len(data) < _UID_AT + 4 or _NLMSG.unpack_from(data)[1] != SOCK_DIAG_BY_FAMILY:
+        return None   # NLMSG_ERROR: no such socket (it closed meanwhile)
+    return struct.unpack_from("=I", data, _UID_AT)[0]
+
+
+def _addr(family: int, host: str) -> bytes:
+    b = socket.inet_pton(family, host.split("%")[0])
+    return b + bytes(16 - len(b))
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False

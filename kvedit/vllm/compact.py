@@ -1,0 +1,89 @@
+"""Compaction of one request's KV inside vLLM's paged cache: the data movement of an
+in-engine budget, pure torch over `PagedKV` (no vLLM import; tested on any machine).
+
+A request's resident tokens sit in slots 0..R-1 of its block list. A compaction gathers
+them into one tensor [2, L, R, D] (`gather`), lets the policy pick the kept slots (`keep`,
+[R'] or per head [L, H, R']), builds the kept KV in order (`kept_kv`: per head, each head
+takes its own slots), and scatters it to slots 0..R'-1 of the request's new block list
+(`scatter`). Every read of a step happens before any write (the caller gathers all
+compactions and stashes first), so a block may be both a source and, after the scheduler
+handed it to someone else, a target in the same step.
+
+Positions. With "compact" positions slot j always holds the key rotated to position j: the
+kept keys are re-rotated from their old slot index to their new one (per head when per
+head). With "logical" positions keys keep the rotation of the position they were computed
+at, and nothing is rotated here.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvedit.edits.rope import rotate_keys
+from kvedit.layout import ModelLayout
+from kvedit.vllm.paged import PagedKV
+
+
+def gather(paged: PagedKV, block_ids: list[int], n: int) -> torch.Tensor:
+    """Slots 0..n-1 of a request's blocks as [2, L, n, D] on the cache's device."""
+    out = torch.empty((2, paged.num_layers, n, paged.hidden), dtype=paged.dtype,
+                      device=paged.device)
+    paged.gather(paged.slots(block_ids, 0, n), out)
+    return out
+
+
+def gather_kept(paged: PagedKV, block_ids: list[int], keep: torch.Tensor, layout: ModelLayout,
+                positions: str) -> torch.Tensor:
+    """`kept_kv` of the slots `keep` [R'] read straight from the paged cache (a policy that
+    scores by position alone needs no other slot)."""
+    out = torch.empty((2, paged.num_layers, keep.numel(), paged.hidden), dtype=paged.dtype,
+                      device=paged.device)
+    paged.gather(paged.slots_at(block_ids, keep.cpu()), out)
+    return _rotate(out, keep, layout, positions)
+
+
+def scatter(paged: PagedKV, block_ids: list[int], kv: torch.Tensor) -> None:
+    """Write `kv` [2, L, n, D] into slots 0..n-1 of a request's blocks."""
+    paged.scatter(paged.slots(block_ids, 0, kv.shape[2]), kv)
+
+
+def kept_kv(kv: torch.Tensor, keep: torch.Tensor, layout: ModelLayout,
+            positions: str) -> torch.Tensor:
+    """The kept tokens of `kv` [2, L, R, D] in slot order: `keep` is [R'] (every head the
+    same) or [L, H, R'] (per head). "compact" positions re-rotate kept keys from slot i to
+    their new slot j; "logical" leaves them as they are. Returns a new [2, L, R', D]."""
+    L, R, D = kv.shape[1:]
+    hd = layout.head_dim
+    if keep.dim() == 1:
+        return _rotate(kv.index_select(2, keep), keep, layout, positions)
+    H, n = keep.shape[1], keep.shape[2]
+    if keep.shape[0] != L or H * hd != D:
+        raise ValueError(f"per-head kept slots of shape {tuple(keep.shape)} do not fit KV "
+                         f"{tuple(kv.shape)} with head_dim {hd}")
+    heads = kv.view(2, L, R, H, hd)
+    idx = keep.permute(0, 2, 1)                                     # [L, n, H]
+    out = torch.gather(heads, 2, idx[None, :, :, :, None].expand(2, L, n, H, hd))
+    out = out.reshape(2, L, n, D)
+    if positions == "compact":
+        delta = torch.arange(n, device=keep.device)[None, :, None] - idx   # [L, n, H]
+        rotate_keys(out[0], delta, layout.rope, hd)
+    return out
+
+
+def _rotate(out: torch.Tensor, keep: torch.Tensor, layout: ModelLayout,
+            positions: str) -> torch.Tensor:
+    """Compact positions: the kept keys `out[0]` from their old slots `keep` [R'] to 0..R'-1.
+    Kept slots before the first dropped one stay where they are: skipped when `keep` is on
+    the host; on a device every slot is rotated (by 0 for those: exact), since finding the
+    first moved slot there would make the host wait for the device."""
+    if positions != "compact":
+        return out
+    new = torch.arange(keep.numel(), device=keep.device)
+    lo = 0
+    if keep.device.type == "cpu":
+        moved = (new != keep).nonzero()
+        if not moved.numel():
+            return out
+        lo = int(moved[0])
+    delta = (new[lo:] - keep[lo:]).to(out.device, non_blocking=True)
+    rotate_keys(out[0, :, lo:], delta, layout.rope, layout.head_dim)
+    return out

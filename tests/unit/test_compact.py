@@ -1,0 +1,97 @@
+"""In-engine compaction's data movement (kvedit.vllm.compact) on a synthetic paged cache in
+vLLM's CPU layout, and the budget contract (kvedit.budget).
+
+References: a per-token loop over the kept slots (per head), keys re-rotated with one
+`rerotate` call per head; the request's other blocks and every other block untouched.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvedit.budget import BudgetError, EngineBudget, from_params, from_policy
+from kvedit.edits import KeyNorm, RandomDrop, StreamingLLM, rerotate
+from kvedit.layout import ModelLayout, RopeParams
+from kvedit.vllm import compact
+from kvedit.vllm.paged import PagedKV
+
+L, H, HD, BS = 3, 2, 16, 16
+LAYOUT = ModelLayout(num_layers=L, num_kv_heads=H, head_dim=HD, dtype="float32",
+                     chunk_size=BS, rope=RopeParams(theta=10000.0))
+
+
+def paged_cache(nblocks=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    layers = [torch.randn(nblocks, H, BS, 2 * HD, generator=g) for _ in range(L)]
+    return layers, PagedKV(layers, "cpu", HD, BS)
+
+
+def test_gather_scatter_round_trip_touches_only_the_given_slots():
+    layers, paged = paged_cache()
+    before = [t.clone() for t in layers]
+    kv = compact.gather(paged, [5, 2, 9], 40)           # 2.5 blocks of a request
+    assert kv.shape == (2, L, 40, H * HD)
+    compact.scatter(paged, [7, 3], kv[:, :, :20] * 0 + 1.5)
+    for i, (t, b) in enumerate(zip(layers, before)):
+        changed = (t != b).flatten(1).any(dim=1).nonzero().flatten().tolist()
+        assert changed == [3, 7], f"layer {i}: blocks {changed} changed"
+    assert (compact.gather(paged, [7, 3], 20) == 1.5).all()
+    # a second gather of the untouched source reads what the first did
+    assert torch.equal(compact.gather(paged, [5, 2, 9], 40), kv)
+
+
+@pytest.mark.parametrize("positions", ["compact", "logical"])
+def test_kept_kv_per_token_and_per_head_match_a_loop(positions):
+    _, paged = paged_cache(seed=1)
+    kv = compact.gather(paged, [0, 1, 2], 40)
+    keep = torch.tensor([0, 1, 5, 9, 20, 33, 39])
+    got = compact.kept_kv(kv, keep, LAYOUT, positions)
+    want = kv.index_select(2, keep)
+    if positions == "compact":
+        rerotate(want, keep, torch.arange(len(keep)), LAYOUT)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    per_head = torch.stack([torch.stack([torch.randperm(40, generator=torch.Generator()
+                                                        .manual_seed(10 * la + h))[:7].sort()
+                                         .values for h in range(H)]) for la in range(L)])
+    got = compact.kept_kv(kv, per_head, LAYOUT, positions)
+    for la in range(L):
+        for h in range(H):
+            cols = slice(h * HD, (h + 1) * HD)
+            one = kv[:, la:la + 1, :, cols].index_select(2, per_head[la, h]).clone()
+            if positions == "compact":
+                rerotate(one, per_head[la, h], torch.arange(7), rope=LAYOUT.rope, head_dim=HD)
+            torch.testing.assert_close(got[:, la:la + 1, :, cols], one, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got[:, :, :, :HD], got[:, :, :, HD:])  # heads keep their own
+
+
+def test_budget_contract_round_trips_and_names_what_is_wrong():
+    b = EngineBudget(768, 128, "key_norm", {"granularity": "chunk"}, protect=16,
+                     positions="logical", per_head=True)
+    assert from_params(b.to_params()) == b
+    assert from_params({"other": 1}) is None and from_params(None) is None
+    pol = b.policy_object()
+    assert isinstance(pol, KeyNorm) and pol.per_head and pol.protect_last == 16
+    assert b.keep == 640
+    assert from_policy(StreamingLLM(sink=8, per_head=True), 512, 64).args == \
+        {"granularity": "chunk", "sink": 8}
+    assert from_policy(RandomDrop(seed=3, granularity="token"), 512, 64).policy == "random"
+    cases = [
+        ({"tokens": 100, "every": 100}, "leaves 0 tokens per compaction"),
+        ({"tokens": 0}, r"tokens is 0; expected a positive integer"),
+        ({"tokens": 256, "policy": "nope"}, r"policy is 'nope'; expected one of"),
+        ({"tokens": 256, "policy": "snapkv"}, "scores with captured queries"),
+        ({"tokens": 256, "positions": "rotated"}, "positions is 'rotated'"),
+        ({"tokens": 256, "args": {"ratio": 0.5}}, "fields other than ratio"),
+        ({"tokens": 256, "args": {"sink": -1}, "policy": "streaming_llm"}, "sink >= 0"),
+        ({"tokens": 256, "policy": "leverage", "positions": "logical"}, "only positions"),
+        ({"every": 8}, r"no 'tokens'"),
+        ({"tokens": 256, "colour": 1}, r"unknown fields \['colour'\]"),
+    ]
+    for raw, msg in cases:
+        with pytest.raises(BudgetError, match=msg):
+            from_params({"kvedit_budget": raw})
+    with pytest.raises(BudgetError, match="expected an object"):
+        from_params({"kvedit_budget": 512})
+    with pytest.raises(BudgetError, match="not one of"):
+        from_policy(object(), 512, 64)
