@@ -14,7 +14,8 @@ Score, as kvpress's KVzipPress: per layer and KV head, the largest softmax atten
 and any query head of the head's GQA group pays the key (`window_attention(rows="max",
 heads="max", per_head=True)`). The softmax is over the context keys a row sees (the
 renormalised restriction of the model's attention, as for SnapKV; kvpress also counts the
-repeated part's own keys in the denominator, which rescales each row but not its ranking).
+repeated part's own keys in the denominator, which rescales each row: the order within a row
+holds, the largest over rows can differ).
 With `per_head=True` each (layer, KV head) keeps its own best keys (equal counts, `base.py`);
 otherwise a token's score is the mean of its per-(layer, head) scores. The first `sink`
 tokens are always kept (kvpress: 4 attention sinks; the eval passes the prompt's header).

@@ -84,7 +84,7 @@ class WindowPlanner:
         """Prompt tokens before an asking request's window (what it may load from the
         kvedit server); None when it does not ask."""
         win = self.windows.get(req_id)
-        return None if win is None else win.start
+        return None if win is None else win.at.start
 
     def lift(self, request) -> None:
         """vLLM has looked in its own prefix cache for `request` (it skipped it) and now

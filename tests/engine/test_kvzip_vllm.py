@@ -136,4 +136,4 @@ def test_a_region_past_the_capture_bound_is_refused_naming_the_stream(ctx, post)
         reconstruct(BatchedStream([s], progress=False), tokens(6, 8))
     assert s.queries is None and s.tokens == s.prompt_token_ids
     # skipping a prefix of the region brings the window under the bound
-    assert pass_prompt(s, tokens(6, 8), start=16)[1] == 4096
+    assert pass_prompt(s, tokens(6, 8), start=16)[1] == 6 + 16 * C - 16 <= 4096
