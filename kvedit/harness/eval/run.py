@@ -209,7 +209,9 @@ class _Run:
     def server_gb(self) -> float:
         """L1 for the server eval starts: every sample's original chunks (held for the whole
         run) and captured queries (the question's; KVzip's pass: ~the context's rows), one
-        cell's edited chunks, with room to spare; at least 2 GB."""
+        cell's edited chunks, with KVzip the pass's own chunks (the repeat and the second
+        copy of the context, stored before they are deleted: were they not counted, LRU
+        would evict the pass's queries under them), with room to spare; at least 2 GB."""
         cfg = json.loads((self.model_dir / "config.json").read_text())
         layers, heads = cfg["num_hidden_layers"], cfg.get("num_key_value_heads")
         qheads = cfg["num_attention_heads"]
@@ -217,10 +219,10 @@ class _Run:
         kv_token = 2 * layers * (heads or qheads) * head_dim * 2          # bf16 K and V
         q_row = layers * qheads * head_dim * 2
         context = sum(s.length for s in self.samples)
-        rows = sum(self.tails)
+        rows, copies = sum(self.tails), 2
         if needs_reconstruction(self.cfg.policies):
-            rows += context
-        need = 2 * context * kv_token + rows * q_row
+            rows, copies = rows + context, 3
+        need = copies * context * kv_token + rows * q_row
         return max(2.0, round(1.5 * need / 1e9 + 0.5))
 
     def policy(self, name: str, ratio: float):
