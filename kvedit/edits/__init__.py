@@ -10,6 +10,7 @@ from kvedit.edits.attention import Window, window_attention
 from kvedit.edits.base import DropPolicy, Units
 from kvedit.edits.policies import (DropMiddle, KeyDiff, KeyNorm, LeverageScore, RandomDrop,
                                    SnapKVProxy, StreamingLLM, UniformDrop)
+from kvedit.edits.kvzip import KVzip
 from kvedit.edits.query_policies import TOVA, SnapKV
 from kvedit.edits.rope import inv_freq, rerotate, rotate_keys
 
@@ -17,8 +18,9 @@ POLICIES = {
     "drop_middle": DropMiddle, "uniform": UniformDrop, "streaming_llm": StreamingLLM,
     "key_norm": KeyNorm, "snapkv_proxy": SnapKVProxy, "keydiff": KeyDiff,
     "leverage": LeverageScore, "random": RandomDrop, "snapkv": SnapKV, "tova": TOVA,
+    "kvzip": KVzip,
 }
 
 __all__ = ["DropPolicy", "Units", "Window", "DropMiddle", "UniformDrop", "StreamingLLM",
-           "KeyNorm", "SnapKVProxy", "SnapKV", "TOVA", "KeyDiff", "LeverageScore", "RandomDrop",
+           "KeyNorm", "SnapKVProxy", "SnapKV", "TOVA", "KVzip", "KeyDiff", "LeverageScore", "RandomDrop",
            "POLICIES", "rerotate", "rotate_keys", "inv_freq", "window_attention"]

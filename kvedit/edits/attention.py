@@ -80,7 +80,7 @@ def check_window(who: str, kv: torch.Tensor, queries, start: int | None,
 def window_attention(kv: torch.Tensor, window: Window, head_dim: int, *,
                      layers: range | None = None, scale: float | None = None,
                      block_bytes: int = 256 << 20, heads: str = "sum",
-                     per_head: bool = False) -> torch.Tensor:
+                     per_head: bool = False, rows: str = "sum") -> torch.Tensor:
     """[T] float32: the attention the window's rows pay each token of `kv` [2, L, T, Hkv*D],
     summed over rows, query heads and the `layers` (default: all; module docstring).
     `scale` defaults to 1/sqrt(head_dim). `heads="max"` takes, per layer and row, the
@@ -88,9 +88,14 @@ def window_attention(kv: torch.Tensor, window: Window, head_dim: int, *,
     head points at is not outvoted by many heads spread by position). Every row sees token 0
     (rows start at position >= 0), so every softmax is over at least one key.
     `per_head=True`: [len(layers), Hkv, T], per layer and KV head, summed over rows and the
-    head's GQA group of query heads (the largest of the group with heads="max")."""
+    head's GQA group of query heads (the largest of the group with heads="max"); with
+    `rows="max"` the largest over the rows instead of their sum (KVzip's score: the most
+    attention a key receives from any row and any query head of its group)."""
     if heads not in ("sum", "max"):
         raise ValueError(f"window_attention: heads must be 'sum' or 'max', got {heads!r}")
+    if rows not in ("sum", "max") or (rows == "max" and not per_head):
+        raise ValueError(f"window_attention: rows must be 'sum', or 'max' with per_head=True, "
+                         f"got rows={rows!r}, per_head={per_head}")
     L, T, hidden = kv.shape[1:]
     layers = range(L) if layers is None else layers
     hkv, d = hidden // head_dim, head_dim
@@ -113,7 +118,8 @@ def window_attention(kv: torch.Tensor, window: Window, head_dim: int, *,
         probs = logits.softmax(dim=-1)                                           # [l, Hkv, g, w, T]
         if per_head:
             group_heads = probs.amax(dim=2) if heads == "max" else probs.sum(dim=2)
-            total[l0 - layers.start: l1 - layers.start] = group_heads.sum(dim=2)  # [l, Hkv, T]
+            over_rows = group_heads.amax(dim=2) if rows == "max" else group_heads.sum(dim=2)
+            total[l0 - layers.start: l1 - layers.start] = over_rows                # [l, Hkv, T]
             continue
         if heads == "max":
             probs = probs.amax(dim=(1, 2))                                         # [l, w, T]

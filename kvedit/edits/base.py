@@ -3,7 +3,13 @@
 A policy is one `score` method. The base splits the sequence into units (whole chunks or
 single tokens), asks the policy for one score per unit (higher = keep), keeps the
 `n - floor(ratio * n)` best units in their original order, gathers their K/V and tokens,
-and re-rotates the kept keys to contiguous positions (see `rope.py`).
+and re-rotates the kept keys (see `rope.py`): vLLM numbers a request's tokens by count, so
+the T' kept keys must look as if at positions vLLM will give what follows them (T', T'+1,
+...). Two choices (`positions`): "compact" moves each kept key to its new slot (key i at
+i), as if the dropped tokens had never been there; "logical" moves every kept key back by
+the number of tokens dropped, so each keeps its original distance to everything after the
+edited region (the geometry the model computed, as kvpress keeps it; the first kept keys
+then sit at negative positions, which RoPE does not mind: only differences count).
 
 Chunk granularity keeps the edited sequence chunk-aligned, so every kept chunk is stored
 under a full key and the decode reloads all of it; token granularity may leave a partial
@@ -23,24 +29,29 @@ score per unit returns `[units]` and every head gets it), and `keep_indices` ret
 token: each token carries its unit's score, so whole units are kept except possibly the
 lowest-ranked one, cut short to make the count T' = T - (dropped units) x (unit size).
 Protected positions (score inf: a policy's sinks or window, and the last `protect_last`
-tokens) are kept in every head. Which token ids stand for such a slot is the caller's
-business: `__call__` (the host path's edit, one token list) refuses per_head.
+tokens) are kept in every head. `__call__` (the host path's edit) returns the kept KV with
+token ids per head, `[L, H_kv, T']`, and keeps the last `T' mod chunk_size` tokens in every
+head (the SDK recomputes that partial chunk from one token id per slot; which id stands for
+a slot is the SDK's rule, kvedit.sdk.head_tokens). "compact" positions differ per head
+there (each head's slot j holds another token); "logical" ones are one shift for all.
 
 `select(kv, keep)` is the same ranking with an exact count (`keep` tokens per row): what an
 engine that must keep a fixed number of slots uses.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
+from kvedit.edits import heads
 from kvedit.edits.attention import Window, check_window
-from kvedit.edits.rope import rerotate
+from kvedit.edits.rope import rerotate, rotate_keys
 from kvedit.layout import ModelLayout
 
 GRANULARITIES = ("chunk", "token")
+POSITIONS = ("compact", "logical")
 DEFAULT_CHUNK_SIZE = 256  # the server's default; a layout's chunk_size wins when known
 INF = float("inf")
 
@@ -91,9 +102,17 @@ class DropPolicy:
     rerotate: bool = True
     per_head: bool = False  # one selection per (layer, KV head); module docstring
     protect_last: int = 0   # the last tokens are always kept (in every head)
+    # Where kept keys go (module docstring): "compact" re-rotates each to its new slot;
+    # "logical" shifts all by the number dropped, keeping every distance to what follows.
+    # None: "logical" with per_head (compact positions would differ per head), else
+    # "compact" (docs/eval.md measures both).
+    positions: str | None = None
     # True: the policy scores from the request's captured queries; the SDK then fetches them
     # (the request must be created with capture_queries=W) and passes them to __call__.
     needs_queries: ClassVar[bool] = False
+    # True: those queries are a reconstruction pass's (KVzip, kvedit.sdk.kvzip), not the
+    # prompt's own: the policy does not see the question (query-agnostic).
+    needs_reconstruction: ClassVar[bool] = False
     # False: the scores depend on positions only, never on the KV's values (an engine that
     # compacts in place then reads only the kept tokens; kv may be a stand-in of its shape).
     reads_kv: ClassVar[bool] = True
@@ -107,6 +126,9 @@ class DropPolicy:
         if self.chunk_size is not None and self.chunk_size <= 0:
             raise ValueError(f"{type(self).__name__}.chunk_size must be positive, "
                              f"got {self.chunk_size}")
+        if self.positions is not None and self.positions not in POSITIONS:
+            raise ValueError(f"{type(self).__name__}.positions must be one of {POSITIONS}, "
+                             f"got {self.positions!r}")
         if self.protect_last < 0:
             raise ValueError(f"{type(self).__name__}.protect_last must be >= 0 tokens, "
                              f"got {self.protect_last}")
@@ -247,11 +269,6 @@ class DropPolicy:
         """Drop tokens from `kv` [2, L, T, D] and `tokens` (len T); returns (kv, tokens).
         `queries`/`query_start`: the request's captured queries, for policies that need them
         (query_start None: the rows follow the T tokens, as when the question is after them)."""
-        if self.per_head:
-            raise ValueError(f"{type(self).__name__}(per_head=True) keeps different tokens per "
-                             "(layer, KV head), which one token list cannot describe: use "
-                             "keep_indices() for the per-head selection, or an in-engine "
-                             "budget (docs/in-engine.md), which compacts per head in vLLM")
         if len(tokens) != kv.shape[2]:
             raise ValueError(f"{type(self).__name__}: {len(tokens)} tokens but kv holds "
                              f"{kv.shape[2]} (shape {tuple(kv.shape)})")
@@ -259,13 +276,58 @@ class DropPolicy:
             raise ValueError(f"{type(self).__name__}: re-rotation needs the model's RoPE "
                              "parameters (layout.rope); run it through the SDK, pass "
                              "layout=..., or set rerotate=False")
+        if self.per_head:
+            return self._per_head_call(kv, tokens, layout, queries, query_start)
         idx = self.keep_indices(kv, layout, queries=queries, query_start=query_start)
+        return self._edit(kv, tokens, idx, layout)
+
+    def _edit(self, kv, tokens, idx: torch.Tensor, layout):
+        """(kv, tokens) of the kept tokens `idx` [T'], keys re-rotated (`positions`)."""
         if len(idx) == kv.shape[2]:
             return kv, tokens
         out = kv.index_select(2, idx)  # compact copy of the kept tokens; rotated in place
         if self.rerotate:
-            rerotate(out, idx, torch.arange(len(idx)), layout)
+            rerotate(out, idx, self._new_positions(idx, kv.shape[2]), layout)
         if isinstance(tokens, torch.Tensor):
             return out, tokens.index_select(0, idx)
         kept = [tokens[i] for i in idx.tolist()]
         return out, kept
+
+    def _per_head_call(self, kv, tokens, layout, queries, query_start):
+        """(kv [2, L, T', D], token ids [L, H_kv, T']): each head's own kept tokens, keys
+        moved to contiguous positions per head. The last `T' mod chunk_size` tokens (the
+        slots past the last full chunk, which vLLM recomputes from one token id) are kept in
+        every head (`protect_last`), so they are the same tokens everywhere
+        (kvedit.sdk.head_tokens)."""
+        if layout is None:
+            raise ValueError(f"{type(self).__name__}(per_head=True) needs the model layout "
+                             "(head_dim, chunk_size): run it through the SDK or pass layout=...")
+        T = kv.shape[2]
+        units = self.units(T, layout)
+        keep = T - min(self.num_drop(units) * units.size, T - 1)
+        tail = keep % layout.chunk_size
+        policy = replace(self, protect_last=tail) if tail > self.protect_last else self
+        idx = policy.keep_indices(kv, layout, queries=queries, query_start=query_start)
+        if (idx == idx[:1, :1]).all():  # every head kept the same tokens: one token list
+            return self._edit(kv, tokens, idx[0, 0], layout)
+        out = heads.gather(kv, idx, layout.head_dim)
+        if self.rerotate and self.where == "compact":
+            rotate_keys(out[0], heads.compact_shift(idx), layout.rope, layout.head_dim)
+        elif self.rerotate:  # one shift for every head and token
+            rotate_keys(out[0], torch.full((idx.shape[-1],), idx.shape[-1] - T), layout.rope,
+                        layout.head_dim)
+        ids = torch.as_tensor(list(tokens) if not isinstance(tokens, torch.Tensor) else tokens,
+                              dtype=torch.int64)
+        return out, ids[idx]
+
+    @property
+    def where(self) -> str:
+        """The positions in effect: `positions`, or its default for per_head."""
+        return self.positions or ("logical" if self.per_head else "compact")
+
+    def _new_positions(self, idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Where the kept tokens `idx` (of `num_tokens`) go: slots 0..T'-1 ("compact"), or
+        each moved back by the number dropped ("logical")."""
+        if self.where == "compact":
+            return torch.arange(len(idx))
+        return idx - (num_tokens - len(idx))

@@ -24,18 +24,34 @@ arguments is called with two, and a stream whose chunks are salted then refuses 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from kvedit.layout import ModelLayout
+from kvedit.sdk.head_tokens import as_head_tokens, check_tail, stand_ins
 
 
 class Edited(NamedTuple):
-    """What an EditFn returns: the edited KV [2, L, T', D] and its T' token ids."""
+    """What an EditFn returns: the edited KV [2, L, T', D] and its T' token ids (a per-head
+    edit: ids [L, H_kv, T'], kvedit.sdk.head_tokens)."""
     kv: torch.Tensor
     tokens: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """fn's result once validated: kv on the host and one token id per slot. For a per-head
+    edit `tokens` are the slots' stand-in ids and `heads` [L, H_kv, T'] what each (layer,
+    head) holds. Unpacks as (kv, tokens), like what fn returned."""
+    kv: torch.Tensor
+    tokens: list[int]
+    heads: torch.Tensor | None = None
+
+    def __iter__(self):
+        return iter((self.kv, self.tokens))
 
 
 class NewKV(Protocol):
@@ -110,7 +126,7 @@ def takes_salt(post_completion) -> bool:
     return True
 
 
-def check_result(result, layout: ModelLayout) -> Edited:
+def check_result(result, layout: ModelLayout) -> Checked:
     """fn's (kv, tokens), validated; ValueError naming what is wrong and what was expected."""
     if not isinstance(result, tuple | list) or len(result) != 2:
         raise ValueError(f"fn must return (kv, tokens), got {type(result).__name__}")
@@ -126,11 +142,18 @@ def check_result(result, layout: ModelLayout) -> Edited:
         raise ValueError(f"fn returned kv of shape {tuple(kv.shape)}, expected [2, "
                          f"{layout.num_layers}, T, {layout.hidden}] (K/V, layers, tokens, "
                          f"kv_heads*head_dim)")
+    heads = as_head_tokens(tokens, layout.num_layers, layout.hidden // layout.head_dim)
+    if heads is not None:
+        if heads.shape[-1] != kv.shape[2]:
+            raise ValueError(f"fn returned per-head token ids for {heads.shape[-1]} slots but "
+                             f"kv holds {kv.shape[2]}")
+        check_tail(heads, layout.chunk_size)
+        return Checked(kv.detach().cpu(), stand_ins(heads), heads)
     tokens = check_token_ids(tokens, "the tokens fn returned")
     if len(tokens) != kv.shape[2]:
         raise ValueError(f"fn returned {len(tokens)} tokens but kv holds {kv.shape[2]} "
                          f"(kv.shape[2] must equal len(tokens))")
-    return Edited(kv.detach().cpu(), tokens)
+    return Checked(kv.detach().cpu(), tokens)
 
 
 def check_token_ids(tokens, what: str) -> list[int]:

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from kvedit.client.handles import KVError
-from kvedit.sdk.contracts import Edited, check_result, fn_kwargs, is_async_fn, wants_queries
+from kvedit.sdk.contracts import Checked, check_result, fn_kwargs, is_async_fn, wants_queries
 from kvedit.sdk.errors import ModifyError
 from kvedit.sdk.geometry import KVGeometry
 from kvedit.sdk.output import NewKV
@@ -166,7 +166,7 @@ async def _open(stream: Stream, region: _Region) -> tuple[KVSource, torch.Tensor
 
 
 async def _apply(stream: Stream, fn, kv: torch.Tensor, tokens: list[int],
-                 queries: CapturedQueries | None, new_kv: NewKV) -> Edited:
+                 queries: CapturedQueries | None, new_kv: NewKV) -> Checked:
     """Run fn on kv (laid out as ctx.fn_layout) with the keywords EditFn's rules give it,
     and validate its result against that layout."""
     ctx = stream.ctx
@@ -213,7 +213,7 @@ async def _edit_and_store(stream: Stream, fn, region: _Region, res: ModifyResult
         source.close()
 
 
-async def _store(stream: Stream, source: KVSource, given: KVGeometry, edited: Edited,
+async def _store(stream: Stream, source: KVSource, given: KVGeometry, edited: Checked,
                  region: _Region) -> Stored:
     ctx, c = stream.ctx, stream.ctx.chunk_size
     m = len(edited.tokens) // c
@@ -225,7 +225,8 @@ async def _store(stream: Stream, source: KVSource, given: KVGeometry, edited: Ed
         untouched = untouched_chunks(written, given, edited.kv, range(min(region.n, m)), c)
         ctx.pool.note_outcome(written, len(untouched) / region.n + source.spares_copy)
         return await ctx.call(store_kv, ctx, edited.tokens[:m * c], stream.cache_salt,
-                              edited.kv, region.rank_keys, untouched, source.check_lease)
+                              edited.kv, region.rank_keys, untouched, source.check_lease,
+                              edited.heads is not None)
     except KVError as e:
         if e.code not in ("lease_expired", "store_expired"):
             raise ModifyError(stream, f"storing the edited KV failed ({e}); {_kept(ctx)}") from e

@@ -64,19 +64,23 @@ class _Differs(Exception):
 
 def store_kv(ctx, tokens: list[int], salt: str, kv: torch.Tensor,
              old_keys: list[list[bytes]], untouched: set[int],
-             check_source: Callable[[], None] = lambda: None) -> Stored:
+             check_source: Callable[[], None] = lambda: None, fresh: bool = False) -> Stored:
     """Store the edited full chunks of `kv` (laid out as ctx.fn_layout, len(tokens) // C of
     them) under `salt` or, if a present key holds other bytes, under a fresh derived salt.
+    `fresh`: straight to a fresh salt (a per-head edit, whose stand-in token ids do not say
+    what its slots hold, kvedit.sdk.head_tokens: its keys must never meet another's).
 
     `old_keys`: every rank's keys of the chunks fn was given; `untouched`: chunks known
     identical to the given chunk at the same index (their stored object is the one given
     when the key is unchanged: no compare). `check_source()` runs just before the commits and
     raises if the bytes fn read can no longer be trusted (a mapped kv's lease ran out)."""
     pieces = ctx.split(kv)
-    try:
-        return _store(ctx, tokens, salt, pieces, old_keys, untouched, check_source, 0)
-    except _Differs as e:
-        compared = e.compared
+    compared = 0
+    if not fresh:
+        try:
+            return _store(ctx, tokens, salt, pieces, old_keys, untouched, check_source, 0)
+        except _Differs as e:
+            compared = e.compared
     return _store(ctx, tokens, derive_salt(salt), pieces, old_keys, set(), check_source,
                   compared, fresh=True)
 

@@ -6,9 +6,14 @@ SDK imports too; vLLM 0.26 to 0.33 read `Request.kv_transfer_params` from
 `SamplingParams.extra_args["kv_transfer_params"]`; the OpenAI API's top-level body field
 `kv_transfer_params` lands there). Its window is the last
 min(W, prompt length) prompt tokens. Every window token must be *computed* for its query to
-exist, so an asking request does not read vLLM's prefix cache (the connector sets
-`skip_reading_prefix_cache` when it arrives, and reports no external hits for it: vLLM
->= 0.31 would drop them, 0.26-0.30 would load them).
+exist, so an asking request never reads vLLM's own prefix cache (a cached block may hold
+window tokens of an earlier identical prompt): the connector sets `skip_reading_prefix_cache`
+when it arrives. The tokens before its window it may load from the kvedit server, whose
+answer the connector caps at the window's start (a KVzip reconstruction pass, context +
+repeat prompt + context, loads its first context so). vLLM >= 0.31 drops a connector's hit for
+a request that skips its prefix cache, so the flag is lifted right after vLLM's own lookup,
+while vLLM weighs the connector's answer (`lift`), and set again when the step's scheduling
+ends (`relock`, from build_meta): every lookup of vLLM's own cache sees it set.
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ class WindowPlanner:
         self.row_bytes, self.max_bytes = row_bytes, max_bytes
         self.unavailable = unavailable  # why capture is off in this vLLM, or None
         self.windows: dict[str, _Window] = {}
+        self.lifted: list = []   # requests whose skip_reading_prefix_cache is lifted (lift)
         self.in_flight = 0
         self.drops: list[str] = []
         self._last_warn = -1e9
@@ -73,6 +79,25 @@ class WindowPlanner:
 
     def asks(self, req_id: str) -> bool:
         return req_id in self.windows
+
+    def window_start(self, req_id: str) -> int | None:
+        """Prompt tokens before an asking request's window (what it may load from the
+        kvedit server); None when it does not ask."""
+        win = self.windows.get(req_id)
+        return None if win is None else win.at.start
+
+    def lift(self, request) -> None:
+        """vLLM has looked in its own prefix cache for `request` (it skipped it) and now
+        weighs the connector's hit: let the hit count until `relock`."""
+        request.skip_reading_prefix_cache = False
+        self.lifted.append(request)
+
+    def relock(self) -> None:
+        """End of a step's scheduling: asking requests skip vLLM's prefix cache again (one
+        that was not admitted, or is preempted later, is looked up afresh)."""
+        for request in self.lifted:
+            request.skip_reading_prefix_cache = True
+        self.lifted.clear()
 
     def plan(self, req_id: str, block_ids: list[int], computed: int, scheduled: int,
              layouts, meta: KVEditMetadata) -> None:

@@ -147,10 +147,15 @@ class SchedulerSide:
         if self.admission.mode == "reuse" and st.sighted < n_full:
             self.admission.sighted(self._keys(st, n_full)[0][st.sighted:])
             st.sighted = n_full
+        window = self.queries.window_start(request.request_id)
+        if window is not None:  # capturing: its window tokens must be computed (query_window)
+            n_full = min(n_full, window // self.chunk)
         first = num_computed_tokens // self.chunk  # vLLM already holds chunks before this
-        if n_full <= first or getattr(request, "skip_reading_prefix_cache", False):
-            # a request that reads no cache (query capture, a query-aware budget) computes
-            # its whole prompt: vLLM >= 0.31 drops external hits for it, 0.26-0.30 do not
+        if n_full <= first or (window is None
+                               and getattr(request, "skip_reading_prefix_cache", False)):
+            # a request that reads no cache and captures no window (a query-aware budget)
+            # computes its whole prompt: vLLM >= 0.31 drops external hits for it, 0.26-0.30
+            # would load them; a capturing request loads up to its window (query_window)
             return 0
         keys = self._keys(st, n_full)
         try:
@@ -170,6 +175,8 @@ class SchedulerSide:
         st.held = max(end, num_computed_tokens)
         if end <= num_computed_tokens:
             self.pins.release(client, request.request_id)
+        elif window is not None:
+            self.queries.lift(request)
         return max(0, end - num_computed_tokens)
 
     def _asks_eager(self, request) -> bool:
@@ -211,6 +218,7 @@ class SchedulerSide:
     def build_meta(self, out) -> KVEditMetadata:
         meta = KVEditMetadata()
         meta.budget = self.budget.build()
+        self.queries.relock()
         self.queries.take_drops(meta)
         step, self.steps = self.steps, self.steps + 1
         if self.layouts is None:

@@ -18,8 +18,9 @@ def test_eval_end_to_end_json_table_charts(kv_server, smollm2_vllm, smollm2_mode
     rc = main(["eval", "--model", str(smollm2_model), "--server-url", kv_server.url,
                "--server-http-url", kv_server.http_url, "--vllm-url", smollm2_vllm.base_url,
                "--served-model-name", smollm2_vllm.model, "--tasks", "passkey,vartrack",
-               "--lengths", "512", "--samples", "2", "--policies", "KeyDiff,streaming_llm",
-               "--ratios", "0.5", "--json", "--no-progress", "--out", str(tmp_path)])
+               "--lengths", "512", "--samples", "1", "--seeds", "0,1",
+               "--policies", "KeyDiff,streaming_llm", "--ratios", "0.5", "--json",
+               "--no-progress", "--out", str(tmp_path)])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out == json.loads((tmp_path / "results.json").read_text())
@@ -37,10 +38,27 @@ def test_eval_end_to_end_json_table_charts(kv_server, smollm2_vllm, smollm2_mode
         # and at token granularity the kept 256 tokens are one whole stored chunk.
         assert r["kept_fraction"] == 0.5 and r["stored_fraction"] == 0.5
         assert r["decode_gain"] is None  # the gain arms need a vLLM eval starts itself
-    assert set(out["acceptance"]) == {"baseline_accuracy", "best_at_0.5_vs_baseline",
-                                      "spread_at_0.75"}
+    assert set(out["acceptance"]) == {
+        "pooled_baseline", "best_at_0.5_vs_pooled_baseline", "best_at_0.75_vs_pooled_baseline",
+        "best_at_0.5_vs_each_seed_baseline", "reuse_best_query_agnostic_at_0.5"}
+    # two seeds in one run: each seed's suite on its own, and pooled
+    assert [s["seed"] for s in out["seeds"]] == [0, 1]
+    assert [s["baseline"]["n"] for s in out["seeds"]] == [2, 2]
+    assert out["pooled"]["baseline"]["correct"] == sum(s["baseline"]["correct"]
+                                                       for s in out["seeds"])
+    for r in out["pooled"]["results"]:
+        per_seed = [x for s in out["seeds"] for x in s["results"]
+                    if (x["policy"], x["ratio"]) == (r["policy"], r["ratio"])]
+        assert r["correct"] == sum(x["correct"] for x in per_seed) and r["n"] == 4
+    # reuse: the vartrack contexts' two questions, each edited once
+    reuse = out["reuse"]
+    assert reuse["baseline"]["n"] == 2 * 2
+    assert {(r["policy"], r["query_aware"]) for r in reuse["results"]} == {
+        ("KeyDiff", False), ("StreamingLLM", False)}
     records = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
-    assert len(records) == 4 * 3  # baseline + 2 policies
+    assert len(records) == 4 * 3 + 2 * 3  # (baseline + 2 policies) x (4 mains + 2 questions)
+    assert sorted({(r["seed"], r["question"]) for r in records if r["task"] == "vartrack"}) \
+        == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for rec in records:  # every verdict is the check applied to the stored answer
         numbers = set(re.findall(r"\d+", rec["output"]))
         assert rec["ok"] == all(a in numbers for a in rec["answer"])

@@ -141,10 +141,6 @@ def test_every_policy_selects_per_head_with_equal_counts(name):
     assert (idx.diff(dim=-1) > 0).all()  # sorted, no duplicates
 
 
-def test_the_host_edit_refuses_a_per_head_policy():
-    kv = rand(2, L, 8, HKV * HD)
-    with pytest.raises(ValueError, match="per_head=True.*one token list"):
-        KeyNorm(0.5, granularity="token", per_head=True)(kv, list(range(8)), LAYOUT)
 
 
 def test_per_head_rotation_equals_one_rotation_per_head():

@@ -41,7 +41,24 @@ def register(sub) -> None:
                    help="fractions of the context KV to drop (default %(default)s)")
     p.add_argument("--granularity", default="token", choices=("token", "chunk"),
                    help="unit a policy keeps or drops (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--per-head", choices=("on", "off"), default=None,
+                   help="every policy selects per (layer, KV head) (on) or one decision per "
+                        "token (off); default: each policy's own")
+    p.add_argument("--positions", choices=("compact", "logical"), default=None,
+                   help="where kept keys go (kvedit.edits.base); default: each policy's own")
+    p.add_argument("--seed", type=int, default=0, help="the suite's seed (default 0)")
+    p.add_argument("--seeds", default=None,
+                   help="several suites in one run, e.g. 0,1,2: per-seed and pooled results "
+                        "(overrides --seed)")
+    p.add_argument("--no-reuse", action="store_true",
+                   help="skip the reuse suite (every question of multi-question samples "
+                        "asked of one edited cache)")
+    p.add_argument("--reference", choices=("kvpress",), default=None,
+                   help="also run the same prompts through kvpress's presses in "
+                        "transformers (own environment under the kvedit cache, made on "
+                        "first use): accuracy side by side")
+    p.add_argument("--reference-ratios", default=None,
+                   help="ratios of the kvpress arm (default: --ratios; it is slow on CPU)")
     p.add_argument("--no-keep-header", action="store_true",
                    help="policies with a `sink` option use their own default instead of "
                         "keeping the prompt's header (template opening + instruction)")
@@ -72,16 +89,30 @@ def _list(text: str, kind, what: str) -> list:
 
 
 def policy_names(text: str) -> list[str]:
-    """Registry keys of --policies; class names (KeyNorm) are accepted too."""
+    """--policies entries: registry names (class names accepted too), each optionally with
+    dataclass options, `snapkv:per_head=off:positions=compact` (several spellings of one
+    policy run side by side)."""
     from kvedit.edits import POLICIES
-    from kvedit.harness.vocab import policy_key
+    from kvedit.harness.eval.run import parse_spec
 
     if text == "all":
         return list(POLICIES)
-    try:
-        return [policy_key(name) for name in _list(text, str, "policies")]
-    except ValueError as e:
-        raise SystemExit(f"--policies: {e}") from None
+    from kvedit.harness.vocab import policy_key
+
+    out = []
+    for entry in _list(text, str, "policies"):
+        name, _, opts = entry.partition(":")
+        try:
+            key = policy_key(name)
+        except ValueError as e:
+            raise SystemExit(f"--policies: {e}") from None
+        spec = key + (":" + opts if opts else "")
+        try:
+            parse_spec(spec)
+        except ValueError as e:
+            raise SystemExit(f"--policies: {e}")
+        out.append(spec)
+    return out
 
 
 def _engines_kw(args, cfg, log) -> dict:
@@ -122,12 +153,21 @@ def _main(args) -> int:
             raise SystemExit(f"--ratios: each must be in (0, 1), got {ratios}")
         if args.samples <= 0:
             raise SystemExit(f"--samples must be positive, got {args.samples}")
+        seeds = _list(args.seeds, int, "seeds") if args.seeds else [args.seed]
+        if len(set(seeds)) != len(seeds):
+            raise SystemExit(f"--seeds: each seed once, got {seeds}")
+        ref_ratios = _list(args.reference_ratios, float, "reference-ratios") \
+            if args.reference_ratios else None
+        if ref_ratios and any(not 0 < r < 1 for r in ref_ratios):
+            raise SystemExit(f"--reference-ratios: each must be in (0, 1), got {ref_ratios}")
         cfg = EvalConfig(model=args.model, tasks=tasks, lengths=lengths, samples=args.samples,
                          policies=policy_names(args.policies), ratios=ratios,
-                         granularity=args.granularity, seed=args.seed, gain=not args.no_gain,
+                         granularity=args.granularity, seeds=seeds, gain=not args.no_gain,
                          gain_prompts=args.gain_prompts, gain_each=args.gain_each,
                          progress=not args.no_progress, keep_header=not args.no_keep_header,
-                         chunk_size=CHUNK)
+                         chunk_size=CHUNK, reuse=not args.no_reuse, reference=args.reference,
+                         reference_ratios=ref_ratios, positions=args.positions,
+                         per_head=None if args.per_head is None else args.per_head == "on")
         out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
         out.mkdir(parents=True, exist_ok=True)
         log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print

@@ -7,6 +7,16 @@ ratio, a fresh stream of the same prompt and salt finds those chunks in the kved
 The original chunks stay referenced by the prefill streams, so one prefill serves every
 policy; each policy's edited chunks are deleted once its answers are in.
 
+Where a policy's queries come from: a query-aware policy (SnapKV, TOVA) gets the queries
+vLLM captured for the prompt's tail (the question) during the prefill; KVzip
+(`needs_reconstruction`) gets those of one reconstruction pass per sample
+(`kvedit.sdk.kvzip`), run once after the prefill by streams that hold them for every cell.
+
+Reuse (SCBench style): a sample with several questions (one per needle) is edited once, for
+its first question, and then every other question is asked of the same edited cache: a new
+request of the edited tokens + that question's tail under the edited stream's salt, which
+loads the edited chunks. The records say which question (`question`, 0 = the main one).
+
 What a policy really drops: the editable region is the chunk-aligned prefix of the prompt
 (the tasks put the question after it, in the stream's suffix, so no policy can drop it). A
 token-granularity edit may leave a partial last chunk; the SDK re-sends those tokens and vLLM
@@ -22,6 +32,11 @@ from dataclasses import dataclass
 from kvedit.harness.eval.tasks import Sample
 from kvedit.harness.vocab import greedy
 
+# Requests in flight at once. vLLM's throughput is the same with 16 as with all of them, but a
+# request's wait is then a slice of the batch's, not the whole: on a loaded machine a batch of
+# 120 prompts sent at once outlasts the completion client's read timeout.
+IN_FLIGHT = 16
+
 
 @dataclass(frozen=True)
 class Cell:
@@ -32,6 +47,13 @@ class Cell:
     @property
     def label(self) -> str:
         return "baseline" if self.policy is None else f"{self.policy} {self.ratio:g}"
+
+
+@dataclass(frozen=True)
+class Reconstruction:
+    """KVzip's pass for the eval's prompts: the repeat prompt and the first token repeated."""
+    repeat_ids: list[int]
+    start: int
 
 
 def editable(sample: Sample, chunk: int) -> int:
@@ -48,45 +70,71 @@ class AccuracyRun:
     """Prefill once, then answer with the baseline and with each policy x ratio."""
 
     def __init__(self, ctx, completion, samples: list[Sample], decode, *, progress: bool = True,
-                 capture: bool = False):
+                 capture: bool = False, reconstruction: Reconstruction | None = None,
+                 reuse: bool = False):
         self.ctx, self.completion, self.samples = ctx, completion, samples
         self.decode_text = decode  # token ids -> text (the model's tokenizer)
         self.progress = progress
         self.capture = capture  # some policy needs queries: the prefill captures them
+        self.reconstruction = reconstruction  # some policy needs KVzip's pass
+        self.reuse = reuse      # ask every question of multi-question samples too
         self.salts = [f"eval-{uuid.uuid4().hex[:8]}-{i}" for i in range(len(samples))]
         self.max_tokens = max(s.max_tokens for s in samples)
         self._held = None
+        self._zip = None        # streams holding each sample's reconstruction queries
 
-    def _batch(self, capture: bool = False):
+    def _batch(self, capture: bool = False, zipped: bool = False):
         import kvedit
+        from kvedit.sdk.kvzip import share_queries
 
-        batch = kvedit.BatchedStream(progress=self.progress)
-        for s, salt in zip(self.samples, self.salts):
+        batch = kvedit.BatchedStream(progress=self.progress, max_concurrency=IN_FLIGHT)
+        for i, (s, salt) in enumerate(zip(self.samples, self.salts)):
             kw = {"capture_queries": query_window(s, self.ctx.chunk_size)} if capture else {}
-            batch.add(kvedit.create_request(self.ctx, self.completion, s.prompt_ids,
-                                            cache_salt=salt, name=f"{s.task}/{s.length}/{s.index}",
-                                            **kw))
+            st = batch.add(kvedit.create_request(self.ctx, self.completion, s.prompt_ids,
+                                                 cache_salt=salt, name=self._name(s), **kw))
+            if zipped:
+                share_queries(self._zip.streams[i], st)
         return batch
 
+    @staticmethod
+    def _name(s: Sample) -> str:
+        return f"s{s.seed}/{s.task}/{s.length}/{s.index}"
+
     def baseline(self) -> tuple[list[dict], dict]:
-        """Prefill every sample (chunks stored, queries captured if asked) and decode the
-        unedited streams."""
+        """Prefill every sample (chunks stored, queries captured if asked), run KVzip's
+        reconstruction pass if asked, and decode the unedited streams."""
         batch = self._batch(self.capture)
         pre = batch.prefill(greedy(1))
+        info = {"prefill_s": pre.duration, "prefill_tokens": pre.input_tokens}
+        if self.reconstruction is not None:
+            from kvedit.sdk.kvzip import reconstruct
+
+            self._zip = self._batch()
+            r = reconstruct(self._zip, self.reconstruction.repeat_ids,
+                            start=self.reconstruction.start)
+            info.update(reconstruct_s=r.duration, reconstruct_tokens=r.input_tokens,
+                        reconstruct_cached_tokens=r.cached_tokens)
         dec = batch.decode(greedy(self.max_tokens - 1))
         self._held = batch  # keeps the original chunks referenced for the policies
         chunk = self.ctx.chunk_size
-        records = [self._record(s, st, Cell(None, 0.0), 1.0) for s, st in zip(self.samples, batch)]
+        records = [self._record(s, st.output_token_ids, Cell(None, 0.0), 1.0)
+                   for s, st in zip(self.samples, batch)]
+        if self.reuse:
+            contexts = [(s.prompt_ids[:len(s.prompt_ids) - len(s.questions[0].tail)], salt)
+                        if s.questions else None for s, salt in zip(self.samples, self.salts)]
+            records += self._questions(contexts, Cell(None, 0.0), [1.0] * len(self.samples))
         stored = sum(editable(s, chunk) for s in self.samples)
-        return records, {"prefill_s": pre.duration, "decode_s": dec.duration,
-                         "prefill_tokens": pre.input_tokens, "stored_tokens": stored}
+        return records, {**info, "decode_s": dec.duration, "stored_tokens": stored}
 
     def cell(self, policy, cell: Cell) -> tuple[list[dict], dict]:
-        """Answers of every sample after `policy` edited its KV."""
-        if policy.needs_queries and not self.capture:
+        """Answers of every sample after `policy` edited its KV (and, with reuse, of every
+        further question from the same edited KV)."""
+        zipped = getattr(policy, "needs_reconstruction", False)
+        capture = policy.needs_queries and not zipped
+        if (capture and not self.capture) or (zipped and self._zip is None):
             raise ValueError(f"{cell.label} needs captured queries: build AccuracyRun with "
-                             "capture=True so the prefill captures them")
-        batch = self._batch(policy.needs_queries)
+                             "capture=True (or reconstruction=...) so the prefill gets them")
+        batch = self._batch(capture, zipped)
         t0 = time.perf_counter()
         mod = batch.modify(policy)
         chunk = self.ctx.chunk_size
@@ -94,23 +142,57 @@ class AccuracyRun:
         for s, st in zip(self.samples, batch):
             region = editable(s, chunk)
             tail = len(s.prompt_ids) - region  # the question: never edited
-            kept.append(len(st.tokens) + len(st.suffix) - tail)
+            kept.append((len(st.tokens) + len(st.suffix) - tail) / region)
+        questions = self._questions(self._contexts(batch), cell, kept) if self.reuse else []
         dec = batch.decode(greedy(self.max_tokens))
-        records = [self._record(s, st, cell, k / editable(s, chunk))
-                   for s, st, k in zip(self.samples, batch, kept)]
+        records = [self._record(s, st.output_token_ids, cell, k)
+                   for s, st, k in zip(self.samples, batch, kept)] + questions
         self._release(batch)
         total = sum(editable(s, chunk) for s in self.samples)
         return records, {
-            "kept_fraction": sum(kept) / total,
+            "kept_fraction": sum(k * editable(s, chunk) for s, k in zip(self.samples, kept))
+            / total,
             "stored_fraction": mod.tokens_after / mod.tokens_before if mod.tokens_before else None,
             "modify_s": mod.duration, "decode_s": dec.duration,
             "seconds": time.perf_counter() - t0}
 
-    def _record(self, s: Sample, stream, cell: Cell, kept: float) -> dict:
-        text = self.decode_text(stream.output_token_ids)
-        return {"task": s.task, "length": s.length, "depth": s.depth, "index": s.index,
+    def _contexts(self, batch) -> list[tuple[list[int], str] | None]:
+        """Each edited stream's context (its edited tokens and what follows them up to the
+        question) and salt, before it decodes: what a further question is appended to."""
+        return [(st.prompt[: len(st.prompt) - len(s.questions[0].tail)], st.cache_salt)
+                if s.questions else None for s, st in zip(self.samples, batch)]
+
+    def _questions(self, contexts, cell: Cell, kept: list[float]) -> list[dict]:
+        """The further questions of multi-question samples, each a request of its sample's
+        context + the question's tail under the context's salt: it loads the context's
+        (edited or original) chunks from the kvedit server."""
+        import kvedit
+
+        asks, where = kvedit.BatchedStream(progress=self.progress,
+                                           max_concurrency=IN_FLIGHT), []
+        for i, (s, cs) in enumerate(zip(self.samples, contexts)):
+            for j, q in enumerate(s.questions[1:], start=1):
+                context, salt = cs
+                asks.add(kvedit.create_request(self.ctx, self.completion, context + list(q.tail),
+                                               cache_salt=salt, name=f"{self._name(s)}/q{j}"))
+                where.append((i, j))
+        if not where:
+            return []
+        asks.decode(greedy(self.max_tokens))
+        out = [self._record(self.samples[i], st.output_token_ids, cell, kept[i], j)
+               for (i, j), st in zip(where, asks)]
+        self._release(asks)
+        return out
+
+    def _record(self, s: Sample, output_ids, cell: Cell, kept: float, question: int = 0) -> dict:
+        text = self.decode_text(output_ids)
+        q = s.questions[question] if s.questions else None
+        answers = q.answers if q else s.answers
+        return {"seed": s.seed, "task": s.task, "length": s.length, "depth": s.depth,
+                "index": s.index, "question": question, "questions": max(1, len(s.questions)),
                 "policy": cell.policy, "ratio": cell.ratio, "kept_fraction": kept,
-                "ok": s.correct(text), "answer": list(s.answers), "output": text}
+                "ok": q.correct(text) if q else s.correct(text), "answer": list(answers),
+                "output": text}
 
     def _release(self, batch) -> None:
         """Delete the edited chunks no other stream references (the originals stay held)."""
@@ -120,10 +202,12 @@ class AccuracyRun:
             self.ctx.client.delete(self.ctx.model, dead)
 
     def close(self) -> None:
-        if self._held is not None:
-            self._release(self._held)
-            release_queries(self._held)
-            self._held = None
+        for name in ("_held", "_zip"):
+            batch = getattr(self, name)
+            if batch is not None:
+                self._release(batch)
+                release_queries(batch)
+                setattr(self, name, None)
 
 
 def release_queries(batch) -> None:

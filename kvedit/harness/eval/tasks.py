@@ -46,6 +46,15 @@ class Needle:
 
 
 @dataclass(frozen=True)
+class Ask:
+    """A further question about the same context (the reuse suite: one edited cache, many
+    questions): its question, answer prime and expected answers."""
+    question: str
+    prime: str
+    answers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Spec:
     """What a task generator decides; `build` turns it into token ids."""
     needles: tuple[Needle, ...]
@@ -53,6 +62,23 @@ class Spec:
     prime: str
     answers: tuple[str, ...]   # all must appear in the model's answer
     max_tokens: int
+    more: tuple[Ask, ...] = ()  # the reuse suite's questions (the main one is not among them)
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question of a context as token ids: the un-editable tail after the context."""
+    tail: tuple[int, ...]       # question, end of the user turn, assistant turn, prime
+    answers: tuple[str, ...]
+
+    def correct(self, output: str) -> bool:
+        return correct(output, self.answers)
+
+
+def correct(output: str, answers) -> bool:
+    """True when every expected answer is in the output (numbers as whole numbers)."""
+    found = set(re.findall(r"\d+", output))
+    return all(a in found if a.isdigit() else a.lower() in output.lower() for a in answers)
 
 
 @dataclass(frozen=True)
@@ -69,12 +95,13 @@ class Sample:
     # Tokens of the template's opening + the instruction (the prompt's first tokens): what a
     # user protects like a system prompt; the eval gives policies with a `sink` this many.
     header: int = 0
+    seed: int = 0                   # the suite's seed (several seeds run in one eval)
+    # The reuse suite's questions about this context: the main one first, then `Spec.more`.
+    questions: tuple[Question, ...] = ()
 
     def correct(self, output: str) -> bool:
         """True when every expected answer is in the output (numbers as whole numbers)."""
-        found = set(re.findall(r"\d+", output))
-        return all(a in found if a.isdigit() else a.lower() in output.lower()
-                   for a in self.answers)
+        return correct(output, self.answers)
 
 
 def _number(rng: random.Random, digits: int) -> str:
@@ -104,8 +131,10 @@ def multikey(rng: random.Random, depth: float) -> Spec:
     depths = [depth] + [rng.random() for _ in keys[1:]]
     needles = tuple(Needle(f" The pass key of the {k} is {v}. Remember it: the pass key of the "
                            f"{k} is {v}.", d) for k, v, d in zip(keys, values, depths))
+    more = tuple(Ask(f"What is the pass key of the {k}?", f"The pass key of the {k} is", (v,))
+                 for k, v in zip(keys[1:], values[1:]))
     return Spec(needles, f"What is the pass key of the {keys[0]}?",
-                f"The pass key of the {keys[0]} is", (values[0],), 8)
+                f"The pass key of the {keys[0]} is", (values[0],), 8, more)
 
 
 def multivalue(rng: random.Random, depth: float) -> Spec:
@@ -114,8 +143,10 @@ def multivalue(rng: random.Random, depth: float) -> Spec:
     other = rng.uniform(0.05, 0.95)
     needles = (Needle(f" The first secret code of {key} is {values[0]}.", depth),
                Needle(f" The second secret code of {key} is {values[1]}.", other))
+    more = tuple(Ask(f"What is the {n} secret code of {key}?", f"The {n} secret code of {key} is",
+                     (v,)) for n, v in zip(("first", "second"), values))
     return Spec(needles, f"What are the first and the second secret codes of {key}?",
-                f"The first secret code of {key} is", tuple(values), 24)
+                f"The first secret code of {key} is", tuple(values), 24, more)
 
 
 def vartrack(rng: random.Random, depth: float) -> Spec:
@@ -129,8 +160,9 @@ def vartrack(rng: random.Random, depth: float) -> Spec:
                Needle(f" VAR {b} = VAR {a}.", later),
                Needle(f" VAR {x} = {values[1]}.", dx),
                Needle(f" VAR {y} = VAR {x}.", min(0.98, dx + rng.uniform(0.02, 0.1))))
+    more = (Ask(f"What is the value of VAR {y}?", f"The value of VAR {y} is", (values[1],)),)
     return Spec(needles, f"What is the value of VAR {b}?", f"The value of VAR {b} is",
-                (values[0],), 8)
+                (values[0],), 8, more)
 
 
 TASKS: dict[str, Callable[[random.Random, float], Spec]] = {
@@ -177,9 +209,12 @@ def build(tok: ChatTokenizer, task: str, length: int, depth: float, index: int,
         if i < len(hay):
             ids += hay[i]
     assert len(ids) == length, (len(ids), length)
-    prompt = ids + tok.footer(spec.question, spec.prime)
-    return Sample(task, length, depth, index, prompt, spec.answers, tuple(pos),
-                  tuple(tuple(n) for n in needles), spec.max_tokens, header=len(header))
+    tail = tok.footer(spec.question, spec.prime)
+    questions = (Question(tuple(tail), spec.answers),) + tuple(
+        Question(tuple(tok.footer(a.question, a.prime)), a.answers) for a in spec.more)
+    return Sample(task, length, depth, index, ids + tail, spec.answers, tuple(pos),
+                  tuple(tuple(n) for n in needles), spec.max_tokens, header=len(header),
+                  seed=seed, questions=questions)
 
 
 def suite(tok: ChatTokenizer, tasks, lengths, samples: int, seed: int = 0,
@@ -187,3 +222,9 @@ def suite(tok: ChatTokenizer, tasks, lengths, samples: int, seed: int = 0,
     """`samples` per task and length, depths cycling through `depths`."""
     return [build(tok, t, n, depths[i % len(depths)], i, seed)
             for t in tasks for n in lengths for i in range(samples)]
+
+
+def reuse_suite(tok: ChatTokenizer, tasks, lengths, samples: int, seed: int = 0) -> list[Sample]:
+    """The contexts of `suite` whose task asks more than one question (multikey, multivalue,
+    vartrack: every needle's own question; passkey has one needle and is left out)."""
+    return [s for s in suite(tok, tasks, lengths, samples, seed) if len(s.questions) > 1]

@@ -1,0 +1,203 @@
+"""`kvedit eval --reference kvpress`: the eval's prompts through kvpress, side by side.
+
+kvedit's policies re-implement kvpress's presses; this arm runs kvpress itself on the same
+token ids (context, question tails, greedy answers of the same length) with the same model
+in transformers (float32, CPU), so each shared method's accuracy can be read beside
+kvedit's. kvpress 0.5.5 pins transformers < 5.3 and vLLM's environment has a newer one, so
+kvpress runs in its own virtual environment under the kvedit cache directory, created on
+first use with the pip command printed (`ensure_env`), and is driven through a subprocess
+that reads and writes JSON (`kvpress_worker.py`; never pickle).
+
+Pairs (kvedit policy: kvpress press, as configured here):
+- SnapKV: SnapKVPress (window 64, kernel 5) and TOVA: TOVAPress, each compressing the
+  context together with the question text (kvpress's query-aware setting), at the ratio
+  that drops as many tokens as the eval drops of the context;
+- KeyDiff: KeyDiffPress; KeyNorm: KnormPress; LeverageScore: LeveragePress;
+  RandomDrop: RandomPress;
+- StreamingLLM: StreamingLLMPress and KVzip: KVzipPress with `n_sink` = the eval's header
+  sink (the same rule kvedit's policies get);
+- AdaKV: AdaKVPress(SnapKVPress) with the question, kvpress-only: head-adaptive budgets,
+  which vLLM's uniform block tables cannot hold (docs/eval.md).
+kvpress keeps different tokens per KV head (equal counts per layer; KVzipPress and AdaKV
+rank globally, so counts differ per head) and keeps the original positions (no
+re-rotation); differences are discussed in docs/eval.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+KVPRESS_VERSION = "0.5.5"
+TORCH_VERSION = "2.13.0"
+WORKER = Path(__file__).with_name("kvpress_worker.py")
+
+# kvedit policy class -> (press, kwargs, question in the compressed context)
+PRESSES = {
+    "SnapKV": ("SnapKVPress", {}, True),
+    "TOVA": ("TOVAPress", {}, True),
+    "KeyDiff": ("KeyDiffPress", {}, False),
+    "KeyNorm": ("KnormPress", {}, False),
+    "LeverageScore": ("LeveragePress", {}, False),
+    "RandomDrop": ("RandomPress", {}, False),
+    "StreamingLLM": ("StreamingLLMPress", {"n_sink": "sink"}, False),
+    "KVzip": ("KVzipPress", {"n_sink": "sink"}, False),
+}
+EXTRA = {"AdaKV": ("AdaKVPress", {"inner": "SnapKVPress"}, True)}
+
+
+def env_dir() -> Path:
+    from kvedit.harness.cache import cache_root
+
+    return cache_root() / f"kvpress-{KVPRESS_VERSION}-venv"
+
+
+def pip_command(target: Path) -> list[list[str]]:
+    return [[sys.executable, "-m", "venv", str(target)],
+            [str(target / "bin" / "pip"), "install", "--quiet", f"torch=={TORCH_VERSION}",
+             f"kvpress=={KVPRESS_VERSION}"]]
+
+
+def _works(python: Path) -> bool:
+    probe = f"import kvpress, importlib.metadata as m; assert m.version('kvpress') == " \
+            f"{KVPRESS_VERSION!r}"
+    try:
+        return subprocess.run([str(python), "-c", probe], capture_output=True,
+                              timeout=300).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def ensure_env(log=print) -> Path:
+    """kvpress's interpreter: the environment under the kvedit cache, created if missing.
+    Built in place (a virtual environment cannot be moved) and marked complete at the end;
+    one without the mark, or where kvpress does not import, is built again."""
+    import fcntl
+
+    target = env_dir()
+    python, done = target / "bin" / "python", target / "kvedit-complete"
+    if done.exists() and _works(python):
+        return python
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait, then reuse it
+        if done.exists() and _works(python):
+            return python
+        return _build(target, python, done, log)
+
+
+def _build(target: Path, python: Path, done: Path, log) -> Path:
+    import shutil
+
+    log(f"kvpress {KVPRESS_VERSION} pins transformers < 5.3 (vLLM's environment has a newer "
+        f"one): creating its own environment in {target} (a few minutes, ~1.5 GB):")
+    shutil.rmtree(target, ignore_errors=True)
+    for cmd in pip_command(target):
+        log("  $ " + " ".join(cmd))
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode:
+            raise RuntimeError(f"creating kvpress's environment failed ({' '.join(cmd)}):\n"
+                               f"{run.stderr[-2000:]}")
+    if not _works(python):
+        raise RuntimeError(f"{target}: kvpress {KVPRESS_VERSION} does not import there; "
+                           f"remove the directory and run again")
+    done.write_text(f"kvpress=={KVPRESS_VERSION} torch=={TORCH_VERSION}\n")
+    return python
+
+
+def arms(policies: list[str], ratios: list[float], sink: int | None) -> list[dict]:
+    """The worker's arms: the unedited baseline, then every press with a kvedit peer (and
+    AdaKV) at every ratio."""
+    out = [{"press": None, "ratio": 0.0, "policy": None, "question_in_context": False}]
+    wanted = [p for p in policies if p in PRESSES] + list(EXTRA)
+    for name in wanted:
+        press, kwargs, question = {**PRESSES, **EXTRA}[name]
+        kw = {k: (sink or 4) if v == "sink" else v for k, v in kwargs.items()}
+        for r in ratios:
+            out.append({"press": press, "kwargs": kw, "ratio": r, "policy": name,
+                        "question_in_context": question})
+    return out
+
+
+def _split(tail: list[int], closing: list[int]) -> int:
+    """Where the question text ends in a tail (the chat template's closing starts)."""
+    for i in range(len(tail) - len(closing) + 1):
+        if tail[i:i + len(closing)] == closing:
+            return i
+    return len(tail)
+
+
+def job(samples, tok, model_dir: Path, arm_list: list[dict]) -> dict:
+    closing = tok.encode(tok.after_user)
+    return {"model_dir": str(model_dir), "threads": 1, "arms": arm_list, "samples": [
+        {"id": i, "context": s.prompt_ids[:s.length],
+         "split": _split(list(s.questions[0].tail), closing),
+         "questions": [list(q.tail) for q in s.questions[:1]], "max_tokens": s.max_tokens}
+        for i, s in enumerate(samples)]}
+
+
+def run_workers(python: Path, payload: dict, workers: int, log=print) -> list[dict]:
+    """Split the samples over `workers` processes (one thread each), feed each its JSON,
+    collect their JSON lines (their stderr is their progress, logged when they end)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    samples = payload["samples"]
+    parts = [samples[k::workers] for k in range(workers) if samples[k::workers]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "TRANSFORMERS_VERBOSITY": "error"}
+
+    def one(part: list[dict]) -> str:
+        p = subprocess.Popen([str(python), str(WORKER)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        out, err = p.communicate(json.dumps({**payload, "samples": part}))
+        if p.returncode:
+            raise RuntimeError(f"the kvpress worker failed (exit {p.returncode}):\n"
+                               f"{err[-3000:]}")
+        if err.strip():
+            log(err.strip().splitlines()[-1])
+        return out
+
+    with ThreadPoolExecutor(len(parts)) as pool:
+        outs = list(pool.map(one, parts))
+    return [json.loads(x) for out in outs for x in out.splitlines() if x.startswith("{")]
+
+
+def run_reference(cfg, model_dir: Path, samples, tok, sink: int | None, *, log=print,
+                  workers: int | None = None) -> tuple[dict, list[dict]]:
+    """The kvpress arm: (accuracy per press and ratio with 95% Wilson intervals on
+    `samples`, every answer as a record)."""
+    from kvedit.harness.eval.report import summarize
+
+    ratios = cfg.reference_ratios or cfg.ratios
+    arm_list = arms([_class(p) for p in cfg.policies if ":" not in p], ratios, sink)
+    python = ensure_env(log)
+    workers = workers or max(1, min(2, os.cpu_count() or 1))
+    log(f"kvpress: {len(samples)} samples x {len(arm_list)} arms in {workers} process(es) "
+        f"({python})")
+    lines = run_workers(python, job(samples, tok, model_dir, arm_list), workers, log)
+    by_arm: dict[int, list[dict]] = {}
+    for line in lines:
+        s, a = samples[line["id"]], arm_list[line["arm"]]
+        text = line["answers"][0]
+        by_arm.setdefault(line["arm"], []).append(
+            {"seed": s.seed, "task": s.task, "length": s.length, "depth": s.depth,
+             "index": s.index, "press": a["press"], "policy": a["policy"],
+             "ratio": a["ratio"], "ok": s.correct(text), "answer": list(s.answers),
+             "output": text})
+    base, rows = summarize(by_arm.get(0, []), [
+        {"policy": a["policy"], "ratio": a["ratio"], "press": a["press"],
+         "records": by_arm.get(i, [])} for i, a in enumerate(arm_list) if i > 0])
+    keep = ("policy", "press", "ratio", "accuracy", "ci", "correct", "n", "by_task")
+    return {"kvpress": KVPRESS_VERSION, "precision": "float32", "runtime": "transformers, CPU",
+            "baseline": {k: base[k] for k in ("accuracy", "ci", "correct", "n", "by_task")},
+            "results": [{k: r[k] for k in keep} for r in rows]}, \
+        [r for recs in by_arm.values() for r in recs]
+
+
+def _class(key: str) -> str:
+    from kvedit.edits import POLICIES
+
+    return POLICIES[key].__name__ if key in POLICIES else key
+
