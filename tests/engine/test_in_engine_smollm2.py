@@ -19,7 +19,9 @@ from tests.engine.test_in_engine import greedy, host_path
 from tests.fixtures_vllm import CHUNK
 
 
-MODEL = "smollm2"
+# its own name on the shared server: the session vLLM registers "smollm2" in bfloat16,
+# and one model name holds one layout
+MODEL = "smollm2-f32"
 P, KEEP, EVERY, N = 2 * CHUNK, CHUNK, 64, 60
 
 
@@ -46,7 +48,7 @@ def text_prompt(smollm2_model):
 
 
 @pytest.fixture(autouse=True)
-def _served_as_smollm2(monkeypatch):
+def _served_under_its_name(monkeypatch):
     import tests.engine.test_in_engine as base
 
     monkeypatch.setattr(base, "MODEL", MODEL)
