@@ -15,24 +15,10 @@ import pytest
 
 from kvedit.budget import EngineBudget
 from kvedit.edits import KeyNorm, StreamingLLM
+from tests.gpu.test_gpu_e2e import _cuda_vllm_reason as _reason
 
 CHUNK = 256
 MODEL = "tiny-qwen3"
-
-
-def _reason() -> str | None:
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "needs an NVIDIA GPU (torch.cuda.is_available() is False)"
-    try:
-        from importlib import metadata
-        metadata.distribution("vllm")
-    except Exception:
-        return "needs CUDA vLLM (the `vllm` distribution) installed"
-    return None
 
 
 pytestmark = pytest.mark.skipif(_reason() is not None, reason=_reason() or "")
