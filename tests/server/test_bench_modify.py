@@ -31,6 +31,7 @@ def test_bench_modify_reports_every_arm_with_the_counts_its_edit_implies():
     arms = ("identity", "drop_half", "new_tensor", "new_tensor_malloc")
     for arm in arms:
         assert r[arm]["modify_vs_memcpy"] > 0 and len(r[arm]["modify_vs_memcpy_all"]) == 1
+        assert len(r[arm]["warmup_vs_memcpy"]) == 1   # the default warm-up, not in the median
     counts = {arm: (r[arm]["chunks_stored"], r[arm]["chunks_reused"],
                     r[arm]["chunks_deleted"], r[arm]["salt_changes"]) for arm in arms}
     assert counts == {"identity": (0, 8, 0, 0), "drop_half": (2, 2, 6, 0),
