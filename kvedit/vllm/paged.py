@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvedit.vllm import paged_kernels
+
 LAYOUTS = ("cuda", "cpu", "cpu_amx")
 WIDE = torch.complex128  # the 16-byte carrier element of the wide views (see above)
 
@@ -107,6 +109,11 @@ class PagedKV:
             self.ratio = 1
         self.wide_groups = [(lo, hi, self._views(run, self.ratio)) for (lo, hi, _), run
                             in zip(self.groups, runs)] if self.ratio > 1 else None
+        # Layers in separate allocations (vLLM 0.26 on CUDA): token gathers and scatters in
+        # one Triton launch for every layer instead of one op per (K/V, layer group).
+        self.table = None
+        if len(self.groups) > 1 and paged_kernels.available(layers, kind):
+            self.table = _checked_table(self, layers, head_dim)
 
     def _views(self, run: list[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Strided views [L', blocks, *pos factors, H, *dim factors] of K and of V, in
@@ -204,8 +211,17 @@ class PagedKV:
                 pass
         return self.groups, 1, t
 
+    def _kernel(self, slots: tuple[list[torch.Tensor], ...], t: torch.Tensor) -> bool:
+        """Whether `gather`/`scatter` can use the one-launch kernels for dense `t`."""
+        return self.table is not None and t.is_contiguous() and t.dtype == self.dtype \
+            and t.dim() == 4 and t.shape[:2] == (2, self.num_layers) \
+            and t.data_ptr() % self.table.word == 0 and len(slots[0]) == 2
+
     def gather(self, slots: tuple[list[torch.Tensor], ...], out: torch.Tensor) -> None:
         """Copy the tokens at `slots` into `out` [2, L, T, D] (on self.device)."""
+        if self._kernel(slots, out):
+            self.table.gather(*slots[0], out)
+            return
         groups, r, out = self._plan(out)
         for lo, hi, views in groups:
             for kv in (0, 1):
@@ -214,6 +230,9 @@ class PagedKV:
 
     def scatter(self, slots: tuple[list[torch.Tensor], ...], src: torch.Tensor) -> None:
         """Copy `src` [2, L, T, D] (on self.device) into the tokens at `slots`."""
+        if self._kernel(slots, src):
+            self.table.scatter(*slots[0], src)
+            return
         groups, r, src = self._plan(src)
         for lo, hi, views in groups:
             for kv in (0, 1):
@@ -236,6 +255,32 @@ class PagedKV:
             for kv in (0, 1):
                 torch.ops.aten.index_put_(views[kv], [None, *slots[kv]],
                                           self._split(src[:, kv, lo:hi].transpose(0, 1), kv, r))
+
+
+def _checked_table(paged: PagedKV, layers: list[torch.Tensor], head_dim: int):
+    """The kernels' table, compiled now (about a second each, not in the first compaction)
+    and checked against the per-layer ops on the first slots of block 0: read them both ways
+    and write the same bytes back (the engine is not serving yet when the worker binds its
+    caches). A failure or a difference keeps the per-layer ops, with a warning."""
+    import logging
+
+    try:
+        table = paged_kernels.LayerTable(layers, head_dim)
+        blocks = max(1, min(2, layers[0].shape[0] * paged.kernel_block // paged.block_size))
+        slots = paged.slots(list(range(blocks)), 0, blocks * paged.block_size)
+        shape = (2, paged.num_layers, slots[0][0].numel(), paged.hidden)
+        got = torch.empty(shape, dtype=paged.dtype, device=paged.device)
+        want = torch.empty_like(got)
+        table.gather(*slots[0], got)
+        paged.gather(slots, want)     # paged.table is still None: the per-layer ops
+        if not torch.equal(got.view(table.dtype), want.view(table.dtype)):
+            raise RuntimeError("the kernel's gather differs from the per-layer ops")
+        table.scatter(*slots[0], want)
+        return table
+    except Exception as e:  # noqa: BLE001 - any failure: the per-layer ops still work
+        logging.getLogger("vllm.kvedit").warning(
+            "kvedit: one-launch paged kernels unavailable (%s); using per-layer ops", e)
+        return None
 
 
 def wait_for_device(device: torch.device) -> None:
