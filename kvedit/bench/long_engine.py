@@ -113,9 +113,12 @@ def arm(ctx, completion, prompts, args, eng, policy, sampling, per_step, *,
     out = {"budget": budget, "wall_s": wall, "cpu_s": cpu,
            "output_tokens": sum(len(s.output_token_ids) for s in batch),
            **per_step(before, after),
-           # compactions, stash copies and the per-step input shifts of compacted requests
-           "edit_busy_s": work.get("compact_s", 0.0) + work.get("shift_s", 0.0)
-           + work.get("device_s", 0.0),
+           # compactions, stash copies and the per-step input shifts of compacted requests:
+           # the workers' host time and (on a GPU) the device time of the same work are
+           # one interval seen from two sides (the device runs the copies as the host
+           # queues them), so the longer of the two counts, not their sum
+           "edit_busy_s": max(work.get("compact_s", 0.0), work.get("device_s", 0.0))
+           + work.get("shift_s", 0.0),
            "in_engine": sched,
            "worker": work, "kv_cache_usage_after": usage,
            "pool_free_when_idle": after_stats.get("scheduler", {}).get("pool_free"),

@@ -144,7 +144,7 @@ class BudgetWorker:
             data = kept.get(s.req_id)
             if data is None:
                 data = compact.gather(self.paged, self._blocks(s.req_id), s.resident)
-            self.stash[s.req_id] = data.to("cpu", non_blocking=False)
+            self.stash[s.req_id] = _to_host(data)
             self.offsets.pop(s.req_id, None)
             self.stats.stashed += 1
         for c in step.compactions:
@@ -324,3 +324,15 @@ class BudgetWorker:
             slot_pos = slot_pos - torch.from_numpy(rest).to(dev, non_blocking=True)
         r.input_batch.block_table.compute_slot_mapping(n, r.query_start_loc.gpu[: n + 1],
                                                         slot_pos)
+
+
+def _to_host(data: torch.Tensor) -> torch.Tensor:
+    """A stash's host copy. From a GPU: into page-locked memory without waiting (torch's
+    caching host allocator reuses it and keeps it until the copy has run), so the step does
+    not stall on the forward in flight; the writes that reuse the blocks are queued after
+    it on the same stream, and the restore copies it back on that stream too."""
+    if data.device.type != "cuda":
+        return data.to("cpu")
+    host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+    host.copy_(data, non_blocking=True)
+    return host

@@ -90,9 +90,9 @@ def probe(model: str, url: str, http_url: str | None, dtype: str, seed: int = 0)
         seen["loads"] += runs(meta.loads)
         return orig[1](self, meta)
 
-    def store(self, meta):
-        seen["stores"] += runs(meta.stores)
-        return orig[2](self, meta)
+    def store(self, stores, *args, **kwargs):   # the step's store runs (meta.stores)
+        seen["stores"] += runs(stores)
+        return orig[2](self, stores, *args, **kwargs)
 
     worker_side.WorkerSide.register_kv_caches = register
     worker_side.WorkerSide.load, worker_side.WorkerSide.store = load, store
