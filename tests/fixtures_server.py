@@ -4,10 +4,14 @@
 - `seeded_server` (module): a small server with model "m" (SMALL) and SEED_KEYS stored, for
   tests that throw bad input at it and then check the seeded data is intact.
 - `raw`: a bare ZMQ DEALER on `seeded_server` (ask() sends frames and decodes the reply).
+- `redis_srv`: a fresh redis-server of its own per test (the L2 tests skip without one).
+- `sdk_context(server, model, layout)`: an SDK context on a model registered by hand (no vLLM),
+  for the tests that drive modify with a fake engine.
 - data-link helpers that speak the wire format directly (link(), link_error()).
 """
 from __future__ import annotations
 
+import contextlib
 import secrets
 import socket
 import time
@@ -18,7 +22,9 @@ import zmq
 from kvedit import auth, wire
 from kvedit import protocol as P
 from kvedit.client import KVClient
+from kvedit.launch.redis import RedisProcess
 from kvedit.launch.server import start_server
+from kvedit.sdk.context import connect
 from tests.kv_helpers import SMALL, chunk_for, key, matches
 
 SEED_KEYS = [key(i, "seed") for i in range(4)]
@@ -39,6 +45,25 @@ def seeded_server():
         c.register("m", SMALL)
         c.store("m", SEED_KEYS, [chunk_for(k) for k in SEED_KEYS])
         yield s
+
+
+@pytest.fixture
+def redis_srv():
+    r = RedisProcess()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+@contextlib.contextmanager
+def sdk_context(server, model: str, layout, timeout: float = 10):
+    """`kvedit.connect` to `server` for `model`, registered first with `layout` (as the
+    connector would), closed on exit."""
+    with KVClient(server.url) as c:
+        c.register(model, layout)
+    with connect(server.url, server.http_url, model, timeout=timeout) as ctx:
+        yield ctx
 
 
 def assert_seed_intact(server) -> None:

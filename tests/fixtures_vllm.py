@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 
 CHUNK = 256  # the kv_server fixture's chunk size; the connector uses the server's
+# Greedy sampling that decodes exactly max_tokens (added per call): the tests compare outputs
+# token for token, so no request may stop early at EOS.
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="session")

@@ -169,8 +169,8 @@ class Retrieved:
 class RecvPool:
     """Socket-mode receive buffers, reused after Retrieved.release().
 
-    Receiving into fresh memory costs a page fault per 4 KiB, which held socket retrieves to
-    ~0.3x of raw TCP; reused buffers are already mapped. Keeps at most `cap` idle bytes.
+    Receiving into fresh memory costs a page fault per 4 KiB (docs/protocol.md, "Observations
+    behind the data path"); reused buffers are already mapped. Keeps at most `cap` idle bytes.
     """
 
     def __init__(self, cap: int):

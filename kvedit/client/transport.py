@@ -34,8 +34,8 @@ def copy_chunk(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst.copy_(src), single-threaded below SMALL_COPY_BYTES.
 
     torch splits even a 256 KiB copy over its OpenMP threads; on a busy machine a descheduled
-    thread then stalls the copy for milliseconds (measured: 20 ms instead of 0.1 ms with 2
-    threads on 2 loaded cores). Large copies keep torch's threads, which pay off there.
+    thread then stalls the whole copy (docs/protocol.md, "Observations behind the data path").
+    Large copies keep torch's threads, which pay off there.
     """
     n = dst.numel() * dst.element_size()
     if (n < SMALL_COPY_BYTES and src.device.type == "cpu" and src.dtype == dst.dtype

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvedit.harness.vocab import Workload, policy_key, resolve_model, steps_of
+from kvedit.harness.vocab import Workload, blocks, policy_key, resolve_model, steps_of, wave_bound
 
 # 6 prompts of 1024 context tokens (+ the question), 64 output tokens each: 9 blocks of 128
 # per unedited request, 5 dropped; the capacity (30 blocks) decodes 3 unedited requests at
@@ -155,8 +155,7 @@ def run_demo(args) -> tuple[dict, Path]:
         finally:
             kvedit.close(ctx)
     answers = {arm["label"]: _answers(samples, arm, tok) for arm in (base, drop)}
-    summary = _summary(w, policy, kv_tokens, base, drop)
-    summary["decode_gain_bound"] = bound
+    summary = _summary(w, policy, kv_tokens, bound, base, drop)
     summary["prompt_context_tokens"] = args.prompt_len
     summary["sink"] = getattr(policy, "sink", None)  # the header kept whole, if it has one
     summary["accuracy"] = {k: _acc(v) for k, v in answers.items()}
@@ -177,17 +176,16 @@ def capacity(token_ids, args) -> tuple[int | None, float | None]:
 
     bs, n = block_size(), len(token_ids)
     extra = 1 + args.max_tokens  # the prefill's token, then the decode
-    base = max(-(-(len(t) + extra) // bs) for t in token_ids)
+    base = max(blocks(len(t) + extra, bs) for t in token_ids)
     kept = [len(t) - int(args.ratio * (len(t) // CHUNK * CHUNK)) for t in token_ids]
-    drop = max(-(-(k + extra) // bs) for k in kept)
+    drop = max(blocks(k + extra, bs) for k in kept)
     if args.kv_tokens == 0:
         return None, None
-    blocks = n * drop if args.kv_tokens is None else args.kv_tokens // bs
-    if blocks < base:
+    cap = n * drop if args.kv_tokens is None else args.kv_tokens // bs
+    if cap < base:
         raise SystemExit(f"--kv-tokens {args.kv_tokens} cannot hold one request of "
                          f"{base * bs} tokens ({base} blocks of {bs})")
-    waves = [-(-n // min(n, blocks // b)) for b in (base, drop)]
-    return blocks * bs, waves[0] / waves[1]
+    return cap * bs, wave_bound(n, cap, base, drop)
 
 
 def _answers(samples, arm: dict, tok) -> list[dict]:
@@ -209,14 +207,14 @@ def _acc(rows: list[dict]) -> dict:
     return accuracy(r["ok"] for r in rows).to_dict()
 
 
-def _summary(w, policy, kv_tokens, base, drop) -> dict:
+def _summary(w, policy, kv_tokens, bound, base, drop) -> dict:
     b, d = base["decode"]["output_tput"], drop["decode"]["output_tput"]
     e2e_b = base["prefill"]["duration"] + base["decode"]["duration"]
     e2e_d = drop["prefill"]["duration"] + drop["modify"]["duration"] + drop["decode"]["duration"]
     return {
         "num_prompts": w.num_prompts, "prompt_len": w.prompt_len, "max_tokens": w.max_tokens,
         "policy": type(policy).__name__, "ratio": w.ratio, "kv_capacity_tokens": kv_tokens,
-        "decode_gain_bound": w.bound(kv_tokens) if kv_tokens else None,
+        "decode_gain_bound": bound,
         "prefill_tput": {"baseline": base["prefill"]["input_tput"],
                          "dropped": drop["prefill"]["input_tput"]},
         "modify_s": drop["modify"]["duration"],

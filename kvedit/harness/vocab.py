@@ -109,6 +109,28 @@ def decode_bound(n: int, capacity: float, full: float, kept: float) -> float:
     return at_once(n, capacity, kept) / at_once(n, capacity, full)
 
 
+def blocks(tokens: float, block: int) -> int:
+    """Whole KV blocks of `block` tokens that a sequence of `tokens` tokens occupies."""
+    return -(-int(tokens) // block)
+
+
+def waves(n: int, capacity_blocks: int, request_blocks: int) -> int:
+    """Decode waves n requests of `request_blocks` blocks each drain in, the engine holding
+    `capacity_blocks`: requests that decode the same number of tokens finish together, so a
+    batch drains in waves of as many whole requests as fit at once."""
+    fit = int(at_once(n, capacity_blocks, request_blocks))
+    if fit == 0:
+        raise ValueError(f"KV capacity {capacity_blocks} blocks cannot hold one request of "
+                         f"{request_blocks} blocks")
+    return -(-n // fit)
+
+
+def wave_bound(n: int, capacity_blocks: int, full_blocks: int, kept_blocks: int) -> float:
+    """decode_bound in whole blocks and whole waves: baseline waves over dropped waves (for
+    arms whose requests all decode the same number of tokens)."""
+    return waves(n, capacity_blocks, full_blocks) / waves(n, capacity_blocks, kept_blocks)
+
+
 @dataclass
 class Workload:
     """N prompts of P random token ids, O output tokens each, drop ratio r."""

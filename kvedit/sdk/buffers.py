@@ -1,7 +1,7 @@
 """modify's retrieve buffers: reused touched memory, and copy-on-write change tracking.
 
-Fresh memory costs a page fault per 4 KiB page (here a copy into a new tensor ran 3-4x
-slower than into touched memory), so buffers are reused across modifies. A buffer is handed
+Fresh memory costs a page fault per 4 KiB page (docs/sdk.md, "Performance notes"), so
+buffers are reused across modifies. A buffer is handed
 out again only when nothing else uses what fn got (no tensor, view or numpy array of it
 left; the check is made at take time because a worker thread may drop its last reference
 just after the modify returns). The pool keeps at most `max_buffers` (raised to a batch's
@@ -16,10 +16,11 @@ modify needs no comparison for it. Without memfd or pagemap, plain memory (anony
 In shm mode modify maps the stored chunks themselves this way (kvedit.sdk.chunkmap) and
 needs no buffer; these buffers serve socket mode, odd layouts and untracked handouts.
 
-Copy-on-write costs a page copy per page fn writes (measured here: ~5x the time a
-byte-comparison of the same bytes takes), so it pays only when fn leaves whole chunks
-untouched and writes little. After an fn for which it did not pay (written page fraction x
-COW_COST_RATIO > fraction of chunks it spared a comparison, plus chunkmap.COPY_SPARED where
+Copy-on-write costs a page copy per page fn writes (COW_COST_RATIO: its cost against a
+byte-comparison of the same bytes; docs/sdk.md, "Observations behind modify's design"), so it
+pays only when fn leaves whole chunks untouched and writes little. After an fn for which it
+did not pay (written page fraction x COW_COST_RATIO > fraction of chunks it spared a
+comparison, plus chunkmap.COPY_SPARED where
 a mapping of the stored chunks also spared the retrieve copy), the next PLAIN_AFTER_LOSS
 buffers are handed out plainly (fn writes the buffer itself; reused chunks are
 byte-compared, which stops at the first difference), then tracking is tried again.

@@ -36,9 +36,9 @@ from kvedit.sdk.geometry import contiguous_row_offset
 
 MAX_MAPS = 16384  # mappings per kv; vm.max_map_count is 65530 per process by default
 # BufferPool.note_outcome credit for the retrieve copy a mapping spares (per chunk, in
-# comparisons): measured here, a drop-half edit writing 1/4 of the pages in place ran about
-# as fast mapped as copied, a zero-V edit writing 1/2 of them ~1.6x slower mapped. Ties go
-# to the mapping: it needs no buffer memory and no fresh pages on a context's first modify.
+# comparisons), set where mapped and copied edits break even (docs/sdk.md, "Observations
+# behind modify's design"). Ties go to the mapping: it needs no buffer memory and no fresh
+# pages on a context's first modify.
 COPY_SPARED = 1.5
 _MAP_FIXED, _MAP_NORESERVE = 0x10, 0x4000  # Linux values; the mmap module lacks MAP_FIXED
 log = logging.getLogger("kvedit.sdk")

@@ -104,7 +104,7 @@ async def drive(batch, prefill_params, fn, decode_params, budget: Budget, *,
         keep = budget.budget - n - (len(s.prompt) - region)
         with busy, spans["modify"]:
             # fn in the pool, not the waiting caller: these edits are small and overlap
-            # decoding (in the caller thread they ran ~20x slower in `bench long`)
+            # decoding (docs/sdk.md, "Observations behind modify's design")
             r: ModifyResult = await modify_stream(s, fitted(fn, keep), cpu_slots=cpu,
                                                   keep_old=keep_old, wait_timeout=wait_timeout,
                                                   fn_in_caller=False)

@@ -81,13 +81,12 @@ def settle_small_cache() -> None:
     The freed block then cannot merge with its neighbours, and the next request of the same
     size (again with alignment slack) does not fit in it: the heap grows by a block.
     Filling the cache before fn is not enough: fn's own small allocations take entries out
-    again, and the output's tails land in the gaps (`kvedit bench modify`: the heap grew by
-    1.4 GB over the first drop_half_cat repeats and held ten 144 MiB blocks for two outputs
-    in flight). So after fn the cache is emptied first (those tails come out with the rest)
-    and refilled, and the emptied chunks are freed with the cache full: they go to the
-    arena's bins, merged with their free neighbours at the next large malloc, and the freed
-    output block is reused whole (same bench: the heap grew by 0.4 GB and then stayed).
-    Costs ~0.15 ms per call."""
+    again, and the output's tails land in the gaps. So after fn the cache is emptied first
+    (those tails come out with the rest) and refilled, and the emptied chunks are freed with
+    the cache full: they go to the arena's bins, merged with their free neighbours at the next
+    large malloc, and the freed output block is reused whole. The heap growth it stops and
+    what a call costs: docs/sdk.md, "History: the glibc tuning while it was connect()'s
+    default"."""
     if not _applied or libc.malloc is None or libc.free is None:
         return
     taken = [libc.malloc(n) for n in TAIL_SIZES for _ in range(7)]  # the cache's entries first

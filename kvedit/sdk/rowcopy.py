@@ -1,10 +1,9 @@
 """Byte moves between chunk i of a [2, L, T, D] tensor and a contiguous [2, L, C, D] chunk.
 
 Chunk i of kv is 2*L contiguous rows of C*D elements (kvedit.sdk.geometry). libc's
-memcpy/memcmp over those rows (ctypes releases the GIL) ran at memcpy speed here, where
-torch.stack into the strided view reached about 55% and per-chunk copy_ about 80% of it,
-and torch.equal / np.array_equal compared at 0.3-0.8x memcpy. Tensors whose rows are not
-contiguous (an fn may return any strides) fall back to torch.
+memcpy/memcmp over those rows (ctypes releases the GIL) run at memcpy speed, where torch's
+strided copies and comparisons do not (docs/sdk.md, "Observations behind modify's design").
+Tensors whose rows are not contiguous (an fn may return any strides) fall back to torch.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """The data link: chunk bytes of socket-mode clients over plain TCP, straight into/out of the pool.
 
 Why not ZMQ frames: ZMQ receives every message into a freshly malloc'd buffer, and for 36 MiB
-chunks that is a fresh mmap whose page faults (plus the copy into the pool) held transfers
-to ~0.3x of raw loopback TCP. Here the server `recv_into`s the slots themselves and
-`send`s from them, so a transfer costs what the kernel's TCP copy costs.
+chunks that is a fresh mmap whose page faults (plus the copy into the pool) cost more than
+the transfer itself (docs/protocol.md, "Data path 2"). Here the server `recv_into`s the slots
+themselves and `send`s from them, so a transfer costs what the kernel's TCP copy costs.
 
 One thread per connection (a client opens one per thread); each blocks only on its own peer.
 The ZMQ loop stays the only place that decides things: a transfer names a store or lease that

@@ -2,7 +2,7 @@
 
 starlette routes served by uvicorn on its own event loop in one thread of the server
 process (the stdlib http.server it replaces wrote headers and body in separate segments, so
-every keep-alive request waited ~44 ms for a delayed ACK, and logged a BrokenPipe traceback
+every keep-alive request waited for a delayed ACK, and logged a BrokenPipe traceback
 for each client that left early). Routes read the service only through http_state's
 narrow functions; the ones that take the service lock run in the worker thread pool, so a
 long control-loop request never stalls the event loop (and /health with it).

@@ -39,7 +39,7 @@ log = logging.getLogger("kvedit.server")
 MAX_LISTED_MODELS = 20    # an unknown_model error names at most this many
 MAX_QUOTED_NAME = 80      # characters of a client-given name quoted back in an error
 BURST = 256               # messages handled before housekeeping runs again
-FREEZE_MIN_OBJECTS = 50_000  # below this a full GC pass is cheap enough (< ~10 ms)
+FREEZE_MIN_OBJECTS = 50_000  # below this a full GC pass is cheap enough
 FREEZE_GROWTH = 1.1       # freeze again when the index grew by this factor
 KEY_BYTES = 64            # what a parked or leased key costs the heap, about (trim.py)
 
@@ -178,9 +178,10 @@ class Service(L2Methods):
 
     def _freeze_gc(self) -> None:
         """Keep full GC passes off the index. CPython runs a gen-2 pass whenever long-lived
-        objects grew by 25%, and at 1M objects that pass holds the GIL (loop and HTTP) for
-        ~0.2-0.5 s. The index's objects form no cycles (freed by refcount), so moving them to
-        the permanent generation loses nothing; a pass then scans only what came after."""
+        objects grew by 25%, and at a million objects that pass holds the GIL (loop and HTTP)
+        for a long pause (docs/protocol.md, "Observations behind the data path"). The index's
+        objects form no cycles (freed by refcount), so moving them to the permanent
+        generation loses nothing; a pass then scans only what came after."""
         n = self.index.counters.objects
         if n >= FREEZE_MIN_OBJECTS and n >= self._frozen_objects * FREEZE_GROWTH:
             gc.collect(1)   # young cyclic garbage is not frozen with them (cheap: gens 0-1)

@@ -3,13 +3,12 @@
 Why: parked lookups (up to --max-parked-keys keys), leases and the L2 write-behind queue (a
 write whose chunk L1 evicts meanwhile keeps a copy of its bytes: while Redis is down, a
 working set's worth) take memory that the server frees when they end, but glibc keeps freed
-heap in the process: after a client parked a million keys and went away the server stayed
-~65 MB larger, and after a Redis restart under eviction pressure ~35 MB larger (measured),
-for good. A host running the server beside vLLM with hundreds of GB of KV has none of that to
-spare. `HeapTrim` watches one estimate of those bytes and calls glibc's malloc_trim when it has
-fallen to at most half of its peak since the last trim, by at least `min_drop` bytes; at
-most once per `min_interval` seconds, so a client bouncing around the threshold cannot make
-the loop trim all the time (a trim of ~100 MB of free heap takes a few milliseconds).
+heap in the process, so after such a burst the server stays larger for good (docs/protocol.md,
+"Observations behind the data path"). A host running the server beside vLLM with hundreds of
+GB of KV has none of that to spare. `HeapTrim` watches one estimate of those bytes and calls
+glibc's malloc_trim when it has fallen to at most half of its peak since the last trim, by
+at least `min_drop` bytes; at most once per `min_interval` seconds, so a client bouncing
+around the threshold cannot make the loop trim all the time (a trim is cheap, but not free).
 Without glibc it does nothing.
 """
 from __future__ import annotations

@@ -12,8 +12,9 @@ deadlines. Every count is kept as waiters come and go (len() is O(1)).
 
 A parked lookup keeps its keys packed in one buffer (`PackedKeys`), not as the decoded list
 of small bytes objects: a million parked keys as objects spread over Python's small-object
-arenas, and the few long-lived objects made meanwhile kept those arenas (~65 MB) from ever
-going back to the OS after the lookups ended. One buffer per lookup is freed whole.
+arenas, and the few long-lived objects made meanwhile kept those arenas from ever going back
+to the OS after the lookups ended (docs/protocol.md, "Observations behind the data path").
+One buffer per lookup is freed whole.
 """
 from __future__ import annotations
 

@@ -331,7 +331,8 @@ class PagedCopier:
         """Our own mapping of the client's current segment (None over the socket, or on the
         CPU's direct path), made and page-locked on first use and again after a server
         restart (HostMapping says why not the client's mapping). Page-locking populates the
-        whole segment: one pause proportional to its size (5-6 s for 16 GiB on the H200)."""
+        whole segment: one pause proportional to its size (docs/gpu.md, session 3,
+        "Page-locking")."""
         seg = client.segment() if self.staged else None
         if seg is None:
             return None

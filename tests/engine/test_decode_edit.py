@@ -15,8 +15,8 @@ import pytest
 from kvedit.sdk.batch import BatchedStream
 from kvedit.sdk.errors import ModifyError
 from kvedit.sdk.stream import create_request
-from tests.engine.test_sdk_vllm import (C, GREEDY, ctx, direct, identity, post,  # noqa: F401
-                                 prompt, reset_prefix_cache)
+from tests.engine.test_sdk_vllm import C, direct, identity, prompt, reset_prefix_cache
+from tests.fixtures_vllm import GREEDY
 
 
 

@@ -19,20 +19,13 @@ import torch
 from kvedit.edits import POLICIES, DropMiddle
 from kvedit.keys import request_keys
 from kvedit.sdk.batch import BatchedStream
-from kvedit.sdk.context import connect
 from kvedit.sdk.openai import openai_completion
 from kvedit.sdk.queries import as_tensor
 from kvedit.sdk.stream import create_request
 from kvedit.vllm.query_capture import capture_unavailable
+from tests.fixtures_vllm import GREEDY
 
 C = 256
-GREEDY = {"temperature": 0.0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def ctx(vllm_server, kv_server):
-    with connect(kv_server.url, kv_server.http_url, vllm_server.model, timeout=60) as ctx:
-        yield ctx
 
 
 def external_hits(vp) -> float:

@@ -17,30 +17,11 @@ import torch
 from kvedit.edits import KVzip
 from kvedit.edits.attention import check_window
 from kvedit.sdk.batch import BatchedStream
-from kvedit.sdk.context import connect
 from kvedit.sdk.kvzip import ReconstructError, pass_prompt, reconstruct
-from kvedit.sdk.openai import openai_completion
 from kvedit.sdk.stream import create_request
-from tests.hf_reference import qwen3_queries
+from tests.fixtures_vllm import GREEDY
 
 C = 256
-GREEDY = {"temperature": 0.0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def ctx(vllm_server, kv_server):
-    with connect(kv_server.url, kv_server.http_url, vllm_server.model, timeout=60) as ctx:
-        yield ctx
-
-
-@pytest.fixture(scope="module")
-def post(vllm_server):
-    return openai_completion(vllm_server.base_url, vllm_server.model)
-
-
-@pytest.fixture(scope="module")
-def hf_queries(tiny_model):
-    return qwen3_queries(tiny_model)
 
 
 def tokens(n: int, seed: int) -> list[int]:

@@ -19,25 +19,12 @@ import torch
 
 from kvedit.edits import KeyNorm
 from kvedit.sdk.batch import BatchedStream
-from kvedit.sdk.context import connect
 from kvedit.sdk.errors import ModifyError
-from kvedit.sdk.openai import openai_completion
 from kvedit.sdk.stream import create_request
+from tests.fixtures_vllm import GREEDY
 
 C = 256
-GREEDY = {"temperature": 0.0, "ignore_eos": True}
 N_OUT = 6
-
-
-@pytest.fixture(scope="module")
-def ctx(vllm_server, kv_server):
-    with connect(kv_server.url, kv_server.http_url, vllm_server.model, timeout=60) as ctx:
-        yield ctx
-
-
-@pytest.fixture(scope="module")
-def post(vllm_server):
-    return openai_completion(vllm_server.base_url, vllm_server.model)
 
 
 def distinct_tokens(n: int, seed: int) -> list[int]:

@@ -19,18 +19,11 @@ import torch.nn.functional as F
 from kvedit.edits import TOVA, SnapKV
 from kvedit.edits.attention import check_window
 from kvedit.sdk.batch import BatchedStream
-from kvedit.sdk.context import connect
 from kvedit.sdk.openai import openai_completion
 from kvedit.sdk.stream import create_request
+from tests.fixtures_vllm import GREEDY
 
 C = 256  # the kv_server fixture's chunk size
-GREEDY = {"temperature": 0.0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def ctx(vllm_server, kv_server):
-    with connect(kv_server.url, kv_server.http_url, vllm_server.model, timeout=60) as ctx:
-        yield ctx
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.hf_reference import qwen3_queries
 
 MODEL = "tiny-qwen3-capture"   # its own served name: no key shared with other tests
 BUDGET = 256                   # --max-num-batched-tokens: longer prompts prefill in chunks
@@ -105,12 +104,6 @@ def probe(kv_server, tiny_model):
     assert proc.returncode == 0 and lines, f"probe failed:\n{proc.stdout[-3000:]}\n" \
                                            f"{proc.stderr[-6000:]}"
     return json.loads(lines[-1].removeprefix("PROBE-RESULT "))
-
-
-@pytest.fixture(scope="module")
-def hf_queries(tiny_model):
-    """queries(tokens) -> [L, T, Hq*D] from transformers, float32 (tests/hf_reference.py)."""
-    return qwen3_queries(tiny_model)
 
 
 def fetch(kv_server, tokens: list[int], w: int, salt: str = "") -> torch.Tensor | None:

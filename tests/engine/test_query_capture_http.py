@@ -8,7 +8,7 @@ import urllib.request
 
 import torch
 
-from tests.engine.test_query_capture import ATOL, RTOL, hf_queries, prompt_of  # noqa: F401
+from tests.engine.test_query_capture import ATOL, RTOL, prompt_of
 
 MODEL = "tiny-qwen3"  # the vllm_server fixture's served name
 
@@ -34,7 +34,7 @@ def _fetch(kv_server, tokens: list[int], w: int):
         torch.from_numpy(raw).view(torch.float32).view(layout.num_layers, -1, 4 * 64)
 
 
-def test_openai_body_field_asks_for_capture(vllm_server, kv_server, hf_queries):  # noqa: F811
+def test_openai_body_field_asks_for_capture(vllm_server, kv_server, hf_queries):
     tokens = prompt_of(700, seed=501)  # > one 256-token chunk: chunks stored as well
     out = _complete(vllm_server, tokens, {"kvedit_capture_queries": 48})
     assert out["usage"]["prompt_tokens"] == 700

@@ -15,33 +15,13 @@ import torch
 
 from kvedit.keys import namespace, query_key
 from kvedit.sdk.batch import BatchedStream
-from kvedit.sdk.context import connect
 from kvedit.sdk.errors import MissingQueries
-from kvedit.sdk.openai import openai_completion
 from kvedit.sdk.stream import create_request
-from tests.hf_reference import qwen3_queries
+from tests.fixtures_vllm import GREEDY
 
 C = 256
 ATOL = RTOL = 1e-4
-GREEDY = {"temperature": 0.0, "ignore_eos": True}
 Q_WIDTH = 4 * 64   # the tiny model: 4 query heads x head_dim 64 (2 KV heads: GQA)
-
-
-@pytest.fixture(scope="module")
-def ctx(vllm_server, kv_server):
-    with connect(kv_server.url, kv_server.http_url, vllm_server.model, timeout=60) as ctx:
-        yield ctx
-
-
-@pytest.fixture(scope="module")
-def post(vllm_server):
-    return openai_completion(vllm_server.base_url, vllm_server.model)
-
-
-@pytest.fixture(scope="module")
-def hf_queries(tiny_model):
-    """queries(tokens) -> [L, T, Hq*D] from transformers, float32 (tests/hf_reference.py)."""
-    return qwen3_queries(tiny_model)
 
 
 _seed = iter(range(1, 10_000))

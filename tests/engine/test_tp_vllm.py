@@ -37,6 +37,7 @@ from kvedit.sdk.batch import BatchedStream
 from kvedit.sdk.context import connect
 from kvedit.sdk.openai import openai_completion
 from kvedit.sdk.stream import create_request
+from tests.fixtures_vllm import GREEDY
 
 C = 256
 PROMPT_LEN = 4 * C + 50
@@ -44,7 +45,6 @@ DECODE_TOKENS = 12
 WINDOW = 32          # captured query rows for SnapKV
 KV_ATOL = 1e-3       # float32 KV, TP=2 vs TP=1 (measured max |diff| is printed on failure)
 LOGPROB_ATOL = 2e-3
-GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 def _identity(kv, tokens, **_):

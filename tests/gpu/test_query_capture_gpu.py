@@ -24,12 +24,12 @@ import uuid
 import pytest
 import torch
 
+from tests.fixtures_vllm import GREEDY
 from tests.gpu.test_in_engine_gpu import _reason
 
 C = 256                 # the kv_server fixture's chunk size
 STEP = 512              # --max-num-batched-tokens
 MODEL = "tiny-qwen3-qc"
-GREEDY = {"temperature": 0.0, "ignore_eos": True}
 REL, COS = 0.3, 0.9      # per layer ||got - want|| / ||want||; per row cosine
 
 pytestmark = pytest.mark.skipif(_reason() is not None, reason=_reason() or "")

@@ -29,15 +29,6 @@ POOL_4 = 4 * CHUNK / 2**30                 # an L1 of exactly four chunks (GiB)
 MODEL = "m"
 
 
-@pytest.fixture
-def redis_srv():
-    r = RedisProcess()
-    try:
-        yield r
-    finally:
-        r.stop()
-
-
 def l2_server(redis_url: str, pool_gb: float = 0.05, *extra: str):
     # one client fills these small pools on its own: no per-session share (quota.py)
     return start_server(pool_gb, extra_args=["--l2-url", redis_url,

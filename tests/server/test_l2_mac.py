@@ -16,22 +16,13 @@ import torch
 
 from kvedit import auth
 from kvedit.client import KVClient
-from kvedit.launch.redis import INSTALL_HINT, RedisProcess, redis_server_path
+from kvedit.launch.redis import INSTALL_HINT, redis_server_path
 from kvedit.launch.server import start_server
 from tests.kv_helpers import SMALL, chunk_for, key, matches
 
 pytest.importorskip("redis", reason="the `redis` client is missing: pip install -e '.[l2]'")
 pytestmark = pytest.mark.skipif(redis_server_path() is None, reason=INSTALL_HINT)
 OPEN_L2 = "has no password and no TLS"
-
-
-@pytest.fixture
-def redis_srv():
-    r = RedisProcess()
-    try:
-        yield r
-    finally:
-        r.stop()
 
 
 def _counters(server, secret: bytes) -> dict:

@@ -15,6 +15,7 @@ from kvedit.sdk.batch import BatchedStream
 from kvedit.sdk.context import connect
 from kvedit.sdk.errors import BatchError, ModifyError
 from kvedit.sdk.stream import create_request
+from tests.fixtures_server import sdk_context
 
 C = 256
 LAYOUT = ModelLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", chunk_size=C)
@@ -48,9 +49,7 @@ class FakeEngine:
 
 @pytest.fixture(scope="module")
 def ctx(kv_server):
-    with KVClient(kv_server.url) as c:
-        c.register(MODEL, LAYOUT)
-    with connect(kv_server.url, kv_server.http_url, MODEL, timeout=10) as ctx:
+    with sdk_context(kv_server, MODEL, LAYOUT) as ctx:
         yield ctx
 
 

@@ -26,6 +26,7 @@ from kvedit.sdk.errors import MissingQueries, ModifyError
 from kvedit.sdk.openai import OpenAICompletion
 from kvedit.sdk.queries import CAPTURE_FIELD, with_capture
 from kvedit.sdk.stream import create_request
+from tests.fixtures_server import sdk_context
 
 C = 256
 Q_HEADS = 4   # GQA: twice the KV heads; the connector registers it in the layout
@@ -68,9 +69,7 @@ class FakeEngine:
 
 @pytest.fixture(scope="module")
 def ctx(kv_server):
-    with KVClient(kv_server.url) as c:
-        c.register(MODEL, LAYOUT)
-    with connect(kv_server.url, kv_server.http_url, MODEL, timeout=10) as ctx:
+    with sdk_context(kv_server, MODEL, LAYOUT) as ctx:
         yield ctx
 
 

@@ -33,6 +33,16 @@ def test_the_bound_is_how_many_more_requests_fit_at_once():
     assert vocab.at_once(4, 100, 10) == 4
 
 
+def test_the_wave_bound_counts_whole_blocks_and_whole_waves():
+    # The demo's default: 6 requests of 9 blocks unedited, 5 dropped, 30 blocks: 3 fit at once
+    # (2 waves) against all 6 (1 wave). kvedit eval's gain: 12 of 5 blocks in 12 -> 6 waves.
+    assert vocab.blocks(1024 + 65, 128) == 9 and vocab.blocks(128, 128) == 1
+    assert vocab.wave_bound(6, 30, 9, 5) == 2.0
+    assert [vocab.wave_bound(12, 12, 5, k) for k in (4, 3, 2)] == [1.5, 2.0, 3.0]
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        vocab.waves(2, 4, 5)
+
+
 def test_tokens_per_step_from_counter_snapshots():
     before = {"steps": 10.0, "generated": 20.0, "preemptions": 1.0, "prompt_computed": 5.0}
     after = {"steps": 30.0, "generated": 100.0, "preemptions": 1.0, "prompt_computed": 5.0}

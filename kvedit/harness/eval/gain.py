@@ -26,7 +26,9 @@ import uuid
 from dataclasses import dataclass
 
 from kvedit.harness.eval.runner import release_queries
-from kvedit.harness.vocab import counter_delta as _delta, fixed_length as sampling, vllm_counters
+from kvedit.harness.vocab import (
+    at_once, blocks, counter_delta as _delta, fixed_length as sampling, vllm_counters, wave_bound,
+)
 
 QUERY_WINDOW = 32  # rows captured for query-aware arms (no question in random prompts)
 
@@ -60,17 +62,16 @@ class GainConfig:
 
     def at_once(self, tokens: float, block: int) -> int:
         """Requests of `tokens` (prompt + output) that fit in the capacity at once."""
-        return min(self.num_prompts, self.kv_blocks // -(-int(tokens) // block))
+        return int(at_once(self.num_prompts, self.kv_blocks, blocks(tokens, block)))
 
     def bound(self, kept_tokens: float, block: int) -> float:
         """Baseline waves over dropped waves: the most the decode can gain."""
-        n = self.num_prompts
-        base = self.at_once(self.prompt_len + self.max_tokens, block)
-        drop = self.at_once(kept_tokens + self.max_tokens, block)
-        if base == 0:
+        full = self.prompt_len + self.max_tokens
+        if self.at_once(full, block) == 0:
             raise ValueError(f"gain: KV capacity {self.kv_blocks} blocks cannot hold one "
-                             f"request of {self.prompt_len + self.max_tokens} tokens")
-        return -(-n // base) / -(-n // drop)
+                             f"request of {full} tokens")
+        return wave_bound(self.num_prompts, self.kv_blocks, blocks(full, block),
+                          blocks(kept_tokens + self.max_tokens, block))
 
 
 class GainRun:
