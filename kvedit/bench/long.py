@@ -355,7 +355,9 @@ def _engine_arm(eng: dict, base: dict, host: dict, n: int, cap: int,
                                   else None),
             "blocks_freed": s.get("blocks_released"), "blocks_reused": s.get("blocks_reused"),
             "cow_blocks": s.get("cow_blocks"), "compactions": s.get("compactions"),
-            "stashes": s.get("stashes"), "restores": s.get("restores")}
+            "early_compactions": s.get("early_compactions"),
+            "stashes": s.get("stashes"), "restores": s.get("restores"),
+            "rotations": s.get("rotations")}
 
 
 def _three_arms(out: dict, base: dict, host: dict, eng: dict, n: int, cap: int,

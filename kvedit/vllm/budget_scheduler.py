@@ -20,6 +20,14 @@ block list, and the list holds only cdiv(resident, block_size) blocks. So:
   the old one keeps its contents for whoever else reads it. The workers move the data
   before the step's forward (`budget_worker.py`); every read of the step precedes every
   write, so blocks freed here may be handed to another request in the same step.
+- Under block pressure a budgeted request compacts up to one round early rather than vLLM
+  preempting a stream: when a decoding request (its prompt computed, the step past any
+  catch-up chunk) holds more than its budget's `keep` tokens and this step needs more new
+  blocks than vLLM's pool has free (`get_num_free_blocks`, the count vLLM's own
+  `allocate_slots` checks: free blocks and cached-but-unreferenced ones, not blocks waiting
+  in `deferred_frees`), it is compacted to `keep` now, within its budget, if that makes its
+  allocation fit (`early_compactions`). Without the shortage nothing changes; never below
+  `keep`, never in a prefill or chunked-prefill step.
 - Preemption frees the request's blocks (vLLM), and the request asks to be stashed: the
   workers copy its resident KV to host memory before the step reuses the blocks, and when
   vLLM resumes it the connector reports its computed tokens as loaded and the stash is
@@ -66,6 +74,7 @@ class BudgetStats:
     requests: int = 0
     refused: int = 0
     compactions: int = 0
+    early_compactions: int = 0  # of them: before the budget, for want of a free block
     tokens_dropped: int = 0
     blocks_released: int = 0   # the requests' block lists shrank by this many
     blocks_reused: int = 0     # blocks freed by a compaction that vLLM handed out again
@@ -287,7 +296,9 @@ class BudgetScheduler:
                 st.restore = 0  # not this step; the stash waits
             return out
         t0 = time.perf_counter()
-        self._maybe_compact(st, request, args["num_new_tokens"])
+        self._maybe_compact(st, request, args["num_new_tokens"],
+                            args.get("num_lookahead_tokens", 0),
+                            args.get("reserved_blocks", 0))
         self.stats.decide_s += time.perf_counter() - t0
         if not st.compacted:
             return orig(*bound.args, **bound.kwargs)
@@ -299,7 +310,8 @@ class BudgetScheduler:
         finally:
             request.num_computed_tokens = logical
 
-    def _maybe_compact(self, st: _Req, request, num_new: int) -> None:
+    def _maybe_compact(self, st: _Req, request, num_new: int, lookahead: int = 0,
+                       reserved: int = 0) -> None:
         computed = request.num_computed_tokens
         # Only once the prompt is computed, and on a step that reaches the last token
         # (a chunked prefill, or a recompute after preemption, first catches up).
@@ -307,11 +319,36 @@ class BudgetScheduler:
             return
         resident = computed - st.offset
         keep = st.budget.keep
-        if resident + num_new <= st.budget.tokens or keep >= resident:
+        if keep >= resident:
             return
-        self._compact(st, request.request_id, resident, keep)
+        if resident + num_new > st.budget.tokens:
+            self._compact(st, request.request_id, resident, keep)
+        elif computed >= request.num_tokens - 1:  # a decode step, not a recompute's last chunk
+            self._compact_early(st, request.request_id, resident, keep, num_new + lookahead,
+                                reserved)
 
-    def _compact(self, st: _Req, req_id: str, resident: int, keep: int) -> None:
+    def _compact_early(self, st: _Req, req_id: str, resident: int, keep: int, new: int,
+                       reserved: int) -> None:
+        """Within its budget, but this step's new blocks are not free: compacting now (to
+        `keep`, as the budget's next compaction would) instead of vLLM preempting a stream,
+        when that makes the allocation fit. vLLM checks its allocation against the same
+        count (`get_num_free_blocks`, cached-but-unreferenced blocks included)."""
+        blocks = self.stm.req_to_blocks[req_id]
+        bs = self.block_size
+        free = self.pool.get_num_free_blocks() - reserved
+        if cdiv(resident + new, bs) - len(blocks) <= free:
+            return  # it fits as it is: nothing changes
+        n_keep = cdiv(keep, bs)
+        cow = [b for b in blocks[:n_keep] if not _writable(b)]
+        need = max(0, cdiv(keep + new, bs) - n_keep) + len(cow)
+        if not self._defers_frees():  # else the freed blocks reach the pool after this step
+            free += sum(b.ref_cnt == 1 for b in cow + blocks[n_keep:])
+        if need > free:
+            return  # compacting would not save a preemption
+        if self._compact(st, req_id, resident, keep):
+            self.stats.early_compactions += 1
+
+    def _compact(self, st: _Req, req_id: str, resident: int, keep: int) -> bool:
         blocks = self.stm.req_to_blocks[req_id]
         n_keep = cdiv(keep, self.block_size)
         cow = [i for i in range(n_keep) if not _writable(blocks[i])]
@@ -321,7 +358,7 @@ class BudgetScheduler:
             (0 if deferred else sum(b.ref_cnt == 1 for b in release))
         if len(cow) > room:
             self.stats.no_room += 1
-            return  # no block to copy into: this step allocates as usual (vLLM may preempt)
+            return False  # no block to copy into: this step allocates as usual (vLLM may preempt)
         old = [b.block_id for b in blocks[:cdiv(resident, self.block_size)]]
         before = len(blocks)
         if deferred:
@@ -347,6 +384,7 @@ class BudgetScheduler:
         s.tokens_dropped += resident - keep
         s.blocks_released += before - len(kept)
         s.cow_blocks += len(cow)
+        return True
 
     def _defers_frees(self) -> bool:
         """Whether vLLM returns freed blocks to the pool only once the step in flight has

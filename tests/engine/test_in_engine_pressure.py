@@ -6,6 +6,8 @@ blocks of 128 tokens and prefills chunked to 256 tokens a step.
   must equal those of the same request run alone.
 - Chunked prefill: a prompt computed over several steps is compacted only once it is whole;
   the continuation equals the host path's after the same edit.
+- Block pressure: a stream that would grow into a new block, within its budget, when none is
+  free compacts early instead of vLLM preempting another stream.
 - Abort: budgeted requests cut off mid-generation (client gone) leave no block held and the
   engine serves the next budgeted request as before.
 The positional StreamingLLM policy is used where two batches are compared: its choice does
@@ -13,6 +15,7 @@ not depend on the last bits of the KV, which batch composition may change.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import http.client
 import json
 import threading
@@ -128,3 +131,26 @@ def test_aborted_budgeted_requests_leave_no_block_held(engine):
     assert stats(engine)["compactions"] - before.get("compactions", 0) >= 3
     # the engine is as it was: the same budgeted request decodes the same tokens
     assert greedy(engine, prompts[0], 300, budget, salt="abort-ref")[0] == ref
+
+
+def test_under_block_pressure_streams_compact_early_instead_of_being_preempted(engine):
+    # Five streams of 200-token prompts under a budget of 385 (keep 257: 3 blocks of 128,
+    # and the 385th token alone would take a 4th): 5 x 3 blocks fill the 15 usable ones, so
+    # a stream growing into its 4th block finds none free. Each compacts then, a token
+    # before its budget, rather than vLLM preempting another stream.
+    budget = EngineBudget(3 * 128 + 1, 128, "streaming_llm",
+                          {"sink": 4, "granularity": "token"})
+    prompts = [prompt_of(200, seed=40 + i) for i in range(5)]
+    settle(engine)
+    before, preempted = stats(engine), metric(engine, "vllm:num_preemptions_total")
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda p: greedy(engine, p, 450, budget)[0], prompts))
+    settle(engine)
+    after = stats(engine)
+    assert [len(o) for o in outs] == [450] * 5
+    early = after.get("early_compactions", 0) - before.get("early_compactions", 0)
+    assert early >= 5, after
+    assert after["compactions"] - before.get("compactions", 0) >= early
+    assert metric(engine, "vllm:num_preemptions_total") == preempted
+    assert after["stashes"] == before.get("stashes", 0)
+    assert metric(engine, "vllm:kv_cache_usage_perc") == 0.0
