@@ -20,13 +20,17 @@ the server has them; vLLM's prefix cache keeps its blocks until it needs the roo
 Bound: the window is at most MAX_WINDOW (4096) rows, so `len(repeat_ids) + len(region) -
 start` must fit; a longer region is refused with the numbers (kvpress splits the
 reconstruction into pieces of 2048 tokens, each with its own pass; not done here).
+Passes in flight: the connector captures at most `max_capture_bytes` of queries at once (its
+setting, 1 GiB by default) and a request past it gets none (vLLM's log says so; the client
+would only see the queries missing), so `reconstruct` keeps the passes it runs at once under
+`capture_bytes` (default half of the connector's default) of query rows.
 """
 from __future__ import annotations
 
 import asyncio
 import time
 
-from kvedit.query_contract import MAX_WINDOW
+from kvedit.query_contract import MAX_WINDOW, QueryShape
 from kvedit.sdk import queries as Q
 from kvedit.sdk.errors import StreamError, raise_batch
 from kvedit.sdk.loop import run_sync
@@ -34,6 +38,7 @@ from kvedit.sdk.metrics import Metrics, add_generation
 from kvedit.sdk.stream import Stream
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."  # kvpress's and the paper's
+CAPTURE_BYTES = 512 << 20  # query rows of the passes in flight (the connector's default: 1 GiB)
 
 
 class ReconstructError(StreamError):
@@ -78,23 +83,48 @@ async def _one(stream: Stream, repeat_ids, start: int, params, wait_timeout: flo
         await probe.arelease()
 
 
+def _in_flight(streams, repeat_ids, start: int, capture_bytes: int) -> int:
+    """How many passes may run at once: as many of the largest as fit in capture_bytes of
+    query rows on the busiest rank, at least one."""
+    worst = 0
+    for s in streams:
+        try:
+            _, window = pass_prompt(s, repeat_ids, start)
+        except ReconstructError:
+            continue  # reported by its own pass
+        for layout in s.ctx.layouts:
+            try:
+                worst = max(worst, window * QueryShape.of(layout, window).row_bytes)
+            except ValueError:
+                pass    # no query heads registered: the pass's fetch says so
+    return max(1, capture_bytes // worst) if worst else len(streams) or 1
+
+
 async def areconstruct(streams, repeat_ids, *, start: int = 0, sampling_params=None,
-                       wait_timeout: float = 60.0) -> Metrics:
+                       wait_timeout: float = 60.0,
+                       capture_bytes: int = CAPTURE_BYTES) -> Metrics:
     """Run KVzip's reconstruction pass for every stream (module docstring), concurrently.
     `repeat_ids`: the repeat prompt's token ids (e.g. the tokenizer's encoding of
     REPEAT_PROMPT followed by the chat template's end of the user turn and start of the
     assistant's); `start`: the first region token repeated (e.g. after the chat template's
-    opening, as kvpress). Returns Metrics("reconstruct"): the pass's prompt and cached tokens
-    and its wall time (its cost against the plain prefill)."""
+    opening, as kvpress). `capture_bytes`: query rows of the passes run at once (module
+    docstring; keep it at or under the connector's `max_capture_bytes`). Returns
+    Metrics("reconstruct"): the pass's prompt and cached tokens and its wall time (its cost
+    against the plain prefill)."""
     streams = list(streams)
     ids = [int(t) for t in repeat_ids]
     if not ids:
         raise ValueError("repeat_ids is empty: the pass needs a prompt that asks the model "
                          "to repeat its context (REPEAT_PROMPT, tokenized)")
     m = Metrics("reconstruct", num_streams=len(streams))
+    gate = asyncio.Semaphore(_in_flight(streams, ids, start, capture_bytes))
+
+    async def one(s):
+        async with gate:
+            await _one(s, ids, start, sampling_params, wait_timeout, m)
+
     t0 = time.perf_counter()
-    results = await asyncio.gather(*(_one(s, ids, start, sampling_params, wait_timeout, m)
-                                     for s in streams), return_exceptions=True)
+    results = await asyncio.gather(*(one(s) for s in streams), return_exceptions=True)
     m.duration = time.perf_counter() - t0
     errors = []
     for s, r in zip(streams, results):
@@ -112,10 +142,11 @@ async def areconstruct(streams, repeat_ids, *, start: int = 0, sampling_params=N
 
 
 def reconstruct(streams, repeat_ids, *, start: int = 0, sampling_params=None,
-                wait_timeout: float = 60.0) -> Metrics:
+                wait_timeout: float = 60.0, capture_bytes: int = CAPTURE_BYTES) -> Metrics:
     """The synchronous `areconstruct`."""
     return run_sync(areconstruct(streams, repeat_ids, start=start,
-                                 sampling_params=sampling_params, wait_timeout=wait_timeout))
+                                 sampling_params=sampling_params, wait_timeout=wait_timeout,
+                                 capture_bytes=capture_bytes))
 
 
 def share_queries(src: Stream, dst: Stream) -> None:

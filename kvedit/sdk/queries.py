@@ -182,8 +182,9 @@ def _missing(name: str, cap: Capture, key: bytes, rank: int, wait_timeout: float
     return (f"{name} needs captured queries but the kvedit server has none for its prompt "
             f"(window {cap.window}, key {key.hex()}) after waiting {wait_timeout} s: evicted "
             f"(a larger --l1-size-gb keeps them), deleted by an earlier edit of this stream, "
-            f"or never stored (is vLLM running the kvedit connector with query capture?). "
-            f"{again}")
+            f"or never captured (is vLLM running the kvedit connector with query capture? "
+            f"Requests past the connector's max_capture_bytes in flight get none: vLLM's log "
+            f"names them). {again}")
 
 
 async def release_queries(stream) -> int:

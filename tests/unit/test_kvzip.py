@@ -139,3 +139,25 @@ def test_scores_equal_transformers_attention_over_the_context(reconstruction):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
     flat = KVzip(0.5, granularity="token", sink=0).token_scores(r["kv"], lay, w)
     torch.testing.assert_close(flat, ref.mean(dim=(0, 1)), rtol=1e-4, atol=1e-6)
+
+
+def test_reconstruction_passes_in_flight_stay_under_the_capture_budget():
+    """The connector captures at most max_capture_bytes of queries at once and a request past
+    it gets none, so reconstruct runs only as many passes at once as fit in capture_bytes."""
+    from types import SimpleNamespace
+
+    from kvedit.layout import ModelLayout
+    from kvedit.sdk.kvzip import _in_flight
+
+    lay = ModelLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16",
+                      chunk_size=128, num_q_heads=9)          # SmolLM2-135M
+    ctx = SimpleNamespace(chunk_size=128, layouts=(lay,))
+    streams = [SimpleNamespace(ctx=ctx, prompt=list(range(640)), kv_tokens=640,
+                               label=f"s{i}") for i in range(120)]
+    repeat = list(range(10))
+    row = 30 * 9 * 64 * 2
+    per_pass = 650 * row                                     # window: 10 + 640 rows
+    assert _in_flight(streams, repeat, 0, 1 << 30) == (1 << 30) // per_pass   # 47
+    assert _in_flight(streams, repeat, 0, 512 << 20) == (512 << 20) // per_pass
+    assert _in_flight(streams, repeat, 0, 1) == 1              # always at least one
+    assert _in_flight([], repeat, 0, 1 << 30) == 1
