@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -224,12 +225,27 @@ class VllmProcess:
         except OSError:
             return ""
 
+    def root_cause(self) -> str:
+        """The first error vLLM's engine core or workers logged: when they fail at start the
+        API server's traceback ends the log ("See root cause above"), and the cause is
+        earlier."""
+        if self.log_path is None:
+            return ""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return first_error(lines)
+
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                cause = self.root_cause()
                 raise RuntimeError(f"vLLM exited with code {self.proc.returncode} before "
-                                   f"becoming ready; log {self.log_path}:\n{self.log_tail()}")
+                                   f"becoming ready" + (f"; first error: {cause}" if cause
+                                                        else "") +
+                                   f"; log {self.log_path}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -304,3 +320,16 @@ def start_vllm(model_dir, *, server=None, served_model_name: str = "tiny-qwen3",
         vp.stop()
         raise
     return vp
+
+
+_ERROR = re.compile(r"\b\w*(Error|Exception)\b(: |$)")
+_QUIET = re.compile(r"\b(INFO|WARNING|DEBUG)\b")  # log lines that only mention an error
+
+
+def first_error(lines: list[str]) -> str:
+    """The first line naming an exception from vLLM's engine core or a worker (the API
+    server only reports that they failed), else the first such line at all, else ""."""
+    hits = [ln.strip() for ln in lines if _ERROR.search(ln) and "Traceback" not in ln
+            and not _QUIET.search(ln)]
+    core = [ln for ln in hits if "EngineCore" in ln or "Worker" in ln or "rank" in ln]
+    return (core or hits or [""])[0][:1000]
