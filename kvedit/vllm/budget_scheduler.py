@@ -335,15 +335,11 @@ class BudgetScheduler:
         count (`get_num_free_blocks`, cached-but-unreferenced blocks included)."""
         blocks = self.stm.req_to_blocks[req_id]
         bs = self.block_size
-        free = self.pool.get_num_free_blocks() - reserved
-        if cdiv(resident + new, bs) - len(blocks) <= free:
+        if cdiv(resident + new, bs) - len(blocks) <= self.pool.get_num_free_blocks() - reserved:
             return  # it fits as it is: nothing changes
-        n_keep = cdiv(keep, bs)
-        cow = [b for b in blocks[:n_keep] if not _writable(b)]
-        need = max(0, cdiv(keep + new, bs) - n_keep) + len(cow)
-        if not self._defers_frees():  # else the freed blocks reach the pool after this step
-            free += sum(b.ref_cnt == 1 for b in cow + blocks[n_keep:])
-        if need > free:
+        cow, _, room = self._release_plan(blocks, keep)
+        need = max(0, cdiv(keep + new, bs) - cdiv(keep, bs)) + len(cow)
+        if need > room - reserved:
             return  # compacting would not save a preemption
         if self._compact(st, req_id, resident, keep):
             self.stats.early_compactions += 1
@@ -351,11 +347,8 @@ class BudgetScheduler:
     def _compact(self, st: _Req, req_id: str, resident: int, keep: int) -> bool:
         blocks = self.stm.req_to_blocks[req_id]
         n_keep = cdiv(keep, self.block_size)
-        cow = [i for i in range(n_keep) if not _writable(blocks[i])]
-        release = [blocks[i] for i in cow] + blocks[n_keep:]
+        cow, release, room = self._release_plan(blocks, keep)
         deferred = self._defers_frees()
-        room = self.pool.get_num_free_blocks() + \
-            (0 if deferred else sum(b.ref_cnt == 1 for b in release))
         if len(cow) > room:
             self.stats.no_room += 1
             return False  # no block to copy into: this step allocates as usual (vLLM may preempt)
@@ -385,6 +378,18 @@ class BudgetScheduler:
         s.blocks_released += before - len(kept)
         s.cow_blocks += len(cow)
         return True
+
+    def _release_plan(self, blocks: list, keep: int) -> tuple[list[int], list, int]:
+        """Compacting `blocks` to `keep` tokens: (indices of kept blocks that must be copied
+        on write, the blocks released, vLLM's free blocks once they are: its free count plus
+        the released blocks only this request held, unless frees wait past this step)."""
+        n_keep = cdiv(keep, self.block_size)
+        cow = [i for i in range(n_keep) if not _writable(blocks[i])]
+        release = [blocks[i] for i in cow] + blocks[n_keep:]
+        room = self.pool.get_num_free_blocks()
+        if not self._defers_frees():  # deferred: the freed blocks reach the pool after it
+            room += sum(b.ref_cnt == 1 for b in release)
+        return cow, release, room
 
     def _defers_frees(self) -> bool:
         """Whether vLLM returns freed blocks to the pool only once the step in flight has

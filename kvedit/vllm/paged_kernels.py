@@ -16,6 +16,8 @@ the same kernels run on CPU tensors (tests/unit/test_paged_kernels.py).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -88,36 +90,28 @@ class LayerTable:
 
     def gather(self, kblock: torch.Tensor, pos: torch.Tensor, out: torch.Tensor) -> None:
         """out [2, L, T, D] <- the tokens at (kernel block, in-block position) [T]."""
-        n = kblock.numel()
-        if n:
-            _gather[(n, 2 * self.num_layers)](
-                self.base, self.offsets, kblock, pos, self._dense(out, n), n,
-                self.num_layers, *self.strides, HD=self.hd, H=self.heads, BLOCK=self.block)
+        self._launch(_gather, kblock, pos, out)
 
     def scatter(self, kblock: torch.Tensor, pos: torch.Tensor, src: torch.Tensor) -> None:
         """The tokens at (kernel block, in-block position) [T] <- src [2, L, T, D]."""
+        self._launch(_scatter, kblock, pos, src)
+
+    def _launch(self, kernel, kblock: torch.Tensor, pos: torch.Tensor,
+                dense: torch.Tensor) -> None:
         n = kblock.numel()
         if n:
-            _scatter[(n, 2 * self.num_layers)](
-                self.base, self.offsets, kblock, pos, self._dense(src, n), n,
+            kernel[(n, 2 * self.num_layers)](
+                self.base, self.offsets, kblock, pos, self._dense(dense, n), n,
                 self.num_layers, *self.strides, HD=self.hd, H=self.heads, BLOCK=self.block)
 
 
 def available(layers: list[torch.Tensor], kind: str) -> bool:
     """Whether the kernels can serve these layers: Triton present, the "cuda" layout, more
-    than one layer allocation (one storage is already one op per K/V), and every layer's
-    data pointer a whole number of elements from the first's."""
+    than one layer allocation (one storage is already one op per K/V), on a GPU (or in
+    Triton's interpreter). Addressing in words is LayerTable's check (`_fits`)."""
     if triton is None or kind != "cuda" or len(layers) < 2:
         return False
-    first = layers[0]
-    if first.device.type != "cuda" and not _interpreting():
-        return False
-    return all((t.data_ptr() - first.data_ptr()) % first.element_size() == 0 for t in layers)
-
-
-def _interpreting() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return layers[0].device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _fits(layers: list[torch.Tensor], head_dim: int, nbytes: int, word: int) -> bool:
