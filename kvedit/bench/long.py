@@ -354,7 +354,8 @@ def _engine_arm(eng: dict, base: dict, host: dict, n: int, cap: int,
                                   if eng["tokens_per_step"] and host["tokens_per_step"]
                                   else None),
             "blocks_freed": s.get("blocks_released"), "blocks_reused": s.get("blocks_reused"),
-            "cow_blocks": s.get("cow_blocks"), "compactions": s.get("compactions"),
+            "cow_blocks": s.get("cow_blocks"), "uncached_blocks": s.get("uncached_blocks"),
+            "compactions": s.get("compactions"),
             "early_compactions": s.get("early_compactions"),
             "stashes": s.get("stashes"), "restores": s.get("restores"),
             "rotations": s.get("rotations")}

@@ -14,12 +14,16 @@ block list, and the list holds only cdiv(resident, block_size) blocks. So:
   hold KV that the logical block hashes do not describe).
 - When the next tokens would take a decoding request past its budget, the compaction is
   decided here, right before its allocation (so the step never needs blocks it frees): the
-  list is cut to cdiv(keep, block_size) blocks and the tail freed. A kept block that is not
-  writable by this request alone (shared through the prefix cache, or hashed, so a later
-  request may hit it) is never written: a fresh block takes its place (copy on write) and
-  the old one keeps its contents for whoever else reads it. The workers move the data
-  before the step's forward (`budget_worker.py`); every read of the step precedes every
-  write, so blocks freed here may be handed to another request in the same step.
+  list is cut to cdiv(keep, block_size) blocks and the tail freed. A kept block another
+  request holds too (shared through the prefix cache) is never written: a fresh block takes
+  its place (copy on write) and the old one keeps its contents for whoever else reads it. A
+  kept block only this request holds but that sits in vLLM's prefix cache (hashed, so a
+  later request could hit it) is taken out of the prefix cache by vLLM's own eviction and
+  written in place (`cached_kept_blocks` "uncache", the default), or copied like a shared
+  one ("copy": later requests keep hitting it, at one more block per kept block). The
+  workers move the data before the step's forward (`budget_worker.py`); every read of the
+  step precedes every write, so blocks freed here may be handed to another request in the
+  same step.
 - Under block pressure a budgeted request compacts up to one round early rather than vLLM
   preempting a stream: when a decoding request (its prompt computed, the step past any
   catch-up chunk) holds more than its budget's `keep` tokens and this step needs more new
@@ -43,6 +47,7 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 from kvedit.budget import BudgetError, EngineBudget, from_params
 from kvedit.vllm.budget_plan import BudgetStep, Compaction, Restore, Stash
@@ -78,7 +83,9 @@ class BudgetStats:
     tokens_dropped: int = 0
     blocks_released: int = 0   # the requests' block lists shrank by this many
     blocks_reused: int = 0     # blocks freed by a compaction that vLLM handed out again
-    cow_blocks: int = 0        # shared or cached blocks replaced rather than written
+    cow_blocks: int = 0        # kept blocks replaced rather than written (shared, or cached
+                               # with cached_kept_blocks "copy")
+    uncached_blocks: int = 0   # kept blocks taken out of the prefix cache, written in place
     no_room: int = 0           # compactions put off: no free block for a copy on write
     stashes: int = 0
     restores: int = 0
@@ -105,6 +112,7 @@ class BudgetScheduler:
     freed: set[int] = field(default_factory=set)  # block ids freed by compactions
     stash_left: int = 0
     turn_tokens: int = 512
+    cached_kept_blocks: str = "uncache"   # or "copy" (ConnectorSettings.cached_kept_blocks)
     stats_every: float = 30.0
     _last_warn: float = -1e9
     _logged: float = -1e9
@@ -113,6 +121,7 @@ class BudgetScheduler:
     def __post_init__(self):
         self.stash_left = self.stash_bytes
         self.manager = self.scheduler = self.stm = self.pool = None
+        self._uncache: Callable | None = None  # vLLM's eviction of one block from its prefix cache
 
     # ---- binding to vLLM ----------------------------------------------------------------
     def bind(self, manager, scheduler) -> None:
@@ -131,6 +140,12 @@ class BudgetScheduler:
                                f"{len(managers)} (hybrid or sliding-window models)")
         self.manager, self.scheduler, self.stm, self.pool = manager, scheduler, managers[0], pool
         self.stats.pool_total = pool.num_gpu_blocks
+        if self.cached_kept_blocks == "uncache":
+            self._uncache = prefix_uncacher(pool)
+            if self._uncache is None:
+                logger.warning("kvedit: vLLM's block pool has no eviction of a cached block "
+                               "(evict_blocks, _maybe_evict_cached_block); cached kept blocks "
+                               "are copied on write")
         sig = inspect.signature(orig_alloc)
 
         def allocate_slots(request, num_new_tokens, *args, **kwargs):
@@ -337,9 +352,9 @@ class BudgetScheduler:
         bs = self.block_size
         if cdiv(resident + new, bs) - len(blocks) <= self.pool.get_num_free_blocks() - reserved:
             return  # it fits as it is: nothing changes
-        cow, _, room = self._release_plan(blocks, keep)
-        need = max(0, cdiv(keep + new, bs) - cdiv(keep, bs)) + len(cow)
-        if need > room - reserved:
+        plan = self._release_plan(blocks, keep)
+        need = max(0, cdiv(keep + new, bs) - cdiv(keep, bs)) + len(plan.cow)
+        if need > plan.room - reserved:
             return  # compacting would not save a preemption
         if self._compact(st, req_id, resident, keep):
             self.stats.early_compactions += 1
@@ -347,11 +362,20 @@ class BudgetScheduler:
     def _compact(self, st: _Req, req_id: str, resident: int, keep: int) -> bool:
         blocks = self.stm.req_to_blocks[req_id]
         n_keep = cdiv(keep, self.block_size)
-        cow, release, room = self._release_plan(blocks, keep)
+        plan = self._release_plan(blocks, keep)
+        cow, release = plan.cow, plan.release
         deferred = self._defers_frees()
-        if len(cow) > room:
+        if len(cow) > plan.room:
             self.stats.no_room += 1
             return False  # no block to copy into: this step allocates as usual (vLLM may preempt)
+        for b in plan.uncache:
+            # Only this request holds it, so only a later lookup could read it: with its
+            # hashes gone none can. Lookups of this step come after this point: vLLM's
+            # schedule() allocates its running requests (this one) before its waiting ones
+            # look up the prefix cache, and a request that hit the block in an earlier step
+            # holds it (ref_cnt > 1: copied, never written). The block's frees are this
+            # request's own, deferred or not, and it is never cached again (compacted).
+            self._uncache(b)
         old = [b.block_id for b in blocks[:cdiv(resident, self.block_size)]]
         before = len(blocks)
         if deferred:
@@ -377,19 +401,26 @@ class BudgetScheduler:
         s.tokens_dropped += resident - keep
         s.blocks_released += before - len(kept)
         s.cow_blocks += len(cow)
+        s.uncached_blocks += len(plan.uncache)
         return True
 
-    def _release_plan(self, blocks: list, keep: int) -> tuple[list[int], list, int]:
-        """Compacting `blocks` to `keep` tokens: (indices of kept blocks that must be copied
-        on write, the blocks released, vLLM's free blocks once they are: its free count plus
-        the released blocks only this request held, unless frees wait past this step)."""
+    def _release_plan(self, blocks: list, keep: int) -> _ReleasePlan:
+        """Compacting `blocks` to `keep` tokens: which kept blocks are copied on write or
+        taken out of the prefix cache, which blocks are released, and the room for copies."""
         n_keep = cdiv(keep, self.block_size)
-        cow = [i for i in range(n_keep) if not _writable(blocks[i])]
+        cow, uncache = [], []
+        for i in range(n_keep):
+            b = blocks[i]
+            if b.is_null or b.ref_cnt != 1 or \
+                    (b.block_hash is not None and self._uncache is None):
+                cow.append(i)
+            elif b.block_hash is not None:
+                uncache.append(b)
         release = [blocks[i] for i in cow] + blocks[n_keep:]
         room = self.pool.get_num_free_blocks()
         if not self._defers_frees():  # deferred: the freed blocks reach the pool after it
             room += sum(b.ref_cnt == 1 for b in release)
-        return cow, release, room
+        return _ReleasePlan(cow, uncache, release, room)
 
     def _defers_frees(self) -> bool:
         """Whether vLLM returns freed blocks to the pool only once the step in flight has
@@ -492,6 +523,27 @@ class BudgetScheduler:
                            "but %s", req_id, outcome, why)
 
 
-def _writable(block) -> bool:
-    """Whether this request alone holds the block and no prefix-cache hash points at it."""
-    return block.ref_cnt == 1 and block.block_hash is None and not block.is_null
+@dataclass(slots=True)
+class _ReleasePlan:
+    """A compaction's blocks: `cow` indices of kept blocks copied on write (another request
+    holds them, or cached with cached_kept_blocks "copy"), `uncache` kept blocks taken out of
+    the prefix cache and written in place, `release` the blocks the request lets go, `room`
+    vLLM's free blocks once they are (its free count plus the released blocks only this
+    request held, unless frees wait past this step)."""
+    cow: list[int]
+    uncache: list
+    release: list
+    room: int
+
+
+def prefix_uncacher(pool) -> Callable | None:
+    """vLLM's own removal of one allocated block from its prefix cache: the block pool's
+    `evict_blocks` (for connectors: a block still referenced stays allocated, only its
+    lookup entries go), else the `_maybe_evict_cached_block` it calls; both drop every
+    lookup entry that points at the block, reset its hash and emit vLLM's KV-event of the
+    removal. None where the pool has neither."""
+    evict = getattr(pool, "evict_blocks", None)
+    if callable(evict):
+        return lambda block: evict({block.block_id})
+    one = getattr(pool, "_maybe_evict_cached_block", None)
+    return one if callable(one) else None

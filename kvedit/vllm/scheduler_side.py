@@ -367,4 +367,5 @@ def _budget_scheduler(vllm_config, settings: ConnectorSettings,
                                      decodes=True)
     return BudgetScheduler(block_size, token_bytes, settings.stash_bytes, why, no_queries,
                            turn_tokens=settings.turn_tokens,
+                           cached_kept_blocks=settings.cached_kept_blocks,
                            stats_every=settings.stats_interval_s)

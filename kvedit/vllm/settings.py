@@ -18,6 +18,7 @@ GPTJ_STYLE_MODELS = {"gptj", "glm", "glm4", "chatglm", "cohere", "cohere2", "com
 
 
 QueryCaptureMode = Literal["auto", "on", "off"]
+CachedKeptBlocks = Literal["uncache", "copy"]
 
 
 @dataclass(slots=True)
@@ -65,6 +66,12 @@ class ConnectorSettings:
     # When budgeted requests do not all fit, one that has run turn_tokens since it last
     # started yields its blocks to a stashed one (time slicing); fewer swaps, longer turns.
     turn_tokens: int = 512
+    # A compaction's kept block that sits in vLLM's prefix cache and that only the compacted
+    # request holds: "uncache" takes it out of the prefix cache and writes it in place (a later
+    # request with the same prefix misses those blocks); "copy" writes a fresh block instead
+    # and leaves the cached one for later hits (one more block per kept block while the old
+    # one waits in the pool). A block another running request holds is always copied.
+    cached_kept_blocks: CachedKeptBlocks = "uncache"
 
     def background_commit(self, on_cuda: bool) -> bool:
         """Whether stores commit from a background thread: async_store, else on CUDA only.
@@ -101,6 +108,10 @@ class ConnectorSettings:
                              "count >= 0 (0: no pins)")
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
             raise ValueError(f"kvedit connector: pin_ttl_s {ttl!r}; expected seconds > 0")
+        kept = extra.get("cached_kept_blocks", defaults["cached_kept_blocks"])
+        if kept not in get_args(CachedKeptBlocks):
+            raise ValueError(f"kvedit connector: cached_kept_blocks {kept!r}; expected one of "
+                             f"{list(get_args(CachedKeptBlocks))}")
         if not isinstance(extra.get("in_engine", False), bool):
             raise ValueError(f"kvedit connector: in_engine {extra['in_engine']!r}; expected "
                              "true or false")
