@@ -101,7 +101,8 @@ class BudgetWorker:
         self.offsets: dict[str, int] = {}      # req -> logical - resident (in the batch)
         self.modes: dict[str, str] = {}        # req -> "compact" | "logical"
         self.stash: dict[str, torch.Tensor] = {}
-        self.pending: list[tuple[list[int], torch.Tensor]] = []  # writes for `write`
+        # writes for `write`: (blocks, KV, first slot)
+        self.pending: list[tuple[list[int], torch.Tensor, int]] = []
         self.policies: dict[str, object] = {}
         self.stats = WorkerStats()
         self.stats_every, self._logged = stats_every, 0.0
@@ -136,12 +137,12 @@ class BudgetWorker:
         for req_id, window in step.capture:
             self.recent.add(req_id, window)
         gone = {s.req_id for s in step.stashes} | set(step.forget)
-        kept: dict[str, torch.Tensor] = {}
+        kept: dict[str, tuple[torch.Tensor, int]] = {}  # req -> (kept KV, its first slot)
         for c in step.compactions:
-            kept[c.req_id] = self._kept(c)
+            kept[c.req_id] = self._kept(c, whole=c.req_id in gone)
             self.modes[c.req_id] = c.budget.positions
         for s in step.stashes:
-            data = kept.get(s.req_id)
+            data = kept.get(s.req_id, (None, 0))[0]
             if data is None:
                 data = compact.gather(self.paged, self._blocks(s.req_id), s.resident)
             self.stash[s.req_id] = _to_host(data)
@@ -150,7 +151,8 @@ class BudgetWorker:
         for c in step.compactions:
             if c.req_id in gone:
                 continue
-            self.pending.append((c.new_blocks, kept[c.req_id]))
+            data, start = kept[c.req_id]
+            self.pending.append((c.new_blocks, data, start))
             self._set_blocks(c.req_id, c.new_blocks)
             self.offsets[c.req_id] = c.offset
         for r in step.restores:
@@ -158,7 +160,7 @@ class BudgetWorker:
             if data is None:
                 raise RuntimeError(f"kvedit: the scheduler resumes {r.req_id} from a stash this "
                                    "worker does not hold (the two sides disagree)")
-            self.pending.append((r.blocks, data.to(self.paged.device, non_blocking=True)))
+            self.pending.append((r.blocks, data.to(self.paged.device, non_blocking=True), 0))
             self.offsets[r.req_id] = r.offset
             self.stats.restored += 1
         for req_id in step.forget:
@@ -183,8 +185,8 @@ class BudgetWorker:
         if not self.pending:
             return
         t0 = self._begin()
-        for blocks, data in self.pending:
-            compact.scatter(self.paged, blocks, data)
+        for blocks, data, start in self.pending:
+            compact.scatter(self.paged, blocks, data, start)
         self.pending = []
         self._end(t0)
 
@@ -209,8 +211,11 @@ class BudgetWorker:
             a, b = self._events.pop(0)
             s.device_s += a.elapsed_time(b) / 1e3
 
-    def _kept(self, c: Compaction) -> torch.Tensor:
-        """Score request `c`'s resident tokens with its policy and build the kept KV."""
+    def _kept(self, c: Compaction, whole: bool) -> tuple[torch.Tensor, int]:
+        """Score request `c`'s resident tokens with its policy and build the kept KV: (the KV
+        of kept slots start..keep-1, start). Unless `whole` (a stash takes it), the leading
+        kept slots that stay where they are are left out (`compact.unmoved`; only where the
+        kept slots are on the host: finding them on a device would wait for it)."""
         base = self.policies.get(c.req_id)
         if base is None:
             base = self.policies[c.req_id] = c.budget.policy_object()
@@ -235,11 +240,18 @@ class BudgetWorker:
             shape = (2, self.paged.num_layers, c.resident, self.paged.hidden)
             stand_in = torch.zeros((), dtype=self.paged.dtype).expand(shape)
             idx = policy.select(stand_in, c.keep, self.layout, **kw)
+            start = self._unmoved(c, idx, whole)
             return compact.gather_kept(self.paged, c.old_blocks, idx, self.layout,
-                                       c.budget.positions)
+                                       c.budget.positions, start), start
         kv = compact.gather(self.paged, c.old_blocks, c.resident)
         idx = policy.select(kv, c.keep, self.layout, **kw)
-        return compact.kept_kv(kv, idx, self.layout, c.budget.positions)
+        start = self._unmoved(c, idx, whole)
+        return compact.kept_kv(kv, idx, self.layout, c.budget.positions)[:, :, start:], start
+
+    def _unmoved(self, c: Compaction, idx: torch.Tensor, whole: bool) -> int:
+        if whole or idx.device.type != "cpu":
+            return 0
+        return compact.unmoved(idx, c.old_blocks, c.new_blocks, self.paged.block_size)
 
     def _blocks(self, req_id: str) -> list[int]:
         return list(self.runner.requests[req_id].block_ids[0])
@@ -280,24 +292,32 @@ class BudgetWorker:
 
     def _shift_host(self, rows: list[tuple[int, int, bool]]) -> None:
         """On the CPU every buffer is host memory: fix only the compacted requests' entries,
-        in place through numpy views (the slot of position p: its block's id times the block
-        size, plus p within the block, as vLLM's slot-mapping kernel computes it)."""
+        in place through numpy views, all rows at once (the slot of position p: its block's
+        id times the block size, plus p within the block, as vLLM's slot-mapping kernel
+        computes it)."""
         r = self.runner
         qsl = r.query_start_loc.np
         pos, seq = r.positions.numpy(), r.seq_lens.numpy()
         upper = r.optimistic_seq_lens_cpu.numpy()
         table = r.input_batch.block_table[0]
         blocks, slots, bs = table.block_table.np, table.slot_mapping.np, table.block_size
-        for i, off, compact_pos in rows:
-            a, b = int(qsl[i]), int(qsl[i + 1])
-            seq[i] -= off
-            upper[i] -= off
-            if compact_pos:
-                pos[a:b] -= off
-                at = pos[a:b]
-            else:
-                at = pos[a:b] - off
-            slots[a:b] = blocks[i, at // bs] * bs + at % bs
+        row, off, compact_pos = np.array(rows, dtype=np.int64).T
+        seq[row] -= off
+        upper[row] -= off
+        rope = off * compact_pos
+        start = qsl[row]
+        counts = qsl[row + 1] - start
+        if counts.max() > 1:  # the step's token indices of these rows, row after row
+            tok = np.arange(counts.sum()) + np.repeat(start - (np.cumsum(counts) - counts),
+                                                      counts)
+            row, off, rope = np.repeat(row, counts), np.repeat(off, counts), \
+                np.repeat(rope, counts)
+        else:                 # decodes: one token per row
+            tok = start
+        if rope.any():
+            pos[tok] -= rope
+        at = pos[tok] - (off - rope)
+        slots[tok] = blocks[row, at // bs] * bs + at % bs
 
     def _shift_device(self, rows: list[tuple[int, int, bool]], counts: np.ndarray,
                       n: int) -> None:

@@ -7,7 +7,9 @@ them into one tensor [2, L, R, D] (`gather`), lets the policy pick the kept slot
 takes its own slots), and scatters it to slots 0..R'-1 of the request's new block list
 (`scatter`). Every read of a step happens before any write (the caller gathers all
 compactions and stashes first), so a block may be both a source and, after the scheduler
-handed it to someone else, a target in the same step.
+handed it to someone else, a target in the same step. Kept slots that stay where they are
+(the leading ones before the first dropped slot, in a block written in place) already hold
+their bytes: `unmoved` counts them, and a compaction reads and writes only the rest.
 
 Positions. With "compact" positions slot j always holds the key rotated to position j: the
 kept keys are re-rotated from their old slot index to their new one (per head when per
@@ -32,18 +34,39 @@ def gather(paged: PagedKV, block_ids: list[int], n: int) -> torch.Tensor:
 
 
 def gather_kept(paged: PagedKV, block_ids: list[int], keep: torch.Tensor, layout: ModelLayout,
-                positions: str) -> torch.Tensor:
+                positions: str, start: int = 0) -> torch.Tensor:
     """`kept_kv` of the slots `keep` [R'] read straight from the paged cache (a policy that
-    scores by position alone needs no other slot)."""
+    scores by position alone needs no other slot), from kept slot `start` on: [2, L, R' -
+    start, D], bound for slots start..R'-1."""
+    keep = keep[start:]
     out = torch.empty((2, paged.num_layers, keep.numel(), paged.hidden), dtype=paged.dtype,
                       device=paged.device)
     paged.gather(paged.slots_at(block_ids, keep.cpu()), out)
-    return _rotate(out, keep, layout, positions)
+    return _rotate(out, keep, layout, positions, start)
 
 
-def scatter(paged: PagedKV, block_ids: list[int], kv: torch.Tensor) -> None:
-    """Write `kv` [2, L, n, D] into slots 0..n-1 of a request's blocks."""
-    paged.scatter(paged.slots(block_ids, 0, kv.shape[2]), kv)
+def scatter(paged: PagedKV, block_ids: list[int], kv: torch.Tensor, start: int = 0) -> None:
+    """Write `kv` [2, L, n, D] into slots start..start+n-1 of a request's blocks."""
+    paged.scatter(paged.slots(block_ids, start, start + kv.shape[2]), kv)
+
+
+def unmoved(keep: torch.Tensor, old_blocks: list[int], new_blocks: list[int],
+            block_size: int) -> int:
+    """How many leading kept slots stay where they are: slot j keeps slot j (in every head)
+    in a block that is the same before and after. Their bytes need no copy (with compact
+    positions their rotation is by 0). `keep` is [R'] or [L, H, R'], on any device (on a
+    device this waits for it: callers pass host indices where they have them)."""
+    n = keep.shape[-1]
+    same = next((i for i, (a, b) in enumerate(zip(old_blocks, new_blocks)) if a != b),
+                min(len(old_blocks), len(new_blocks)))
+    limit = min(n, same * block_size)
+    if limit == 0:
+        return 0
+    moved = (keep[..., :limit] != torch.arange(limit, device=keep.device))
+    if moved.dim() > 1:
+        moved = moved.flatten(0, -2).any(0)
+    first = moved.nonzero()
+    return int(first[0]) if first.numel() else limit
 
 
 def kept_kv(kv: torch.Tensor, keep: torch.Tensor, layout: ModelLayout,
@@ -70,14 +93,14 @@ def kept_kv(kv: torch.Tensor, keep: torch.Tensor, layout: ModelLayout,
 
 
 def _rotate(out: torch.Tensor, keep: torch.Tensor, layout: ModelLayout,
-            positions: str) -> torch.Tensor:
-    """Compact positions: the kept keys `out[0]` from their old slots `keep` [R'] to 0..R'-1.
-    Kept slots before the first dropped one stay where they are: skipped when `keep` is on
-    the host; on a device every slot is rotated (by 0 for those: exact), since finding the
-    first moved slot there would make the host wait for the device."""
+            positions: str, start: int = 0) -> torch.Tensor:
+    """Compact positions: the kept keys `out[0]` from their old slots `keep` [n] to
+    start..start+n-1. Kept slots that stay where they are (the leading ones) are skipped when
+    `keep` is on the host; on a device every slot is rotated (by 0 for those: exact), since
+    finding the first moved slot there would make the host wait for the device."""
     if positions != "compact":
         return out
-    new = torch.arange(keep.numel(), device=keep.device)
+    new = torch.arange(start, start + keep.numel(), device=keep.device)
     lo = 0
     if keep.device.type == "cpu":
         moved = (new != keep).nonzero()

@@ -2,7 +2,9 @@
 vLLM's CPU layout, and the budget contract (kvedit.budget).
 
 References: a per-token loop over the kept slots (per head), keys re-rotated with one
-`rerotate` call per head; the request's other blocks and every other block untouched.
+`rerotate` call per head; the request's other blocks and every other block untouched; a
+compaction that leaves out the kept slots staying in place writes the bytes of one that
+copies them all.
 """
 from __future__ import annotations
 
@@ -63,6 +65,32 @@ def test_kept_kv_per_token_and_per_head_match_a_loop(positions):
                 rerotate(one, per_head[la, h], torch.arange(7), rope=LAYOUT.rope, head_dim=HD)
             torch.testing.assert_close(got[:, la:la + 1, :, cols], one, rtol=1e-5, atol=1e-5)
     assert not torch.equal(got[:, :, :, :HD], got[:, :, :, HD:])  # heads keep their own
+
+
+@pytest.mark.parametrize("positions", ["compact", "logical"])
+@pytest.mark.parametrize("case", ["in_place", "copied_block", "per_head"])
+def test_slots_that_stay_in_place_are_left_out_with_the_same_bytes(positions, case):
+    keep = torch.cat([torch.arange(21), torch.arange(30, 45)])   # 21 stay, 15 move down
+    old, new = [4, 8, 1], [4, 8, 1][:3]
+    if case == "copied_block":
+        new = [4, 11, 1]          # the second kept block is a fresh copy: only 16 stay
+    if case == "per_head":        # slot 20 moves in one head only
+        keep = keep.expand(L, H, -1).clone()
+        keep[1, 0, 20] = 25
+    want = {"in_place": 21, "copied_block": 16, "per_head": 20}[case]
+    assert compact.unmoved(keep, old, new, BS) == want
+    results = []
+    for start in (0, want):
+        layers, paged = paged_cache(seed=5)
+        if case == "per_head":
+            kept = compact.kept_kv(compact.gather(paged, old, 48), keep, LAYOUT,
+                                   positions)[:, :, start:]
+        else:
+            kept = compact.gather_kept(paged, old, keep, LAYOUT, positions, start)
+        compact.scatter(paged, new, kept, start)
+        results.append(layers)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_budget_contract_round_trips_and_names_what_is_wrong():
