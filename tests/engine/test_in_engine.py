@@ -9,7 +9,11 @@ references:
   same slots whatever the KV's last bits).
 Isolation: in one batch, requests without a budget decode exactly as in a run where nobody
 asks for one, and prefix-cache blocks the budgeted requests share are never written (a later
-request served from them decodes as one computed from scratch).
+request served from them decodes as one computed from scratch). Kept blocks in the prefix
+cache that only the compacted request holds are taken out of it and written in place (no
+copy on write, the host path's tokens, and a later request with the same prompt decodes as
+one computed from scratch); a block another running request holds is still copied (that
+request decodes as it does alone).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import concurrent.futures as cf
 import json
 import random
 import re
+import threading
 import urllib.error
 import urllib.request
 import uuid
@@ -267,3 +272,74 @@ def test_many_requests_compact_in_one_step_each_as_if_alone(engine):
     # requests prefilled in the same step compact in the same step (how many arrive
     # together for the first step is up to the HTTP server)
     assert stats(engine, "worker ")["most_in_a_step"] >= 3
+
+
+def test_cached_blocks_only_the_request_holds_are_uncached_not_copied(engine, kv_server):
+    """A finished request leaves its prompt's blocks in vLLM's prefix cache; a budgeted
+    request with the same prompt hits them, holds them alone, and at its first compaction
+    (right after the prefill, as above) writes its two kept blocks in place once vLLM's
+    prefix cache no longer points at them."""
+    prompt, salt = prompt_of(P, seed=31), uuid.uuid4().hex
+    first = post(engine, {"prompt": prompt, "max_tokens": 1, "cache_salt": salt})
+    assert "choices" in first, first
+    before = stats(engine)
+    policy = StreamingLLM(0.5, sink=4, granularity="token")
+    eng, eng_lp = greedy(engine, prompt, N + 1, EngineBudget(KEEP + EVERY, EVERY,
+                                                             "streaming_llm", {"sink": 4}), salt)
+    after = stats(engine)
+    assert after["cow_blocks"] == before.get("cow_blocks", 0)
+    assert after["uncached_blocks"] - before.get("uncached_blocks", 0) == KEEP // 128
+    host, host_lp = host_path(engine, kv_server, prompt, policy, N)
+    assert eng == host
+    torch.testing.assert_close(torch.tensor(eng_lp[1:]), torch.tensor(host_lp[1:]),
+                               rtol=0, atol=1e-4)
+    # no lookup finds the overwritten blocks: the same prompt again decodes as from scratch
+    body = {"prompt": prompt + prompt_of(20, seed=98), "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, "cache_salt": salt}
+    again = post(engine, body)
+    fresh = post(engine, {**body, "cache_salt": uuid.uuid4().hex})
+    print("cached tokens of the same prompt after the compaction:",
+          (again["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"))
+    assert again["choices"][0]["text"] == fresh["choices"][0]["text"]
+
+
+def stream_text(vp, prompt, n: int, salt: str, started: threading.Event) -> str:
+    """A greedy completion streamed; `started` is set once its first token has arrived."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "cache_salt": salt, "stream": True}
+    req = urllib.request.Request(vp.base_url + "/v1/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    text = []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            text.append(json.loads(line[6:])["choices"][0]["text"])
+            started.set()
+    return "".join(text)
+
+
+def test_a_block_another_running_request_holds_is_copied_not_written(engine):
+    """A plain request runs; a budgeted one with the same prompt (and salt) hits its two
+    full prompt blocks and compacts while both run: those kept blocks are copied, the plain
+    request decodes exactly as alone, and the budgeted one as it does when it holds its
+    blocks alone (and uncaches them instead)."""
+    prompt = prompt_of(300, seed=61)
+    budget = EngineBudget(320, 64, "streaming_llm", {"granularity": "token"})
+    body = {"prompt": prompt, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    alone = post(engine, {**body, "cache_salt": uuid.uuid4().hex})["choices"][0]["text"]
+    budgeted_alone, _ = greedy(engine, prompt, 120, budget)
+    salt, started = uuid.uuid4().hex, threading.Event()
+    before = stats(engine)
+    with cf.ThreadPoolExecutor(1) as ex:
+        plain = ex.submit(stream_text, engine, prompt, 200, salt, started)
+        assert started.wait(120), "the plain request did not start"
+        shared, _ = greedy(engine, prompt, 120, budget, salt)
+        plain_text = plain.result()
+    after = stats(engine)
+    assert after["cow_blocks"] - before.get("cow_blocks", 0) == 2
+    assert after["uncached_blocks"] == before.get("uncached_blocks", 0)
+    assert plain_text == alone
+    assert shared == budgeted_alone
