@@ -114,6 +114,12 @@ class PagedKV:
         self.table = None
         if len(self.groups) > 1 and paged_kernels.available(layers, kind):
             self.table = _checked_table(self, layers, head_dim)
+        # CPU layouts: each layer's kernel block is one contiguous tile of every head's K and
+        # V, so a copy can move whole blocks ([L', blocks, block elements] per layer group).
+        # Only the AMX layout gains: the "cpu" layout's K is a transposed tile, and reordering
+        # it whole costs more than its per-token ops.
+        self.block_views = [self._block_view(run) for run in runs] \
+            if kind == "cpu_amx" and self.device.type == "cpu" else None
 
     def _views(self, run: list[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Strided views [L', blocks, *pos factors, H, *dim factors] of K and of V, in
@@ -222,6 +228,12 @@ class PagedKV:
         if self._kernel(slots, out):
             self.table.gather(*slots[0], out)
             return
+        if self._blockwise_gather(slots, out):
+            return
+        self._gather_slots(slots, out)
+
+    def _gather_slots(self, slots: tuple[list[torch.Tensor], ...], out: torch.Tensor) -> None:
+        """`gather` by one advanced-indexing op per K/V and layer group."""
         groups, r, out = self._plan(out)
         for lo, hi, views in groups:
             for kv in (0, 1):
@@ -233,11 +245,127 @@ class PagedKV:
         if self._kernel(slots, src):
             self.table.scatter(*slots[0], src)
             return
+        rest = self._blockwise_scatter(slots, src)
+        if rest is None:
+            self._scatter_slots(slots, src)
+        elif rest.numel():
+            self._scatter_slots(tuple([t[rest] for t in side] for side in slots),
+                                src.index_select(2, rest))
+
+    def _scatter_slots(self, slots: tuple[list[torch.Tensor], ...], src: torch.Tensor) -> None:
+        """`scatter` by one advanced-indexing op per K/V and layer group."""
         groups, r, src = self._plan(src)
         for lo, hi, views in groups:
             for kv in (0, 1):
                 torch.ops.aten.index_put_(views[kv], [None, *slots[kv]],
                                           self._split(src[kv, lo:hi], kv, r))
+
+    # Whole-block copies (the CPU AMX layout). A token's K or V there is spread over its block
+    # in runs of two elements (interleaved tiles), so an indexing op per token moves tiny runs
+    # with per-element index arithmetic. Instead: copy the whole blocks touched (contiguous
+    # tiles), and reorder between the block layout and token order with plain strided copies
+    # of whole blocks; tokens are then picked in token order, where each is one contiguous
+    # row. Anything irregular (blocks mostly not covered, a block written twice or only in
+    # part, another dtype or shape) keeps the per-token ops.
+
+    def _block_view(self, run: list[torch.Tensor]) -> torch.Tensor:
+        """[L', blocks, block elements] of a layer group (each block is contiguous)."""
+        t = run[0]
+        flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
+        s_layer = run[1].storage_offset() - t.storage_offset() if len(run) > 1 else 0
+        return flat.as_strided((len(run), t.shape[0], t[0].numel()),
+                               (s_layer, t.stride(0), 1), t.storage_offset())
+
+    def _tiles(self, buf: torch.Tensor, kv: int) -> torch.Tensor:
+        """K or V of contiguous blocks `buf` [L', nb, block elements] as
+        [L', nb, *pos factors, H, *dim factors] (token order within each block)."""
+        side, (lb, nb, size) = self.sides[kv], buf.shape
+        head = size // self.num_heads
+        sizes = [lb, nb, *(f[0] for f in side.pos), self.num_heads, *(f[0] for f in side.dim)]
+        strides = [nb * size, size, *(f[1] for f in side.pos), head, *(f[1] for f in side.dim)]
+        return buf.as_strided(sizes, strides, buf.storage_offset() + side.offset)
+
+    def _tokens(self, t: torch.Tensor, kv: int) -> torch.Tensor:
+        """[L', nb * N, D] -> [L', nb, *pos factors, H, *dim factors] (a view)."""
+        pos = [f[0] for f in self.sides[kv].pos]
+        return self._split(t.unflatten(1, (-1, *pos)), kv)
+
+    def _positions(self, slots: tuple[list[torch.Tensor], ...]) -> tuple[torch.Tensor, ...]:
+        """(kernel block, position in it) of each token, from K's index tensors."""
+        kblock, *factors = slots[0]
+        n = torch.zeros_like(kblock)
+        for (size, _), f in zip(self.sides[0].pos, factors):
+            n = n * size + f
+        return kblock, n
+
+    def _fits(self, slots, t: torch.Tensor) -> bool:
+        return self.block_views is not None and t.dtype == self.dtype and t.dim() == 4 \
+            and t.shape[:2] == (2, self.num_layers) and t.shape[3] == self.hidden \
+            and slots[0][0].dim() == 1 and slots[0][0].numel() == t.shape[2] > 0
+
+    def _blockwise_gather(self, slots, out: torch.Tensor) -> bool:
+        """`gather` by whole blocks where the tokens fill most of the blocks they touch."""
+        if not self._fits(slots, out) or not out.is_contiguous():
+            return False
+        kblock, n = self._positions(slots)
+        blocks, inv = torch.unique(kblock, return_inverse=True)
+        N, T = self.kernel_block, kblock.numel()
+        if blocks.numel() * N > 2 * T:
+            return False
+        tokens = torch.empty((2, self.num_layers, blocks.numel() * N, self.hidden),
+                             dtype=self.dtype)
+        for (lo, hi, _), view in zip(self.groups, self.block_views):
+            buf = view.index_select(1, blocks)
+            for kv in (0, 1):
+                _copy(self._tokens(tokens[kv, lo:hi], kv), self._tiles(buf, kv))
+        at = inv * N + n
+        cut = ((at[1:] - at[:-1]) != 1).nonzero().flatten().add_(1).tolist()
+        if len(cut) < 4:  # a few runs of consecutive tokens (e.g. sinks and a recent window)
+            firsts = at[[0, *cut]].tolist()
+            for a, b, f in zip([0, *cut], [*cut, T], firsts):
+                out[:, :, a:b].copy_(tokens[:, :, f:f + b - a])
+        else:
+            torch.index_select(tokens, 2, at, out=out)
+        return True
+
+    def _blockwise_scatter(self, slots, src: torch.Tensor) -> torch.Tensor | None:
+        """`scatter` whole blocks where the tokens fill a kernel block in order (positions
+        0..N-1, e.g. the middle of a range of slots); returns the indices of the other
+        tokens, for the per-token ops (None: none written here)."""
+        if not self._fits(slots, src):
+            return None
+        kblock, n = self._positions(slots)
+        N, T = self.kernel_block, kblock.numel()
+        if T < N:
+            return None
+        step = (kblock[1:] == kblock[:-1]) & (n[1:] == n[:-1] + 1)
+        runs = torch.zeros(T, dtype=torch.int64)
+        runs[1:] = step.cumsum(0)
+        starts = ((n[:T - N + 1] == 0) & (runs[N - 1:] - runs[:T - N + 1] == N - 1)) \
+            .nonzero().flatten()
+        if not starts.numel():
+            return None
+        blocks = kblock[starts]
+        ids = blocks.tolist()
+        whole = (starts[:, None] + torch.arange(N)).flatten()
+        covered = torch.zeros(T, dtype=torch.bool)
+        covered[whole] = True
+        rest = (~covered).nonzero().flatten()
+        # A block written twice (or also partly): the per-token ops decide which bytes win.
+        if len(set(ids)) < len(ids) or torch.isin(kblock[rest], blocks).any():
+            return None
+        nb, s0 = blocks.numel(), int(starts[0])
+        if torch.equal(starts, s0 + N * torch.arange(nb)):
+            part = src[:, :, s0:s0 + nb * N]
+        else:
+            part = src.index_select(2, whole)
+        for (lo, hi, _), view in zip(self.groups, self.block_views):
+            buf = torch.empty((hi - lo, nb, view.shape[2]), dtype=self.dtype)
+            for kv in (0, 1):
+                _copy(self._tiles(buf, kv), self._tokens(part[kv, lo:hi], kv))
+            for j, b in enumerate(ids):  # plain block copies beat index_copy_ here
+                view[:, b].copy_(buf[:, j])
+        return rest
 
     def gather_chunks(self, slots: tuple[list[torch.Tensor], ...], out: torch.Tensor) -> None:
         """Copy whole chunks (`chunk_slots`) into `out` [n, 2, L, C, D]: one op per K/V and
@@ -255,6 +383,22 @@ class PagedKV:
             for kv in (0, 1):
                 torch.ops.aten.index_put_(views[kv], [None, *slots[kv]],
                                           self._split(src[:, kv, lo:hi].transpose(0, 1), kv, r))
+
+
+_PAIRS = {1: torch.int16, 2: torch.int32, 4: torch.int64}  # carriers of two elements
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) of equal shapes and dtypes; where both have the head dim's last factor
+    as contiguous pairs (AMX K tiles), copied as one integer per pair: the same bytes, half
+    the elements, and the copy loop no longer runs over a dimension of 2."""
+    wide = _PAIRS.get(dst.element_size())
+    if wide is not None and dst.shape[-1] == 2 and dst.stride(-1) == src.stride(-1) == 1:
+        try:
+            dst, src = dst.view(wide), src.view(wide)
+        except RuntimeError:  # an odd stride or offset: element by element
+            pass
+    dst.copy_(src)
 
 
 def _checked_table(paged: PagedKV, layers: list[torch.Tensor], head_dim: int):

@@ -212,3 +212,76 @@ def test_cpu_layouts_match_vllm_kernel(isa, dtype, n):
     out = torch.empty(2, 1, tokens, H * hd, dtype=dtype)
     paged.gather(paged.slots(block_ids, 0, tokens), out)
     assert torch.equal(out[0, 0], key.flatten(1)) and torch.equal(out[1, 0], value.flatten(1))
+
+
+# Whole-block copies (CPU AMX layout): the same bytes as the per-token ops they replace.
+BLOCKWISE = [  # (kind, kernel block N, scheduler block)
+    ("cpu_amx", 128, 128), ("cpu_amx", 32, 64), ("cpu_amx", 16, 16), ("cpu", 128, 128),
+    ("cpu", 32, 128)]
+
+
+def _positions(case: str, total: int, sched: int, gen) -> torch.Tensor:
+    if case == "whole":          # every slot of whole blocks
+        return torch.arange(total)
+    if case == "partial":        # the last block partly filled
+        return torch.arange(total - sched // 2 - 3)
+    if case == "offset":         # from a start offset (a compaction's unmoved slots)
+        return torch.arange(sched // 2 + 5, total)
+    if case == "kept":           # gather_kept: sinks and a recent window
+        return torch.cat([torch.arange(4), torch.arange(total - 2 * sched - 7, total)])
+    if case == "sorted":         # arbitrary kept slots in order
+        return torch.randperm(total, generator=gen)[:3 * total // 4].sort().values
+    return torch.randperm(total, generator=gen)[:3 * total // 4]  # any order
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _blockwise_case(kind, n, sched, dtype, shared):
+    gen = torch.Generator().manual_seed(1)
+    nblocks = 10 * (sched // n)
+    if shared:   # one buffer, layers at a uniform stride
+        layers = list(torch.randn(L, nblocks, H, n, 2 * HD, generator=gen).to(dtype))
+    else:        # one tensor per layer (vLLM's CPU backend)
+        layers = [torch.randn(nblocks, H, n, 2 * HD, generator=gen).to(dtype) for _ in range(L)]
+    paged = PagedKV(layers, kind, HD, sched)
+    block_ids = torch.randperm(10, generator=gen)[:5].tolist()
+    return layers, paged, block_ids, gen
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind,n,sched", BLOCKWISE)
+@pytest.mark.parametrize("case", ["whole", "partial", "offset", "kept", "sorted", "shuffled"])
+def test_blockwise_copies_match_per_token_ops(case, kind, n, sched, dtype, shared):
+    layers, paged, block_ids, gen = _blockwise_case(kind, n, sched, dtype, shared)
+    pos = _positions(case, 5 * sched, sched, gen)
+    slots = paged.slots_at(block_ids, pos)
+    want = torch.empty(2, L, pos.numel(), H * HD, dtype=dtype)
+    paged._gather_slots(slots, want)
+    got = torch.full_like(want, 7)
+    paged.gather(slots, got)
+    assert torch.equal(_bits(got), _bits(want))
+    if kind == "cpu_amx":
+        assert paged._blockwise_gather(slots, got)  # the whole-block path ran
+
+    src = torch.randn(2, L, pos.numel(), H * HD, generator=gen).to(dtype)
+    before = [t.clone() for t in layers]
+    paged._scatter_slots(slots, src)
+    want_layers = [t.clone() for t in layers]
+    for t, b in zip(layers, before):
+        t.copy_(b)
+    paged.scatter(slots, src)
+    for t, w in zip(layers, want_layers):
+        assert torch.equal(_bits(t), _bits(w))
+    if kind == "cpu_amx" and case in ("whole", "partial", "offset"):
+        assert paged._blockwise_scatter(slots, src) is not None  # whole blocks written
+
+
+def test_blockwise_scatter_leaves_a_block_written_twice_to_the_per_token_ops():
+    layers, paged, block_ids, gen = _blockwise_case("cpu_amx", 32, 32, torch.bfloat16, False)
+    pos = torch.cat([torch.arange(64), torch.arange(40, 48)])  # block 1 whole, then again
+    slots = paged.slots_at(block_ids, pos)
+    src = torch.randn(2, L, pos.numel(), H * HD, generator=gen).to(torch.bfloat16)
+    assert paged._blockwise_scatter(slots, src) is None
