@@ -109,17 +109,17 @@ class PagedKV:
             self.ratio = 1
         self.wide_groups = [(lo, hi, self._views(run, self.ratio)) for (lo, hi, _), run
                             in zip(self.groups, runs)] if self.ratio > 1 else None
-        # Layers in separate allocations (vLLM 0.26 on CUDA): token gathers and scatters in
-        # one Triton launch for every layer instead of one op per (K/V, layer group).
-        self.table = None
-        if len(self.groups) > 1 and paged_kernels.available(layers, kind):
-            self.table = _checked_table(self, layers, head_dim)
         # CPU layouts: each layer's kernel block is one contiguous tile of every head's K and
         # V, so a copy can move whole blocks ([L', blocks, block elements] per layer group).
         # Only the AMX layout gains: the "cpu" layout's K is a transposed tile, and reordering
         # it whole costs more than its per-token ops.
         self.block_views = [self._block_view(run) for run in runs] \
             if kind == "cpu_amx" and self.device.type == "cpu" else None
+        # Layers in separate allocations (vLLM 0.26 on CUDA): token gathers and scatters in
+        # one Triton launch for every layer instead of one op per (K/V, layer group).
+        self.table = None
+        if len(self.groups) > 1 and paged_kernels.available(layers, kind):
+            self.table = _checked_table(self, layers, head_dim)
 
     def _views(self, run: list[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Strided views [L', blocks, *pos factors, H, *dim factors] of K and of V, in
