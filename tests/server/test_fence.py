@@ -127,6 +127,7 @@ def test_a_session_spans_its_sockets(server):
         close_dealer(b)
 
 
+@pytest.mark.slow  # real-time waits for the quarantine
 def test_quarantine_waits_for_the_last_socket_of_the_session(server):
     session = secrets.token_bytes(16)
     first, second = session_dealer(server.url, session, 0), session_dealer(server.url, session, 1)

@@ -142,6 +142,7 @@ def _run(script: str, *args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_connect_and_modify_leave_glibc_untouched():
     r = _run(MODIFY, "default")["after"]
     assert not r["tuned"] and not r["pool"]

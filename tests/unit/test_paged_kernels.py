@@ -54,6 +54,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # the Triton interpreter runs the kernels on the CPU: ~13 s
 def test_one_launch_kernels_move_what_the_per_layer_ops_move():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
