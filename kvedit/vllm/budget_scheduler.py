@@ -111,7 +111,7 @@ class BudgetScheduler:
     step: BudgetStep = field(default_factory=BudgetStep)
     freed: set[int] = field(default_factory=set)  # block ids freed by compactions
     stash_left: int = 0
-    turn_tokens: int = 512
+    turn_tokens: int = 128
     cached_kept_blocks: str = "uncache"   # or "copy" (ConnectorSettings.cached_kept_blocks)
     stats_every: float = 30.0
     _last_warn: float = -1e9
@@ -461,11 +461,14 @@ class BudgetScheduler:
         st.compacted = False  # its blocks are gone; a resume starts a new list
 
     def _rotate(self) -> None:
-        """Time slicing between budgeted requests when they do not all fit: when the next
-        request vLLM would resume is a stashed budgeted one that does not fit in the free
-        blocks, the budgeted request that has run longest since it last started (at least
-        `turn_tokens`, and at least its `every`) yields to it: it is preempted (and
-        stashed) and queued behind it.
+        """Time slicing between budgeted requests when they do not all fit, by equal service:
+        when the next request vLLM would resume is a stashed budgeted one that does not fit in
+        the free blocks, the running budgeted request that has generated the most tokens
+        yields to it, if it has run `turn_tokens` since it last started and has generated at
+        least `turn_tokens` more than the waiting one: it is preempted (and stashed) and
+        queued behind it. So streams of equal length advance together and finish within a
+        turn of each other (a stream left far behind would end the run decoding alone), and
+        a short request is not held behind long ones.
         Without this, FCFS would leave a preempted request waiting until others finish."""
         sched = self.scheduler
         waiting = sched.waiting
@@ -479,14 +482,15 @@ class BudgetScheduler:
         need = cdiv(st.stash + 1, self.block_size)
         if free >= need:
             return
-        best, ran = None, 0
+        q = self.turn_tokens
+        best, most = None, _served(head) + q - 1
         for r in sched.running:
             v = self.reqs.get(r.request_id)
             if v is None or r.num_computed_tokens < r.num_prompt_tokens:
                 continue
-            turn = r.num_computed_tokens - v.started
-            if turn >= max(v.budget.every, self.turn_tokens) and turn > ran:
-                best, ran = r, turn
+            served = _served(r)
+            if r.num_computed_tokens - v.started >= q and served > most:
+                best, most = r, served
         if best is None or free + len(self.stm.req_to_blocks[best.request_id]) < need:
             return
         sched.running.remove(best)
@@ -534,6 +538,11 @@ class _ReleasePlan:
     uncache: list
     release: list
     room: int
+
+
+def _served(request) -> int:
+    """Tokens a request has generated (its service, for time slicing)."""
+    return len(request.output_token_ids)
 
 
 def prefix_uncacher(pool) -> Callable | None:

@@ -63,9 +63,12 @@ class ConnectorSettings:
     # compacted requests (past it a preempted one is recomputed in full).
     in_engine: bool = False
     stash_bytes: int = 1 << 30
-    # When budgeted requests do not all fit, one that has run turn_tokens since it last
-    # started yields its blocks to a stashed one (time slicing); fewer swaps, longer turns.
-    turn_tokens: int = 512
+    # When budgeted requests do not all fit, time slicing by equal service: the running one
+    # that has generated the most yields its blocks to a stashed one once it has run
+    # turn_tokens since it last started and is turn_tokens ahead of it. Smaller: the
+    # streams end closer together (a stream left behind ends the run decoding alone);
+    # larger: fewer stash copies.
+    turn_tokens: int = 128
     # A compaction's kept block that sits in vLLM's prefix cache and that only the compacted
     # request holds: "uncache" takes it out of the prefix cache and writes it in place (a later
     # request with the same prefix misses those blocks); "copy" writes a fresh block instead

@@ -99,7 +99,7 @@ def _stream_then_hang_up(vp, prompt, budget: EngineBudget, events: int) -> int:
     """Stream a budgeted request, read `events` tokens, close the connection."""
     conn = http.client.HTTPConnection("127.0.0.1", vp.port, timeout=120)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1000, "temperature": 0,
-            "ignore_eos": True, "stream": True, "cache_salt": uuid.uuid4().hex,
+            "ignore_eos": True, "stream": True, "logprobs": 1, "cache_salt": uuid.uuid4().hex,
             "kv_transfer_params": budget.to_params()}
     conn.request("POST", "/v1/completions", json.dumps(body),
                   {"Content-Type": "application/json"})
@@ -153,4 +153,48 @@ def test_under_block_pressure_streams_compact_early_instead_of_being_preempted(e
     assert after["compactions"] - before.get("compactions", 0) >= early
     assert metric(engine, "vllm:num_preemptions_total") == preempted
     assert after["stashes"] == before.get("stashes", 0)
+    assert metric(engine, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def _stream_times(vp, prompt, n, budget) -> list[float]:
+    """A streamed budgeted greedy request: the arrival time of each generated token."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "stream": True, "logprobs": 1, "cache_salt": uuid.uuid4().hex,
+            "kv_transfer_params": budget.to_params()}
+    host, port = vp.base_url.split("//")[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})
+    r, times = conn.getresponse(), []
+    assert r.status == 200, r.read()
+    for line in r:
+        if line.startswith(b"data: {"):
+            choice = json.loads(line[6:])["choices"][0]
+            times += [time.monotonic()] * len((choice.get("logprobs") or {}).get("tokens", []))
+    conn.close()
+    return times
+
+
+def test_time_slicing_shares_blocks_by_equal_service(engine):
+    # Six streams of 200-token prompts under a budget of 385 (3 blocks each at most): 18
+    # blocks wanted, 15 usable, so one stream at a time waits in the stash. Time slicing
+    # hands its turn on by equal service: a stream that has generated turn_tokens (128)
+    # more than the waiting one yields to it. So when the first stream ends, every other
+    # one is within a turn of it; the rule it replaced (the stream running longest since
+    # its start yields, turns of 512) left the last one 255 tokens behind.
+    n, turn = 450, 128
+    budget = EngineBudget(3 * 128 + 1, 128, "streaming_llm",
+                          {"sink": 4, "granularity": "token"})
+    prompts = [prompt_of(200, seed=60 + i) for i in range(6)]
+    settle(engine)
+    before = stats(engine)
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        times = list(pool.map(lambda p: _stream_times(engine, p, n, budget), prompts))
+    settle(engine)
+    after = stats(engine)
+    assert [len(t) for t in times] == [n] * 6
+    assert after["rotations"] - before.get("rotations", 0) >= 2, after
+    first_end = min(t[-1] for t in times)
+    done = sorted(sum(1 for x in t if x <= first_end) for t in times)
+    assert done[0] >= n - turn, done   # the old rule: [195, 313, 447, ...]; this one: 440+
     assert metric(engine, "vllm:kv_cache_usage_perc") == 0.0
