@@ -246,7 +246,7 @@ class BudgetWorker:
         kv = compact.gather(self.paged, c.old_blocks, c.resident)
         idx = policy.select(kv, c.keep, self.layout, **kw)
         start = self._unmoved(c, idx, whole)
-        return compact.kept_kv(kv, idx, self.layout, c.budget.positions)[:, :, start:], start
+        return compact.kept_kv(kv, idx, self.layout, c.budget.positions, start), start
 
     def _unmoved(self, c: Compaction, idx: torch.Tensor, whole: bool) -> int:
         if whole or idx.device.type != "cpu":

@@ -70,24 +70,28 @@ def unmoved(keep: torch.Tensor, old_blocks: list[int], new_blocks: list[int],
 
 
 def kept_kv(kv: torch.Tensor, keep: torch.Tensor, layout: ModelLayout,
-            positions: str) -> torch.Tensor:
-    """The kept tokens of `kv` [2, L, R, D] in slot order: `keep` is [R'] (every head the
-    same) or [L, H, R'] (per head). "compact" positions re-rotate kept keys from slot i to
-    their new slot j; "logical" leaves them as they are. Returns a new [2, L, R', D]."""
+            positions: str, start: int = 0) -> torch.Tensor:
+    """The kept tokens of `kv` [2, L, R, D] in slot order, from kept slot `start` on: `keep`
+    is [R'] (every head the same) or [L, H, R'] (per head). "compact" positions re-rotate
+    kept keys from slot i to their new slot j; "logical" leaves them as they are. Returns a
+    new [2, L, R' - start, D], bound for slots start..R'-1."""
     L, R, D = kv.shape[1:]
     hd = layout.head_dim
     if keep.dim() == 1:
-        return _rotate(kv.index_select(2, keep), keep, layout, positions)
-    H, n = keep.shape[1], keep.shape[2]
+        keep = keep[start:]
+        return _rotate(kv.index_select(2, keep), keep, layout, positions, start)
+    H = keep.shape[1]
     if keep.shape[0] != L or H * hd != D:
         raise ValueError(f"per-head kept slots of shape {tuple(keep.shape)} do not fit KV "
                          f"{tuple(kv.shape)} with head_dim {hd}")
+    keep = keep[..., start:]
+    n = keep.shape[2]
     heads = kv.view(2, L, R, H, hd)
     idx = keep.permute(0, 2, 1)                                     # [L, n, H]
     out = torch.gather(heads, 2, idx[None, :, :, :, None].expand(2, L, n, H, hd))
     out = out.reshape(2, L, n, D)
     if positions == "compact":
-        delta = torch.arange(n, device=keep.device)[None, :, None] - idx   # [L, n, H]
+        delta = torch.arange(start, start + n, device=keep.device)[None, :, None] - idx
         rotate_keys(out[0], delta, layout.rope, hd)
     return out
 

@@ -64,6 +64,13 @@ def test_kept_kv_per_token_and_per_head_match_a_loop(positions):
             if positions == "compact":
                 rerotate(one, per_head[la, h], torch.arange(7), rope=LAYOUT.rope, head_dim=HD)
             torch.testing.assert_close(got[:, la:la + 1, :, cols], one, rtol=1e-5, atol=1e-5)
+    # from kept slot `start` on: the same bytes as the whole result's tail (what a compaction
+    # writes when its leading kept slots stay where they are)
+    for start in (1, 3):
+        for k in (keep, per_head):
+            torch.testing.assert_close(compact.kept_kv(kv, k, LAYOUT, positions, start),
+                                       compact.kept_kv(kv, k, LAYOUT, positions)[:, :, start:],
+                                       rtol=0, atol=0)
     assert not torch.equal(got[:, :, :, :HD], got[:, :, :, HD:])  # heads keep their own
 
 
