@@ -482,14 +482,15 @@ class BudgetScheduler:
         need = cdiv(st.stash + 1, self.block_size)
         if free >= need:
             return
-        q = self.turn_tokens
-        best, most = None, _served(head) + q - 1
+        q, behind = self.turn_tokens, _served(head)
+        best, most = None, -1
         for r in sched.running:
             v = self.reqs.get(r.request_id)
             if v is None or r.num_computed_tokens < r.num_prompt_tokens:
                 continue
             served = _served(r)
-            if r.num_computed_tokens - v.started >= q and served > most:
+            if r.num_computed_tokens - v.started >= q and served - behind >= q \
+                    and served > most:
                 best, most = r, served
         if best is None or free + len(self.stm.req_to_blocks[best.request_id]) < need:
             return

@@ -95,15 +95,20 @@ def test_chunked_prefill_is_compacted_only_once_whole_and_matches_the_host_path(
     assert max(abs(x - y) for x, y in zip(eng_lp[1:], host_lp[1:])) < 1e-4
 
 
+def _stream(vp, prompt, budget: EngineBudget, n: int, timeout: float, **extra):
+    """Send a streamed budgeted greedy request of `n` tokens: (connection, response)."""
+    conn = http.client.HTTPConnection("127.0.0.1", vp.port, timeout=timeout)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "stream": True, "cache_salt": uuid.uuid4().hex,
+            "kv_transfer_params": budget.to_params(), **extra}
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
 def _stream_then_hang_up(vp, prompt, budget: EngineBudget, events: int) -> int:
     """Stream a budgeted request, read `events` tokens, close the connection."""
-    conn = http.client.HTTPConnection("127.0.0.1", vp.port, timeout=120)
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1000, "temperature": 0,
-            "ignore_eos": True, "stream": True, "logprobs": 1, "cache_salt": uuid.uuid4().hex,
-            "kv_transfer_params": budget.to_params()}
-    conn.request("POST", "/v1/completions", json.dumps(body),
-                  {"Content-Type": "application/json"})
-    resp = conn.getresponse()
+    conn, resp = _stream(vp, prompt, budget, 1000, 120)
     seen = 0
     while seen < events:
         line = resp.fp.readline()
@@ -158,14 +163,8 @@ def test_under_block_pressure_streams_compact_early_instead_of_being_preempted(e
 
 def _stream_times(vp, prompt, n, budget) -> list[float]:
     """A streamed budgeted greedy request: the arrival time of each generated token."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0,
-            "ignore_eos": True, "stream": True, "logprobs": 1, "cache_salt": uuid.uuid4().hex,
-            "kv_transfer_params": budget.to_params()}
-    host, port = vp.base_url.split("//")[1].split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=300)
-    conn.request("POST", "/v1/completions", json.dumps(body),
-                 {"Content-Type": "application/json"})
-    r, times = conn.getresponse(), []
+    conn, r = _stream(vp, prompt, budget, n, 300, logprobs=1)  # logprobs: tokens per event
+    times = []
     assert r.status == 200, r.read()
     for line in r:
         if line.startswith(b"data: {"):
