@@ -2,12 +2,23 @@
 SmolLM2 model and one vLLM on it (started only by the tests that ask for it)."""
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 CHUNK = 256  # the kv_server fixture's chunk size; the connector uses the server's
 # Greedy sampling that decodes exactly max_tokens (added per call): the tests compare outputs
 # token for token, so no request may stop early at EOS.
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def extra_connector_config() -> dict | None:
+    """KVEDIT_TEST_CONNECTOR_CONFIG: more kv_connector_extra_config keys (JSON) for the
+    session's vLLMs, so the GPU session can run the suite with a connector setting changed
+    (e.g. '{"device_wait": false}'); unset in CI."""
+    raw = os.environ.get("KVEDIT_TEST_CONNECTOR_CONFIG")
+    return json.loads(raw) if raw else None
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +37,7 @@ def vllm_server(tiny_model, kv_server):
 
     with start_vllm(tiny_model, server=kv_server, served_model_name="tiny-qwen3",
                     dtype="float32", kv_cache_gib=1, max_model_len=4096, chunk_size=CHUNK,
-                    dev_mode=True) as vp:
+                    dev_mode=True, connector_config=extra_connector_config()) as vp:
         yield vp
 
 
@@ -51,5 +62,5 @@ def smollm2_vllm(smollm2_model, kv_server):
 
     with start_vllm(smollm2_model, server=kv_server, served_model_name="smollm2",
                     dtype="bfloat16", kv_cache_gib=1, max_model_len=8192, chunk_size=CHUNK,
-                    dev_mode=True) as vp:
+                    dev_mode=True, connector_config=extra_connector_config()) as vp:
         yield vp

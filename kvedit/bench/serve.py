@@ -75,6 +75,9 @@ def register(bsub) -> None:
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                    help="one more argument for every vLLM, repeatable, e.g. "
                         "--vllm-arg=--load-format --vllm-arg=dummy")
+    p.add_argument("--connector-config", type=json.loads, default=None, metavar="JSON",
+                   help="more kv_connector_extra_config keys for the kvedit arms, e.g. "
+                        "'{\"device_wait\": false}' (docs/gpu.md lists them)")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
     p.set_defaults(func=run)
 
@@ -94,7 +97,8 @@ def run(args) -> int:
                          tier_fraction=args.tier_fraction,
                          vllm_kv_fraction=args.vllm_kv_fraction, eviction=args.eviction,
                          chunk=args.chunk_size, repeats=args.repeats,
-                         lmcache_python=args.lmcache_python, vllm_args=args.vllm_arg)
+                         lmcache_python=args.lmcache_python, vllm_args=args.vllm_arg,
+                         connector_config=args.connector_config)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
@@ -147,8 +151,9 @@ def _env(**values):
 @contextlib.contextmanager
 def start_arm(arm: str, model_dir, *, tier_bytes: int, vllm_kv_bytes: int, dtype: str,
               max_model_len: int, chunk: int, eviction: str, lmcache_python: str | None,
-              vllm_args):
-    """Start the processes of one arm -> its VllmProcess; ArmUnavailable if it cannot run."""
+              vllm_args, connector_config: dict | None = None):
+    """Start the processes of one arm -> its VllmProcess; ArmUnavailable if it cannot run.
+    `connector_config`: more kv_connector_extra_config keys for a kvedit arm."""
     from kvedit.launch.server import start_server
     from kvedit.launch.vllm import kv_transfer_config, start_vllm
 
@@ -174,7 +179,8 @@ def start_arm(arm: str, model_dir, *, tier_bytes: int, vllm_kv_bytes: int, dtype
             server = stack.enter_context(start_server(tier_gib, chunk_size=chunk,
                                                       eviction=eviction))
             extra += ["--kv-transfer-config", kv_transfer_config(
-                server.url, server.http_url, chunk, store=arm.removeprefix("kvedit_"))]
+                server.url, server.http_url, chunk, store=arm.removeprefix("kvedit_"),
+                extra_config=connector_config)]
         with _env(**env):
             try:
                 vp = stack.enter_context(start_vllm(model_dir, server=None, extra_args=extra,
@@ -225,7 +231,8 @@ def measure(targets: dict[str, str], w: Workloads, seed: int = 0) -> dict[str, d
 def serve_bench(w: Workloads, arms: list[str], *, model: str | None = None,
                 dtype: str = "float32", tier_fraction: float = 0.5,
                 vllm_kv_fraction: float = 0.6, eviction: str = "lru", chunk: int = 256,
-                repeats: int = 1, lmcache_python: str | None = None, vllm_args=()) -> dict:
+                repeats: int = 1, lmcache_python: str | None = None, vllm_args=(),
+                connector_config: dict | None = None) -> dict:
     import vllm
 
     from kvedit.harness.tiny_model import default_tiny_model
@@ -247,7 +254,8 @@ def serve_bench(w: Workloads, arms: list[str], *, model: str | None = None,
                 running[arm] = stack.enter_context(start_arm(
                     arm, model_dir, tier_bytes=tier, vllm_kv_bytes=vllm_kv, dtype=dtype,
                     max_model_len=mlen, chunk=chunk, eviction=eviction,
-                    lmcache_python=lmcache_python, vllm_args=vllm_args))
+                    lmcache_python=lmcache_python, vllm_args=vllm_args,
+                    connector_config=connector_config))
             except ArmUnavailable as e:
                 runs[arm].append({"unavailable": str(e)})
         targets = {a: vp.base_url for a, vp in running.items()}
@@ -270,6 +278,7 @@ def serve_bench(w: Workloads, arms: list[str], *, model: str | None = None,
         "kv_bytes_per_token": bpt, "working_set_bytes": working_set, "tier_bytes": tier,
         "tier_fraction": tier_fraction, "vllm_kv_bytes": vllm_kv, "eviction": eviction,
         "chunk_size": chunk, "kvedit_default_store": default,
+        "connector_config": connector_config or {},
         "arms": per_arm, "runs": runs,
         "ratios": _ratios(per_arm),
         **_acceptance(per_arm, default, tier_fraction),

@@ -27,7 +27,7 @@ from kvedit.vllm.gpu_memory import (
     default_staging_bytes,
 )
 from kvedit.vllm.metadata import ChunkRun
-from kvedit.vllm.paged import PagedKV, wait_for_device
+from kvedit.vllm.paged import PagedKV
 
 logger = logging.getLogger("vllm.kvedit")
 
@@ -39,6 +39,7 @@ class _StoreJob:
     client: object
     keys: list[bytes]
     start: int
+    gathered: object = None  # CUDA event after the gather, on the forward's stream
 
 
 class PagedCopier:
@@ -66,10 +67,13 @@ class PagedCopier:
                  pin_shm: bool = True, *, async_store: bool = False,
                  staging_bytes: int | None = None, staged: bool | None = None,
                  on_error: Callable[[BaseException], None] | None = None,
-                 stats_every: float = 30.0):
+                 stats_every: float = 30.0, device_wait: bool = True):
         """`on_error`: called (from the background thread) with the error of a failed
         background store, at once, so an outage is noticed without waiting for the next
-        store; None keeps the error for the next store_chunks / flush to raise."""
+        store; None keeps the error for the next store_chunks / flush to raise.
+        `device_wait` (GPU): wait for the whole device before a store's gather and after a
+        load; False orders the copies by the forward's stream alone (the connector setting
+        of the same name says how far each is tested)."""
         self.paged, self.layout, self.model, self.tp_rank = paged, layout, model, tp_rank
         self.on_error = on_error
         self.pin_shm = pin_shm
@@ -84,7 +88,7 @@ class PagedCopier:
         self.staging_bytes = staging_bytes or default_staging_bytes(paged.device)
         self._ring: StagingRing | None = None  # allocated on the first staged store
         self._load_buf: torch.Tensor | None = None
-        self._streams = DeviceStreams(paged.device)
+        self._streams = DeviceStreams(paged.device, device_wait)
         self._jobs: queue.Queue[_StoreJob | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None  # from the background thread, raised once
@@ -113,9 +117,9 @@ class PagedCopier:
                         src = chunk[:, :, lo - (run.first + i) * c: hi - (run.first + i) * c]
                         self.paged.scatter(self.paged.slots(run.block_ids, lo, hi), src)
                         loaded = hi
-            finally:  # copies done before the forward reads them and the lease is released
-                t3 = time.perf_counter()
-                wait_for_device(self.paged.device)
+            finally:  # the host->device copies landed before the lease is released (the
+                t3 = time.perf_counter()  # scatters wait for them on the forward's stream)
+                self._streams.load_done()
             t4 = time.perf_counter()
         t5 = time.perf_counter()
         t.map_ms, t.retrieve_ms, t.issue_ms = 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2)
@@ -179,7 +183,7 @@ class PagedCopier:
         self._raise_background_error()
         t0 = time.perf_counter()
         keys = list(todo)
-        wait_for_device(self.paged.device)  # the forward's KV writes, on vLLM's stream
+        self._streams.wait_device()  # device_wait: the forward's KV writes, whatever stream
         self.stats.device_wait_s += time.perf_counter() - t0
         step = client.max_keys or len(keys)
         if self.staged:
@@ -254,18 +258,24 @@ class PagedCopier:
 
     def _gather(self, client, keys: list[bytes],
                 todo: dict[bytes, tuple[list[int], int]]) -> _StoreJob:
-        """Gather `keys`' chunks into staging and wait for that gather: from then on vLLM may
-        hand the blocks to another request."""
+        """Queue the gather of `keys`' chunks into staging on the forward's stream. Without
+        device_wait the host does not wait: stream order is what makes it safe (the gather
+        runs after the forward that wrote the blocks, and whatever writes them next, the next
+        forward or a load's scatter, is queued after it on the same stream); with it the host
+        waits for the gather, after which vLLM may hand the blocks to anyone."""
         ring = self._store_ring()
+        t0 = time.perf_counter()
         start = ring.take(len(keys), self.STAGING_TIMEOUT)
+        self.stats.ring_wait_s += time.perf_counter() - t0
         try:
             slots = self.paged.chunk_slots([todo[k] for k in keys], self.layout.chunk_size)
             self.paged.gather_chunks(slots, ring.buf[start:start + len(keys)])
-            self._streams.wait_current()
+            gathered = self._streams.mark_current()
+            self._streams.wait_event(gathered)  # device_wait: the blocks are free after it
         except BaseException:
             ring.give(start, len(keys))
             raise
-        return _StoreJob(client, keys, start)
+        return _StoreJob(client, keys, start, gathered)
 
     def _finish(self, job: _StoreJob) -> None:
         """Copy a gathered batch to the server's slots and commit it (the background thread
@@ -275,6 +285,7 @@ class PagedCopier:
             self._host(job.client)  # before the write TTL starts: it can take seconds
             with job.client.prepare_store(self.model, job.keys, tp_rank=self.tp_rank) as handle:
                 host = self._on_host(job.client, handle.buffers)
+                self._streams.store_after(job.gathered)
                 try:
                     for (j, _), buf in zip(handle.writable(), host):  # refused past the TTL
                         self._streams.store_copy(buf, ring.buf[job.start + j])

@@ -6,7 +6,8 @@ A line every `every` seconds while a rank stores or loads (connector setting
 On a GPU the copies run on side streams, so a phase's time is what vLLM's thread spent on it:
 `issue` is queueing the host->device copies and scatters (a pipelined load also waits there
 for each staging half to land), `device_wait` the wait at the end for the copies still
-running; their sum is the copy time the forward waits for.
+running (the host->device copies, or the whole device with the device_wait setting; the
+lease on their source is released after it).
 """
 from __future__ import annotations
 
@@ -21,13 +22,16 @@ logger = logging.getLogger("vllm.kvedit")
 @dataclass
 class StoreStats:
     """Where a rank's store time goes: the time vLLM's thread spends in store_chunks, the
-    part of it waiting for the device (the forward still running: not a cost of storing),
-    and the background thread's copy + commit time (overlapped with the next forward)."""
+    parts of it waiting for the device (device_wait: the forward still running, not a cost
+    of storing; 0 without it) and for staging slots (the background thread behind: a full
+    ring), and the background thread's copy + commit time (overlapped with the next
+    forward)."""
     every: float = 30.0
     stores: int = 0
     chunks: int = 0
     main_s: float = 0.0
     device_wait_s: float = 0.0
+    ring_wait_s: float = 0.0
     background_s: float = 0.0
     logged_at: float = 0.0
 
@@ -36,9 +40,10 @@ class StoreStats:
         if now - self.logged_at >= self.every:
             self.logged_at = now
             logger.info("kvedit: store stats: %d stores, %d chunks, vLLM thread %.1f ms "
-                        "(of which waiting for the forward %.1f ms), background %.1f ms",
+                        "(of which waiting for the forward %.1f ms, for staging %.1f ms), background %.1f ms",
                         self.stores, self.chunks, 1e3 * self.main_s,
-                        1e3 * self.device_wait_s, 1e3 * self.background_s)
+                        1e3 * self.device_wait_s, 1e3 * self.ring_wait_s,
+                        1e3 * self.background_s)
 
 
 @dataclass(slots=True)
@@ -50,7 +55,7 @@ class LoadTiming:
     map_ms: float = 0.0          # our mapping of the server's segment (page-locking: once)
     retrieve_ms: float = 0.0     # the retrieve round trip: the server leases the chunks
     issue_ms: float = 0.0        # queueing copies + scatters (pipelined: incl. half waits)
-    device_wait_ms: float = 0.0  # waiting for the copies and scatters still running
+    device_wait_ms: float = 0.0  # waiting for the copies still running
     release_ms: float = 0.0      # releasing the lease
     total_ms: float = 0.0
 

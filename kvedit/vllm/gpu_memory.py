@@ -191,8 +191,9 @@ class DeviceStreams:
     the gathers / scatters on the current stream by events. On the CPU every copy runs
     inline and there is nothing to order."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, device_wait: bool = True):
         self.device, self.cuda = device, device.type == "cuda"
+        self.device_wait = self.cuda and device_wait  # the whole device, not only our copies
         if self.cuda:
             self.load_stream = torch.cuda.Stream(device)
             self.store_stream = torch.cuda.Stream(device)
@@ -203,12 +204,40 @@ class DeviceStreams:
         if self.cuda:
             torch.cuda.set_device(self.device)
 
-    def wait_current(self) -> None:
-        """Block until the work queued so far on the current stream (a gather) is done."""
-        if self.cuda:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-            done.synchronize()
+    def mark_current(self):
+        """An event after the work queued so far on the current stream (the forward's: vLLM
+        sets its stream with torch.cuda.set_stream, in this thread), or None on the CPU."""
+        if not self.cuda:
+            return None
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        return done
+
+    def wait_device(self) -> None:
+        """device_wait: block until every stream on the device is idle (the forward's KV
+        writes, on whatever stream vLLM ran them); nothing otherwise."""
+        if self.device_wait:
+            torch.cuda.synchronize(self.device)
+
+    def wait_event(self, event) -> None:
+        """device_wait: block until `event` (mark_current's) happened; nothing otherwise."""
+        if self.device_wait and event is not None:
+            event.synchronize()
+
+    def store_after(self, event) -> None:
+        """Store copies queued from now on wait for `event` (mark_current's); the host does
+        not wait."""
+        if event is not None:
+            self.store_stream.wait_event(event)
+
+    def load_done(self) -> None:
+        """Block until every queued host->device load copy landed (the scatters reading the
+        staging are ordered after them on the current stream; the host source may go);
+        device_wait: until the whole device is idle, the scatters included."""
+        if self.device_wait:
+            torch.cuda.synchronize(self.device)
+        elif self.cuda:
+            self.load_stream.synchronize()
 
     def load_copy(self, dst: torch.Tensor, srcs: list[torch.Tensor], half: int) -> None:
         """Host chunks -> dst (staging half `half`), after that half's previous scatter; the

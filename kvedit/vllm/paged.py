@@ -427,21 +427,6 @@ def _checked_table(paged: PagedKV, layers: list[torch.Tensor], head_dim: int):
         return None
 
 
-def wait_for_device(device: torch.device) -> None:
-    """Wait for every stream on `device` (nothing on the CPU).
-
-    vLLM runs its forward on a stream of its own (vllm.utils.torch_utils.current_stream, a
-    non-blocking stream that does not order against the legacy default stream), and which
-    stream is current for the connector's code is vLLM's business. So the connector orders
-    its copies against the forward by waiting for the whole device: before gathering a step's
-    freshly written KV, and after scattering loaded KV (before the forward reads it and
-    before the server's lease on the source is released). Without it a copy can read KV
-    the forward has not finished writing (all-zero stored chunks, wrong loaded KV: the race
-    docs/gpu.md describes)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _identity(tensors: list[torch.Tensor]) -> list[int]:
     """For each tensor, the number of the first tensor that is the same object."""
     first: dict[int, int] = {}

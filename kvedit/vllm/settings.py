@@ -39,6 +39,12 @@ class ConnectorSettings:
     async_store: bool | None = None
     store_wait_s: float = 5.0
     gpu_staging_bytes: int = 0  # the device staging ring (0: 3/4 of min(2 GiB, GPU mem / 32))
+    # GPU: how the copies are ordered against the forward. True waits for the whole device
+    # before a store's gather and after a load (what the GPU suite has passed with); False
+    # orders them by vLLM's forward stream and events, so vLLM's thread never waits for the
+    # forward (tested on an H200 in the copier alone, not yet inside vLLM: docs/gpu.md,
+    # session 11).
+    device_wait: bool = True
     stats_interval_s: float = 30.0     # store/load stats lines in vLLM's log (0: every one)
     kvedit_secret_file: str = ""       # the server's shared secret; "": $KVEDIT_SECRET(_FILE),
                                        # else a loopback server's own (kvedit.rundir)
@@ -118,6 +124,9 @@ class ConnectorSettings:
         if not isinstance(extra.get("in_engine", False), bool):
             raise ValueError(f"kvedit connector: in_engine {extra['in_engine']!r}; expected "
                              "true or false")
+        if not isinstance(extra.get("device_wait", True), bool):
+            raise ValueError(f"kvedit connector: device_wait {extra['device_wait']!r}; "
+                             "expected true or false")
         wait = extra.get("store_wait_s", 5.0)
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 300:
             raise ValueError(f"kvedit connector: store_wait_s {wait!r}; expected seconds "

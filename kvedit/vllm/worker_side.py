@@ -122,6 +122,7 @@ class WorkerSide:
                                       async_store=s.background_commit(
                                           self.paged.device.type == "cuda"),
                                       staging_bytes=s.gpu_staging_bytes or None,
+                                      device_wait=s.device_wait,
                                       on_error=self._background_store_failed,
                                       stats_every=s.stats_interval_s)
         client.register(self.model, self.layout)

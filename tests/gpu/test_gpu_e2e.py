@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures_vllm import extra_connector_config
+
 PROMPT_LEN, MAX_TOKENS, TOP = 1024, 16, 5
 POISON = -12288.0  # exact in bf16 and float32; no KV value of the tiny model comes near it
 CHUNK = 256  # the kv_server fixture's chunk size
@@ -57,7 +59,8 @@ def _kv_transfer_config(url: str, http_url: str | None, chunk: int) -> dict:
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"kvedit_url": url, "kvedit_http_url": http_url,
                                           "chunk_size": chunk, "store_generated": True,
-                                          "store": "eager"}}
+                                          "store": "eager",
+                                          **(extra_connector_config() or {})}}
 
 
 def _bits(t):

@@ -191,6 +191,43 @@ def test_staged_store_commits_every_chunk_through_a_small_ring(server, mode, dev
     copier.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_without_device_wait_a_background_store_is_ordered_by_the_forward_stream(
+        server):
+    """device_wait=False: the forward's KV writes are still queued (behind a ~1 s spin on
+    the current stream, as vLLM's forward is on its own) when the store is called;
+    store_chunks returns before they ran, and every chunk still lands as the writes left it
+    (not as the blocks were before them)."""
+    paged, layers = _filled_cache(64, seed=7, device="cuda")
+    ids = list(range(0, 64, 2))
+    todo = {f"ord{i}".encode().ljust(16, b"."): (ids, i) for i in range(4)}
+    copier = PagedCopier(paged, LAYOUT, MODEL, async_store=True, device_wait=False)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # vLLM's forward runs on a non-default stream of its own
+        # a kernel's first launch loads its module, which waits for the device (CUDA's lazy
+        # loading): fill_ and the event once before the spin, or the test itself waits it out
+        layers[0][:1].fill_(0)
+        torch.cuda.Event().record()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # cycles: ~1 s
+        for i, layer in enumerate(layers):
+            layer.fill_(i + 1)  # the "forward's" writes: every block, after the spin
+        written = torch.cuda.Event()
+        written.record()
+        with KVClient(server.url) as c:
+            c.register(MODEL, LAYOUT)
+            c.delete(MODEL, list(todo))
+            copier.store_chunks(c, todo)
+            assert not written.query()  # returned while the writes were still queued
+            copier.flush()
+            with c.retrieve(MODEL, list(todo)) as got:
+                for t in got.tensors:
+                    for i in range(L):
+                        assert bool((t[:, i] == i + 1).all()), f"layer {i}: stale bytes"
+    copier.close()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_staged_load_with_partial_first_and_last_chunk(server, device):
     """A run from mid-chunk 0 to mid-chunk 4 through 2-chunk staging halves: exactly the
@@ -353,3 +390,17 @@ def test_stores_after_a_server_restart_land_in_the_new_segment(async_store, devi
                 srv.restart()
         assert idents[0] != idents[1]  # the restarted server's file, mapped anew
     copier.close()
+
+
+def test_device_wait_is_a_checked_connector_setting():
+    """The GPU ordering switch: on by default (the whole-device wait the GPU suite passed
+    with), false accepted, anything else refused by name; on the CPU there is no device to
+    wait for either way."""
+    from kvedit.vllm.gpu_memory import DeviceStreams
+    from kvedit.vllm.settings import ConnectorSettings
+
+    assert ConnectorSettings.from_extra({}).device_wait is True
+    assert ConnectorSettings.from_extra({"device_wait": False}).device_wait is False
+    with pytest.raises(ValueError, match="device_wait 'no'; expected true or false"):
+        ConnectorSettings.from_extra({"device_wait": "no"})
+    assert not DeviceStreams(torch.device("cpu"), device_wait=True).device_wait

@@ -93,3 +93,46 @@ def test_an_arm_serving_without_its_cache_is_not_a_peer():
     assert _ratios(arms)["query_ttft_s_best_peer"] == "native"
     assert _acceptance(arms, "evict", 0.5)["peers_unavailable"]["lmcache"].startswith(
         "ran without its cache: RuntimeError: No supported cpu connector")
+
+
+
+def test_connector_config_is_parsed_and_reaches_the_kvedit_arms_connector(monkeypatch):
+    """--connector-config (JSON) adds kv_connector_extra_config keys to a kvedit arm's
+    connector, e.g. the GPU ordering switch; a peer arm gets no kvedit connector. The
+    processes are stand-ins here (what start_arm passes them is the point; the arms
+    themselves run in `kvedit bench serve`)."""
+    import argparse
+    import contextlib
+    import json
+    from types import SimpleNamespace
+
+    from kvedit.bench import serve
+    from kvedit.launch import server as launch_server
+    from kvedit.launch import vllm as launch_vllm
+
+    p = argparse.ArgumentParser()
+    serve.register(p.add_subparsers())
+    args = p.parse_args(["serve", "--connector-config", '{"device_wait": false}'])
+    assert args.connector_config == {"device_wait": False}
+    seen = {}
+
+    @contextlib.contextmanager
+    def fake_vllm(model_dir, *, server, extra_args, **kw):
+        seen["args"] = list(extra_args)
+        yield SimpleNamespace(base_url="http://127.0.0.1:1")
+
+    @contextlib.contextmanager
+    def fake_server(*a, **kw):
+        yield SimpleNamespace(url="tcp://127.0.0.1:1", http_url=None)
+
+    monkeypatch.setattr(launch_vllm, "start_vllm", fake_vllm)
+    monkeypatch.setattr(launch_server, "start_server", fake_server)
+    kw = dict(tier_bytes=1 << 30, vllm_kv_bytes=1 << 30, dtype="float32", max_model_len=4096,
+              chunk=256, eviction="lru", lmcache_python=None, vllm_args=[],
+              connector_config=args.connector_config)
+    with serve.start_arm("kvedit_evict", "/nonexistent", **kw):
+        cfg = json.loads(seen["args"][seen["args"].index("--kv-transfer-config") + 1])
+    extra = cfg["kv_connector_extra_config"]
+    assert extra["device_wait"] is False and extra["store"] == "evict"
+    with serve.start_arm("native", "/nonexistent", **kw):
+        assert "--kv-transfer-config" not in seen["args"]
