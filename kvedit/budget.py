@@ -18,7 +18,12 @@ under `SamplingParams(extra_args={"kv_transfer_params": {...}})`:
 - policy, args: a `kvedit.edits.POLICIES` name and its dataclass fields; the worker scores the
   request's resident tokens with that very policy object (`DropPolicy.select`). `ratio` is
   set per compaction; `granularity` defaults to "token".
-- protect: the most recent tokens always kept (in every head).
+- protect: the most recent tokens always kept (in every head). Default: `every` (and at least
+  `queries`), at most what a compaction keeps: a token is not dropped before `every` newer
+  ones follow it. 0 lets a policy that scores by content drop the newest tokens, which cuts
+  a generation's local context: on SmolLM2's count task KeyNorm kept inside vLLM completed 2
+  of 16 counts with 0 and 12 of 16 with 64, where the host path completed 13
+  (docs/in-engine.md, "Protecting the newest tokens").
 - positions: "compact" re-rotates kept keys to contiguous positions and numbers new tokens
   after them (what the host path's edit does); "logical" leaves RoPE alone and new tokens at
   their true positions.
@@ -52,7 +57,7 @@ class EngineBudget:
     every: int = 64
     policy: str = "streaming_llm"
     args: dict[str, Any] = field(default_factory=dict)
-    protect: int = 0
+    protect: int | None = None  # None: the default above, resolved at construction
     positions: Positions = "compact"
     per_head: bool = False
     queries: int = 0
@@ -87,6 +92,9 @@ class EngineBudget:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise bad(name, "a positive integer number of tokens")
+        if self.protect is None:  # frozen: set once, so both sides of the wire see a number
+            q = self.queries if isinstance(self.queries, int) else 0
+            object.__setattr__(self, "protect", max(0, min(max(self.every, q), self.keep)))
         if isinstance(self.protect, bool) or not isinstance(self.protect, int) \
                 or self.protect < 0:
             raise bad("protect", "an integer number of recent tokens >= 0")
@@ -125,8 +133,8 @@ class EngineBudget:
 def from_policy(policy, tokens: int, every: int, *, positions: Positions = "compact",
                 protect: int | None = None, queries: int = 0) -> EngineBudget:
     """The budget that scores with `policy` (a kvedit.edits DropPolicy of a POLICIES class):
-    its fields other than ratio become `args`; per_head and protect_last carry over
-    (`protect` overrides protect_last)."""
+    its fields other than ratio become `args`; per_head carries over, and protect_last when
+    set (`protect` overrides it; neither: the budget's default protect)."""
     names = [n for n, cls in POLICIES.items() if type(policy) is cls]
     if not names:
         raise BudgetError(f"an in-engine budget scores with a kvedit.edits policy by name; "
@@ -136,7 +144,7 @@ def from_policy(policy, tokens: int, every: int, *, positions: Positions = "comp
             if f.name not in ("ratio", "per_head", "protect_last")
             and (getattr(policy, f.name) != f.default or f.name == "granularity")}
     return EngineBudget(tokens, every, names[0], args,
-                        policy.protect_last if protect is None else protect, positions,
+                        (policy.protect_last or None) if protect is None else protect, positions,
                         policy.per_head, queries)
 
 

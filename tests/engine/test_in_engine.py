@@ -117,7 +117,8 @@ def test_compact_positions_continue_exactly_as_the_host_path(engine, kv_server, 
                                                              args):
     prompt = prompt_of(P, seed=len(name))
     host, host_lp = host_path(engine, kv_server, prompt, policy, N)
-    budget = EngineBudget(KEEP + EVERY, EVERY, name, args)
+    # protect=0: the host policy protects nothing, so both keep the same set
+    budget = EngineBudget(KEEP + EVERY, EVERY, name, args, protect=0)
     eng, eng_lp = greedy(engine, prompt, N + 1, budget)
     assert eng == host
     torch.testing.assert_close(torch.tensor(eng_lp[1:]), torch.tensor(host_lp[1:]),
@@ -150,7 +151,7 @@ def test_decode_matches_transformers_over_the_same_kept_kv(engine, tiny_model, p
     T, keep, n = 300, 200, 40
     prompt = prompt_of(T, seed=7)
     budget = EngineBudget(keep + 64, 64, "random", {"seed": 5}, positions=positions,
-                          per_head=per_head)
+                          per_head=per_head, protect=0)  # the reference's selection below
     eng, eng_lp = greedy(engine, prompt, n + 1, budget)
     layout = ModelLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32",
                          chunk_size=CHUNK)

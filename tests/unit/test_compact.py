@@ -100,6 +100,29 @@ def test_slots_that_stay_in_place_are_left_out_with_the_same_bytes(positions, ca
         assert torch.equal(a, b)
 
 
+def test_the_newest_tokens_are_protected_by_default():
+    """protect defaults to `every` (at least `queries`, at most what a compaction keeps), on
+    both sides of the wire; a content policy then cannot drop the newest tokens even when
+    they score worst (here the newest keys have the largest norms, which KeyNorm drops
+    first), while protect=0 lets it (what cut SmolLM2's counts: docs/in-engine.md)."""
+    b = EngineBudget(512, 64, "key_norm")
+    assert b.protect == 64 and from_params(b.to_params()).protect == 64
+    assert EngineBudget(512, 64, "snapkv", protect=None, queries=96).protect == 96
+    assert EngineBudget(100, 64, "key_norm").protect == 36   # keep = 36
+    assert from_policy(KeyNorm(), 512, 64).protect == 64
+    assert from_policy(KeyNorm(protect_last=8), 512, 64).protect == 8
+    assert from_policy(KeyNorm(), 512, 64, protect=0).protect == 0
+    T = 512
+    kv = torch.ones(2, 2, T, 128)
+    kv[0, :, -100:] *= 10                                    # the newest keys: largest norms
+    for protect, newest_kept in ((None, True), (0, False)):
+        pol = EngineBudget(T, 64, "key_norm", protect=protect).policy_object()
+        idx = pol.select(kv, T - 64, LAYOUT)
+        assert (T - 1 in idx.tolist()) is newest_kept
+        if newest_kept:
+            assert set(range(T - 64, T)) <= set(idx.tolist())
+
+
 def test_budget_contract_round_trips_and_names_what_is_wrong():
     b = EngineBudget(768, 128, "key_norm", {"granularity": "chunk"}, protect=16,
                      positions="logical", per_head=True)
