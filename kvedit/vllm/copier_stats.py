@@ -40,7 +40,8 @@ class StoreStats:
         if now - self.logged_at >= self.every:
             self.logged_at = now
             logger.info("kvedit: store stats: %d stores, %d chunks, vLLM thread %.1f ms "
-                        "(of which waiting for the forward %.1f ms, for staging %.1f ms), background %.1f ms",
+                        "(of which waiting for the forward %.1f ms, for staging %.1f ms), "
+                        "background %.1f ms",
                         self.stores, self.chunks, 1e3 * self.main_s,
                         1e3 * self.device_wait_s, 1e3 * self.ring_wait_s,
                         1e3 * self.background_s)

@@ -235,7 +235,7 @@ class DeviceStreams:
         staging are ordered after them on the current stream; the host source may go);
         device_wait: until the whole device is idle, the scatters included."""
         if self.device_wait:
-            torch.cuda.synchronize(self.device)
+            self.wait_device()
         elif self.cuda:
             self.load_stream.synchronize()
 

@@ -121,12 +121,10 @@ class ConnectorSettings:
         if kept not in get_args(CachedKeptBlocks):
             raise ValueError(f"kvedit connector: cached_kept_blocks {kept!r}; expected one of "
                              f"{list(get_args(CachedKeptBlocks))}")
-        if not isinstance(extra.get("in_engine", False), bool):
-            raise ValueError(f"kvedit connector: in_engine {extra['in_engine']!r}; expected "
-                             "true or false")
-        if not isinstance(extra.get("device_wait", True), bool):
-            raise ValueError(f"kvedit connector: device_wait {extra['device_wait']!r}; "
-                             "expected true or false")
+        for name in ("in_engine", "device_wait"):
+            if not isinstance(extra.get(name, defaults[name]), bool):
+                raise ValueError(f"kvedit connector: {name} {extra[name]!r}; expected true or "
+                                 "false")
         wait = extra.get("store_wait_s", 5.0)
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 300:
             raise ValueError(f"kvedit connector: store_wait_s {wait!r}; expected seconds "
