@@ -16,7 +16,7 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 def extra_connector_config() -> dict | None:
     """KVEDIT_TEST_CONNECTOR_CONFIG: more kv_connector_extra_config keys (JSON) for the
     session's vLLMs, so the GPU session can run the suite with a connector setting changed
-    (e.g. '{"device_wait": false}'); unset in CI."""
+    (e.g. '{"device_wait": true}' for the whole-device wait); unset in CI."""
     raw = os.environ.get("KVEDIT_TEST_CONNECTOR_CONFIG")
     return json.loads(raw) if raw else None
 

@@ -67,13 +67,13 @@ class PagedCopier:
                  pin_shm: bool = True, *, async_store: bool = False,
                  staging_bytes: int | None = None, staged: bool | None = None,
                  on_error: Callable[[BaseException], None] | None = None,
-                 stats_every: float = 30.0, device_wait: bool = True):
+                 stats_every: float = 30.0, device_wait: bool = False):
         """`on_error`: called (from the background thread) with the error of a failed
         background store, at once, so an outage is noticed without waiting for the next
         store; None keeps the error for the next store_chunks / flush to raise.
-        `device_wait` (GPU): wait for the whole device before a store's gather and after a
-        load; False orders the copies by the forward's stream alone (the connector setting
-        of the same name says how far each is tested)."""
+        `device_wait` (GPU): True waits for the whole device before a store's gather and
+        after a load; False (default) orders the copies by the forward's stream and events
+        (the connector setting of the same name)."""
         self.paged, self.layout, self.model, self.tp_rank = paged, layout, model, tp_rank
         self.on_error = on_error
         self.pin_shm = pin_shm

@@ -191,7 +191,7 @@ class DeviceStreams:
     the gathers / scatters on the current stream by events. On the CPU every copy runs
     inline and there is nothing to order."""
 
-    def __init__(self, device: torch.device, device_wait: bool = True):
+    def __init__(self, device: torch.device, device_wait: bool = False):
         self.device, self.cuda = device, device.type == "cuda"
         self.device_wait = self.cuda and device_wait  # the whole device, not only our copies
         if self.cuda:

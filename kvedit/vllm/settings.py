@@ -39,12 +39,11 @@ class ConnectorSettings:
     async_store: bool | None = None
     store_wait_s: float = 5.0
     gpu_staging_bytes: int = 0  # the device staging ring (0: 3/4 of min(2 GiB, GPU mem / 32))
-    # GPU: how the copies are ordered against the forward. True waits for the whole device
-    # before a store's gather and after a load (what the GPU suite has passed with); False
-    # orders them by vLLM's forward stream and events, so vLLM's thread never waits for the
-    # forward (tested on an H200 in the copier alone, not yet inside vLLM: docs/gpu.md,
-    # session 11).
-    device_wait: bool = True
+    # GPU: how the copies are ordered against the forward. False (default) orders them by
+    # vLLM's forward stream and events, so vLLM's thread never waits for the forward; True
+    # waits for the whole device before a store's gather and after a load (the older way:
+    # 10.7x the vLLM-thread store time in the H200 serving run, docs/gpu.md session 12).
+    device_wait: bool = False
     stats_interval_s: float = 30.0     # store/load stats lines in vLLM's log (0: every one)
     kvedit_secret_file: str = ""       # the server's shared secret; "": $KVEDIT_SECRET(_FILE),
                                        # else a loopback server's own (kvedit.rundir)

@@ -393,14 +393,14 @@ def test_stores_after_a_server_restart_land_in_the_new_segment(async_store, devi
 
 
 def test_device_wait_is_a_checked_connector_setting():
-    """The GPU ordering switch: on by default (the whole-device wait the GPU suite passed
-    with), false accepted, anything else refused by name; on the CPU there is no device to
-    wait for either way."""
+    """The GPU ordering switch: off by default (stream order, what the H200 connector suite
+    and serving run passed with in session 12), true accepted, anything else refused by
+    name; on the CPU there is no device to wait for either way."""
     from kvedit.vllm.gpu_memory import DeviceStreams
     from kvedit.vllm.settings import ConnectorSettings
 
-    assert ConnectorSettings.from_extra({}).device_wait is True
-    assert ConnectorSettings.from_extra({"device_wait": False}).device_wait is False
+    assert ConnectorSettings.from_extra({}).device_wait is False
+    assert ConnectorSettings.from_extra({"device_wait": True}).device_wait is True
     with pytest.raises(ValueError, match="device_wait 'no'; expected true or false"):
         ConnectorSettings.from_extra({"device_wait": "no"})
     assert not DeviceStreams(torch.device("cpu"), device_wait=True).device_wait
