@@ -18,7 +18,9 @@ between them (serve_workloads.py), so load from other work hits all arms alike. 
 prompts; vLLM's prefix cache is reset between them. The JSON gives each arm's figures, the
 ratios against vLLM alone and against the best peer arm (native, native_simple, lmcache:
 whichever ran best), and the acceptance fields (`half_tier`, `no_reuse`, `multi_round`),
-where "kvedit" is the connector's default store mode. --repeats measures again with new
+where "kvedit" is the connector's default store mode. Each kvedit arm's workload figures
+also hold "server": what its kvedit server stored, loaded, hit, missed and evicted during
+that workload (its /metrics counters before and after). --repeats measures again with new
 prompts and reports medians; the machine's load average is recorded beside each run.
 No torch/vllm at module level (CLI start-up).
 """
@@ -31,7 +33,7 @@ import re
 import statistics
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvedit.bench.serve_workloads import Workloads, long_doc_qa, multi_round_qa, no_reuse
@@ -42,8 +44,36 @@ PEERS = ("native", "native_simple", "lmcache")
 MODEL_NAME = "bench"
 
 
+# The kvedit server's cumulative counters (its /metrics) that `measure` records per workload,
+# so a run says what each workload made a kvedit arm store, load and evict (a store mode
+# that defers its stores moves them into whichever workload comes next)
+SERVER_COUNTERS = {"kvedit_store_bytes_total": "stored_bytes",
+                   "kvedit_store_seconds_count": "stores",
+                   "kvedit_retrieve_bytes_total": "retrieved_bytes",
+                   "kvedit_hits_total": "hits", "kvedit_misses_total": "misses",
+                   "kvedit_evictions_total": "evictions"}
+
+
 class ArmUnavailable(Exception):
     """The arm could not start here; the message says why."""
+
+
+@dataclass
+class RunningArm:
+    """One started arm: its vLLM, and the kvedit server's HTTP address for kvedit arms."""
+    vllm: object                        # kvedit.launch.vllm.VllmProcess
+    server_http_url: str | None = None
+
+    @property
+    def base_url(self) -> str:
+        return self.vllm.base_url
+
+    @property
+    def log_path(self):
+        return self.vllm.log_path
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        return self.vllm.log_tail(n_chars)
 
 
 def register(bsub) -> None:
@@ -152,7 +182,7 @@ def _env(**values):
 def start_arm(arm: str, model_dir, *, tier_bytes: int, vllm_kv_bytes: int, dtype: str,
               max_model_len: int, chunk: int, eviction: str, lmcache_python: str | None,
               vllm_args, connector_config: dict | None = None):
-    """Start the processes of one arm -> its VllmProcess; ArmUnavailable if it cannot run.
+    """Start the processes of one arm -> a RunningArm; ArmUnavailable if it cannot run.
     `connector_config`: more kv_connector_extra_config keys for a kvedit arm."""
     from kvedit.launch.server import start_server
     from kvedit.launch.vllm import kv_transfer_config, start_vllm
@@ -163,6 +193,7 @@ def start_arm(arm: str, model_dir, *, tier_bytes: int, vllm_kv_bytes: int, dtype
               max_model_len=max_model_len, dev_mode=True)
     env: dict = {}
     python = None
+    server_http = None
     stack = contextlib.ExitStack()
     with stack:
         if arm in ("native", "native_simple"):
@@ -178,6 +209,7 @@ def start_arm(arm: str, model_dir, *, tier_bytes: int, vllm_kv_bytes: int, dtype
         elif arm.startswith("kvedit_"):
             server = stack.enter_context(start_server(tier_gib, chunk_size=chunk,
                                                       eviction=eviction))
+            server_http = server.http_url
             extra += ["--kv-transfer-config", kv_transfer_config(
                 server.url, server.http_url, chunk, store=arm.removeprefix("kvedit_"),
                 extra_config=connector_config)]
@@ -189,7 +221,7 @@ def start_arm(arm: str, model_dir, *, tier_bytes: int, vllm_kv_bytes: int, dtype
                 m = re.search(r"log (\S+\.log)", str(e))
                 log = Path(m[1]).read_text(errors="replace") if m else str(e)
                 raise ArmUnavailable(_root_cause(log)) from None
-        yield vp
+        yield RunningArm(vp, server_http)
 
 
 def degraded(log: str) -> str | None:
@@ -212,18 +244,38 @@ def _check_lmcache(python: str) -> None:
                              f" pass --lmcache-python with an interpreter where it does")
 
 
-def measure(targets: dict[str, str], w: Workloads, seed: int = 0) -> dict[str, dict]:
+def server_counters(http_url: str) -> dict[str, float]:
+    """A kvedit server's SERVER_COUNTERS now (short names), from its /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(http_url + "/metrics", timeout=10.0)
+    r.raise_for_status()
+    return {SERVER_COUNTERS[s.name]: s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples
+            if s.name in SERVER_COUNTERS}
+
+
+def measure(targets: dict[str, str], w: Workloads, seed: int = 0,
+            servers: dict[str, str] | None = None) -> dict[str, dict]:
     """Every workload on every running arm (name -> base URL), alternating between arms;
-    vLLM's prefix cache is reset on every arm before each workload."""
+    vLLM's prefix cache is reset on every arm before each workload. `servers` (arm -> its
+    kvedit server's HTTP address): each workload's figures get "server", what the counters
+    moved by while it ran."""
     from kvedit.bench.connector import post_json
 
+    servers = servers or {}
     out: dict[str, dict] = {a: {} for a in targets}
     for name, fn, base in (("long_doc", long_doc_qa, 1), ("multi_round", multi_round_qa, 2),
                            ("no_reuse", no_reuse, 3)):
         for url in targets.values():
             post_json(url + "/reset_prefix_cache", {})
+        before = {a: server_counters(u) for a, u in servers.items()}
         for arm, figures in fn(targets, MODEL_NAME, w, seed=base + 10 * seed).items():
             out[arm][name] = figures
+        for arm, url in servers.items():
+            now = server_counters(url)
+            out[arm][name]["server"] = {k: v - before[arm].get(k, 0.0) for k, v in now.items()}
     return out
 
 
@@ -258,12 +310,13 @@ def serve_bench(w: Workloads, arms: list[str], *, model: str | None = None,
                     connector_config=connector_config))
             except ArmUnavailable as e:
                 runs[arm].append({"unavailable": str(e)})
-        targets = {a: vp.base_url for a, vp in running.items()}
+        targets = {a: r.base_url for a, r in running.items()}
+        servers = {a: r.server_http_url for a, r in running.items() if r.server_http_url}
         for rep in range(repeats):
             print(f"kvedit bench serve: measuring {list(targets)} (run {rep + 1}/{repeats})",
                   file=sys.stderr)
             load0 = os.getloadavg()[0]
-            figures = measure(targets, w, seed=rep)
+            figures = measure(targets, w, seed=rep, servers=servers)
             for arm, f in figures.items():
                 f["load_avg_1m"] = [load0, os.getloadavg()[0]]
                 why = degraded(running[arm].log_tail(1 << 30))
