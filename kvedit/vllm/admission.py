@@ -165,32 +165,43 @@ class Admission:
             self.watch = set()
             return []
         out: list[Deferred] = []
+        whole: set[bytes] = set()   # watched last step and still valid: no second check below
         for key in self.watch:
             d = self.deferred.get(key)
-            if d is None or self._valid(d):
+            if d is None:
+                continue
+            if self._valid(d):
+                whole.add(key)
                 continue
             self._forget(key)
             if unsafe_blocks.isdisjoint(d.blocks):
                 out.append(d)
             else:
                 self.dropped += 1
-        self.watch = set()
+        # This runs in the scheduler every step: a chunk has chunk / block_size blocks, often
+        # all near the head, so each chunk's hashes are compared once, not once per block
+        watch, seen = set(), set()
+        by_block, deferred = self.by_block, self.deferred
         queue = self.pool.free_block_queue
         block = queue.fake_free_list_head.next_free_block
         tail = queue.fake_free_list_tail
         for _ in range(self.reach):
             if block is None or block is tail:
                 break
-            for key in self.by_block.get(block.block_id, ()):
-                if self._valid(self.deferred[key]):
-                    self.watch.add(key)
+            keys = by_block.get(block.block_id)
+            if keys:
+                for key in keys - seen:
+                    seen.add(key)
+                    if key in whole or self._valid(deferred[key]):
+                        watch.add(key)
             block = block.next_free_block
+        self.watch = watch
         self.stored_at_evict += len(out)
         return out
 
     def _valid(self, d: Deferred) -> bool:
-        blocks_of = self.pool.blocks
-        return all(blocks_of[b].block_hash == h for b, h in zip(d.blocks, d.hashes))
+        blocks_of = self.pool.blocks   # one list compare: this runs per watched chunk per step
+        return [blocks_of[b].block_hash for b in d.blocks] == d.hashes
 
     def _remember(self, d: Deferred) -> None:
         key = d.keys[0]
