@@ -176,7 +176,10 @@ POOL = textwrap.dedent("""
 
     def cat():
         out = torch.cat([src[:, :, :512], src[:, :, -512:]], dim=2)  # 151 MB, fresh tensor
-        return out.data_ptr(), on_heap(out.data_ptr())
+        return out.data_ptr()
+
+    def where(ptr):  # after fn, in this thread: reading /proc/self/maps inside fn allocated
+        return ptr, on_heap(ptr)   # (buffers, strings) in the pool thread while out was live
 
     early = ThreadPoolExecutor(1)       # attaches its own arena before the setting
     early.submit(cat).result()
@@ -191,12 +194,12 @@ POOL = textwrap.dedent("""
         job = pool.submit(cat)
         while not job.done():
             time.sleep(0.001)
-        in_pool.append(job.result())
+        in_pool.append(where(job.result()))
         lo, hi = brk_heap()
         heap_size.append(hi - lo)
     names = {pool.submit(lambda: threading.current_thread().name).result() for _ in range(8)}
-    early_runs = [early.submit(cat).result() for _ in range(2)]
-    via = asyncio.run(glibc_tuning.run_fn(pool, cat))
+    early_runs = [where(early.submit(cat).result()) for _ in range(2)]
+    via = where(asyncio.run(glibc_tuning.run_fn(pool, cat)))
     try:
         pool.submit(lambda: 1 / 0).result()
         error = None
