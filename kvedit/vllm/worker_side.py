@@ -126,6 +126,7 @@ class WorkerSide:
                                       on_error=self._background_store_failed,
                                       stats_every=s.stats_interval_s)
         client.register(self.model, self.layout)
+        self.copier.prepare(client)
         http = self.settings.kvedit_http_url
         logger.info("kvedit: registered %s (rank %d) with %s%s: %s", self.model, self.tp_rank,
                     self.settings.kvedit_url, f" (status: {http}/status)" if http else "",
