@@ -20,7 +20,9 @@ ratios against vLLM alone and against the best peer arm (native, native_simple, 
 whichever ran best), and the acceptance fields (`half_tier`, `no_reuse`, `multi_round`),
 where "kvedit" is the connector's default store mode. Each kvedit arm's workload figures
 also hold "server": what its kvedit server stored, loaded, hit, missed and evicted during
-that workload (its /metrics counters before and after). --repeats measures again with new
+that workload (its /metrics counters before and after), and "connector": what the
+connector's stats lines in its vLLM log moved by (time in kvedit's scheduler hooks, store
+and load time in vLLM's thread). --repeats measures again with new
 prompts and reports medians; the machine's load average is recorded beside each run.
 No torch/vllm at module level (CLI start-up).
 """
@@ -210,9 +212,10 @@ def start_arm(arm: str, model_dir, *, tier_bytes: int, vllm_kv_bytes: int, dtype
             server = stack.enter_context(start_server(tier_gib, chunk_size=chunk,
                                                       eviction=eviction))
             server_http = server.http_url
+            # stats lines each second: measure reads them at its workload boundaries
             extra += ["--kv-transfer-config", kv_transfer_config(
                 server.url, server.http_url, chunk, store=arm.removeprefix("kvedit_"),
-                extra_config=connector_config)]
+                extra_config={"stats_interval_s": 1.0, **(connector_config or {})})]
         with _env(**env):
             try:
                 vp = stack.enter_context(start_vllm(model_dir, server=None, extra_args=extra,
@@ -256,26 +259,54 @@ def server_counters(http_url: str) -> dict[str, float]:
             if s.name in SERVER_COUNTERS}
 
 
+def connector_counters(log_path) -> dict[str, dict[str, float]]:
+    """A kvedit arm's connector stats now, from its vLLM log: the last scheduler, store and
+    load stats lines (cumulative; the connector logs them every stats_interval_s)."""
+    from kvedit.vllm.copier_stats import load_counters, store_counters
+    from kvedit.vllm.scheduler_stats import scheduler_counters
+
+    text = Path(log_path).read_text(errors="replace")
+    return {"scheduler": scheduler_counters(text), "store": store_counters(text),
+            "load": load_counters(text)}
+
+
+def _moved(now: dict[str, dict], before: dict[str, dict]) -> dict[str, dict]:
+    out = {}
+    for part, values in now.items():
+        old = before.get(part, {})
+        out[part] = {k: round(v - old.get(k, 0.0), 3) for k, v in values.items()}
+    sched = out.get("scheduler", {})
+    if sched.get("steps"):
+        sched["hooks_ms_per_step"] = round(sched["hooks_ms"] / sched["steps"], 4)
+    return out
+
+
 def measure(targets: dict[str, str], w: Workloads, seed: int = 0,
-            servers: dict[str, str] | None = None) -> dict[str, dict]:
+            servers: dict[str, str] | None = None,
+            logs: dict[str, Path] | None = None) -> dict[str, dict]:
     """Every workload on every running arm (name -> base URL), alternating between arms;
     vLLM's prefix cache is reset on every arm before each workload. `servers` (arm -> its
     kvedit server's HTTP address): each workload's figures get "server", what the counters
-    moved by while it ran."""
+    moved by while it ran. `logs` (arm -> its vLLM log): each workload's figures get
+    "connector", what the connector's stats lines moved by (to within their interval: the
+    last second of a workload may count in the next)."""
     from kvedit.bench.connector import post_json
 
-    servers = servers or {}
+    servers, logs = servers or {}, logs or {}
     out: dict[str, dict] = {a: {} for a in targets}
     for name, fn, base in (("long_doc", long_doc_qa, 1), ("multi_round", multi_round_qa, 2),
                            ("no_reuse", no_reuse, 3)):
         for url in targets.values():
             post_json(url + "/reset_prefix_cache", {})
         before = {a: server_counters(u) for a, u in servers.items()}
+        stats0 = {a: connector_counters(p) for a, p in logs.items()}
         for arm, figures in fn(targets, MODEL_NAME, w, seed=base + 10 * seed).items():
             out[arm][name] = figures
         for arm, url in servers.items():
             now = server_counters(url)
             out[arm][name]["server"] = {k: v - before[arm].get(k, 0.0) for k, v in now.items()}
+        for arm, path in logs.items():
+            out[arm][name]["connector"] = _moved(connector_counters(path), stats0[arm])
     return out
 
 
@@ -312,11 +343,12 @@ def serve_bench(w: Workloads, arms: list[str], *, model: str | None = None,
                 runs[arm].append({"unavailable": str(e)})
         targets = {a: r.base_url for a, r in running.items()}
         servers = {a: r.server_http_url for a, r in running.items() if r.server_http_url}
+        logs = {a: r.log_path for a, r in running.items() if r.server_http_url}
         for rep in range(repeats):
             print(f"kvedit bench serve: measuring {list(targets)} (run {rep + 1}/{repeats})",
                   file=sys.stderr)
             load0 = os.getloadavg()[0]
-            figures = measure(targets, w, seed=rep, servers=servers)
+            figures = measure(targets, w, seed=rep, servers=servers, logs=logs)
             for arm, f in figures.items():
                 f["load_avg_1m"] = [load0, os.getloadavg()[0]]
                 why = degraded(running[arm].log_tail(1 << 30))

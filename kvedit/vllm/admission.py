@@ -6,19 +6,20 @@ costs copies in vLLM's step, and the tier holds copies of what vLLM's own prefix
 holds (inclusive caching), so the chunks vLLM evicts are the ones it lacks. The other two
 modes store less:
 - "evict": a chunk is stored only when vLLM evicts its blocks. At the end of a request its
-  unstored chunks are remembered with the prefix-cache hashes of their blocks. Each step the
-  chunks with a block among the first blocks of vLLM's free queue (as many as one schedule
-  can take) are watched; at the next step, a watched chunk whose hash is gone had its block
-  taken by that step's schedule, and is stored before that step's forward (the workers run
-  these stores when the step's metadata is bound, before the forward writes the block). Why
-  the bytes are right: the chunk was valid when last watched, so its block held its tokens'
-  KV until this schedule took it, and nothing writes a newly taken block before the forward
-  (vLLM zeroes or copies into new blocks only for hybrid or mixed-precision caches; those
-  blocks, named in the step's output, are never stored). A chunk taken while not watched
-  (a schedule taking more than one step's worth) is dropped: a later miss, never wrong bytes. The tier then
-  holds what vLLM does not (exclusive caching). Needs vLLM's block pool (bound by vLLM
-  >= 0.32 through `bind_gpu_block_pool`) and prefix caching (the hashes); without them it
-  stores as "eager" does, and says so once.
+  unstored chunks are remembered with the prefix-cache hashes of their blocks. vLLM takes
+  blocks for new KV only through its block pool's `get_new_blocks`, which pops the head of
+  the free queue; the connector wraps that call on the pool instance (no vLLM file changes)
+  and looks at the blocks about to be popped: a remembered chunk with one of them, whose
+  hashes are still the ones it was remembered with, is stored before the forward of the step
+  being scheduled (the workers run these stores when the step's metadata is bound). Why the
+  bytes are right: the chunk was whole when its block was taken, and nothing writes a newly
+  taken block before the forward (vLLM zeroes or copies into new blocks only for hybrid or
+  mixed-precision caches; those blocks, named in the step's output, are never stored). A
+  chunk whose hashes changed first (its blocks reused in another way) is forgotten: a later
+  miss, never wrong bytes. The cost is per block taken, not per step. The tier then holds
+  what vLLM does not (exclusive caching). Needs vLLM's block pool (bound by vLLM through
+  `bind_gpu_block_pool`) and prefix caching (the hashes); without them it stores as "eager"
+  does, and says so once.
 - "reuse": a chunk is stored on its second sight: a bounded table counts the requests whose
   tokens covered each chunk key (prompt chunks at lookup, later chunks as they complete);
   since keys are prefix hashes, the chunks seen twice are a leading run. A prefix seen once
@@ -30,6 +31,7 @@ a request's chunks may be stored now (`storable`) and which remembered chunks ar
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
@@ -82,24 +84,36 @@ class Admission:
     """The store mode's decisions for the scheduler side (one instance per engine)."""
 
     def __init__(self, mode: StoreMode, block_size: int, chunk: int, *,
-                 max_seen: int = 1 << 18, max_deferred: int = 1 << 16,
-                 reach_blocks: int = 1024):
+                 max_seen: int = 1 << 18, max_deferred: int = 1 << 16):
         self.mode, self.block_size, self.chunk = mode, block_size, chunk
         self.seen = SeenKeys(max_seen)
         self.pool = None                       # vLLM's BlockPool (bind_pool), evict mode
-        self.reach = reach_blocks              # most blocks one schedule can take
-        self.watch: set[bytes] = set()         # deferred keys near the free queue's head
+        self.taken: list[Deferred] = []        # remembered chunks whose blocks were just taken
+        self.take_s = 0.0                      # time spent looking at taken blocks
         self.max_deferred = max_deferred
         self.deferred: OrderedDict[bytes, Deferred] = OrderedDict()  # by rank-0 key
         self.by_block: dict[int, set[bytes]] = {}
         self.dropped = self.stored_at_evict = 0   # chunks whose blocks were reused first
+        self.dropped_at_reset = 0                  # chunks forgotten when vLLM reset its cache
+        self._table = None                         # the pool's hash table when last seen
         self._warned = False
 
     # ---- set-up ------------------------------------------------------------------------
     def bind_pool(self, pool) -> None:
-        """vLLM's block pool (scheduler side, vLLM >= 0.32)."""
-        if hasattr(pool, "free_block_queue") and hasattr(pool, "blocks"):
-            self.pool = pool
+        """vLLM's block pool (scheduler side): in evict mode, wrap its get_new_blocks."""
+        if self.mode != "evict" or not all(hasattr(pool, a) for a in (
+                "free_block_queue", "blocks", "get_new_blocks")):
+            return
+        self.pool = pool
+        self._table = getattr(pool, "cached_block_hash_to_block", None)
+        take = pool.get_new_blocks   # whatever is there (an instance attribute shadows it)
+
+        def get_new_blocks(num_blocks: int):
+            if self.deferred and num_blocks > 0:
+                self._taking(num_blocks)
+            return take(num_blocks)
+
+        pool.get_new_blocks = get_new_blocks
 
     @property
     def defers(self) -> bool:
@@ -110,7 +124,7 @@ class Admission:
             if not self._warned:
                 self._warned = True
                 logger.warning("kvedit connector: store 'evict' needs vLLM's block pool and "
-                               "prefix caching (vLLM >= 0.32, --enable-prefix-caching); "
+                               "prefix caching (--enable-prefix-caching); "
                                "storing every chunk as it is computed instead ('eager')")
             return False
         return True
@@ -138,6 +152,7 @@ class Admission:
         blocks still hold them)."""
         if not self.defers or full <= stored:
             return []
+        self._check_reset()   # before remembering: a reset seen later would forget these
         per = self.chunk // self.block_size
         blocks_of = self.pool.blocks
         for i in range(stored, full):
@@ -156,48 +171,62 @@ class Admission:
         return out
 
     # ---- per step ----------------------------------------------------------------------
+    def _taking(self, n: int) -> None:
+        """get_new_blocks is about to pop the first `n` free blocks: the remembered chunks
+        with one of them are taken now (stored before this step's forward) if still whole,
+        forgotten if not. This runs inside vLLM's scheduler for every allocation: one dict
+        lookup per block, one hash compare per chunk."""
+        t0 = time.perf_counter()
+        self._check_reset()
+        queue, by_block = self.pool.free_block_queue, self.by_block
+        block, tail = queue.fake_free_list_head.next_free_block, queue.fake_free_list_tail
+        for _ in range(n):
+            if block is None or block is tail or not by_block:
+                break
+            keys = by_block.get(block.block_id)
+            if keys:
+                for key in list(keys):
+                    d = self._forget(key)
+                    if self._valid(d):
+                        self.taken.append(d)
+                    else:
+                        self.dropped += 1
+            block = block.next_free_block
+        self.take_s += time.perf_counter() - t0
+
     def due(self, unsafe_blocks: set[int]) -> list[Deferred]:
-        """Remembered chunks this step's schedule just evicted (watched last step, hash gone
-        now): store them before this step's forward. `unsafe_blocks`: blocks vLLM zeroes or
-        copies into before the forward (their chunks are dropped). Then watch the chunks
-        with a block among the first `reach` blocks of the free queue."""
-        if not self.deferred:
-            self.watch = set()
-            return []
+        """Remembered chunks this step's schedule took: store them before this step's
+        forward. `unsafe_blocks`: blocks vLLM zeroes or copies into before the forward
+        (their chunks are dropped)."""
+        self._check_reset()
         out: list[Deferred] = []
-        whole: set[bytes] = set()   # watched last step and still valid: no second check below
-        for key in self.watch:
-            d = self.deferred.get(key)
-            if d is None:
-                continue
-            if self._valid(d):
-                whole.add(key)
-                continue
-            self._forget(key)
+        for d in self.taken:
             if unsafe_blocks.isdisjoint(d.blocks):
                 out.append(d)
             else:
                 self.dropped += 1
-        # This runs in the scheduler every step: a chunk has chunk / block_size blocks, often
-        # all near the head, so each chunk's hashes are compared once, not once per block
-        watch, seen = set(), set()
-        by_block, deferred = self.by_block, self.deferred
-        queue = self.pool.free_block_queue
-        block = queue.fake_free_list_head.next_free_block
-        tail = queue.fake_free_list_tail
-        for _ in range(self.reach):
-            if block is None or block is tail:
-                break
-            keys = by_block.get(block.block_id)
-            if keys:
-                for key in keys - seen:
-                    seen.add(key)
-                    if key in whole or self._valid(deferred[key]):
-                        watch.add(key)
-            block = block.next_free_block
-        self.watch = watch
+        self.taken = []
         self.stored_at_evict += len(out)
         return out
+
+    def _check_reset(self) -> None:
+        """vLLM's reset_prefix_cache (after a weight update in RL, or between benchmark
+        phases) replaces the pool's hash table and clears every block's hash: the KV of the
+        remembered chunks is no longer vLLM's cache (after a weight update it is stale), so
+        they are forgotten, not stored (they would only be forgotten one by one as their
+        blocks are taken)."""
+        table = getattr(self.pool, "cached_block_hash_to_block", None)
+        if table is self._table:
+            return
+        self._table = table
+        if self.deferred:
+            logger.info("kvedit connector: vLLM reset its prefix cache; %d remembered chunks "
+                        "forgotten (store mode 'evict' stores what vLLM evicts, and a reset "
+                        "is no eviction)", len(self.deferred))
+        self.dropped_at_reset += len(self.deferred) + len(self.taken)
+        self.deferred.clear()
+        self.by_block.clear()
+        self.taken = []
 
     def _valid(self, d: Deferred) -> bool:
         blocks_of = self.pool.blocks   # one list compare: this runs per watched chunk per step

@@ -100,3 +100,31 @@ def load_lines(log_text: str) -> list[dict[str, float]]:
     first: chunks, mb and the *_ms fields."""
     return [{k: float(v) for k, v in m.groupdict().items()}
             for m in _LAST_LOAD.finditer(log_text)]
+
+
+_STORE = re.compile(
+    r"kvedit: store stats: (?P<stores>\d+) stores, (?P<chunks>\d+) chunks, vLLM thread "
+    r"(?P<main_ms>[\d.]+) ms \(of which waiting for the forward (?P<device_wait_ms>[\d.]+) ms, "
+    r"for staging (?P<ring_wait_ms>[\d.]+) ms\), background (?P<background_ms>[\d.]+) ms")
+_LOADS = re.compile(r"kvedit: load stats: (?P<loads>\d+) loads, (?P<chunks>\d+) chunks, "
+                    r"(?P<gb>[\d.]+) GB, (?P<total_ms>[\d.]+) ms in all")
+
+
+def last_numbers(pattern: re.Pattern, text: str) -> dict[str, float]:
+    """The named groups of `pattern`'s last match in `text` as floats ({} if none)."""
+    last = None
+    for last in pattern.finditer(text):
+        pass
+    return {k: float(v) for k, v in last.groupdict().items()} if last else {}
+
+
+def store_counters(log_text: str) -> dict[str, float]:
+    """The last store stats line of `log_text` as numbers ({} if none; cumulative, so two
+    readings' difference is what happened between them). One rank's: with tensor
+    parallelism every rank logs its own."""
+    return last_numbers(_STORE, log_text)
+
+
+def load_counters(log_text: str) -> dict[str, float]:
+    """The last load stats line's totals (loads, chunks, gb, total_ms), as store_counters."""
+    return last_numbers(_LOADS, log_text)

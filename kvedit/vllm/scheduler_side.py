@@ -24,6 +24,7 @@ from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
 from kvedit.vllm.pins import Pins
 from kvedit.vllm.query_capture import capture_unavailable
 from kvedit.vllm.query_window import WindowPlanner
+from kvedit.vllm.scheduler_stats import SchedulerStats
 from kvedit.vllm.settings import ConnectorSettings, model_layout
 
 logger = logging.getLogger("vllm.kvedit")
@@ -52,13 +53,10 @@ class SchedulerSide:
         self.model = name[0] if isinstance(name, (list, tuple)) else name
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.layouts: list[ModelLayout] | None = None
-        sc = getattr(vllm_config, "scheduler_config", None)   # the most one schedule takes
-        reach = (getattr(sc, "max_num_batched_tokens", 8192) // block_size
-                 + getattr(sc, "max_num_seqs", 256))
-        self.admission = Admission(settings.store, block_size, settings.chunk_size or 0,
-                                   reach_blocks=reach)
+        self.admission = Admission(settings.store, block_size, settings.chunk_size or 0)
         self.pins = Pins(settings.pin_max_chunks, settings.pin_ttl_s)
         self.steps = 0                    # metadata built so far (the next one's index)
+        self.stats = SchedulerStats(every=settings.stats_interval_s)
         self.to_store: list[Deferred] = []  # remembered chunks to store in the next step
         if settings.chunk_size:
             self._set_chunk_size(settings.chunk_size)
@@ -129,6 +127,13 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int | None:
         """Tokens beyond `num_computed_tokens` the server holds, or None ("ask again next
         step") while the server's run of chunks stops at one whose store is in flight."""
+        t0 = time.perf_counter()
+        try:
+            return self._matched_tokens(request, num_computed_tokens)
+        finally:
+            self.stats.lookup_s += time.perf_counter() - t0
+
+    def _matched_tokens(self, request, num_computed_tokens: int) -> int | None:
         if not self.new_request_hook and request.request_id not in self.reqs:
             self.budget.add(request)
             self.queries.add(request)  # a vLLM without on_new_request: at least say no
@@ -158,17 +163,16 @@ class SchedulerSide:
             # would load them; a capturing request loads up to its window (query_window)
             return 0
         keys = self._keys(st, n_full)
-        try:
-            held = min(client.lookup(self.model, k[first:], tp_rank=r)
-                       for r, k in enumerate(keys))
-        except Exception as e:  # an unreachable server is a miss, never an error
-            self.link.failed(e)
+        held = self._lookup(client, keys, first)
+        if held is None:
             return 0
         if self._store_in_flight(st, keys, first, first + held):
             return None
         if held:   # pinned: the load finds them (None: a hit reported unpinned)
+            t0 = time.perf_counter()
             pinned = self.pins.pin(client, self.model, request.request_id,
                                    [k[first:] for k in keys], held)
+            self.stats.server_s += time.perf_counter() - t0
             held = held if pinned is None else pinned
         # Leave vLLM at least one token to compute (it needs logits for the last one).
         end = min((first + held) * self.chunk, request.num_tokens - 1)
@@ -178,6 +182,19 @@ class SchedulerSide:
         elif window is not None:
             self.queries.lift(request)
         return max(0, end - num_computed_tokens)
+
+    def _lookup(self, client, keys: list[list[bytes]], first: int) -> int | None:
+        """How many chunks from `first` every rank's server holds; None if it failed."""
+        t0, self.stats.lookups = time.perf_counter(), self.stats.lookups + 1
+        try:
+            held = min(client.lookup(self.model, k[first:], tp_rank=r)
+                       for r, k in enumerate(keys))
+        except Exception as e:  # an unreachable server is a miss, never an error
+            self.link.failed(e)
+            return None
+        finally:
+            self.stats.server_s += time.perf_counter() - t0
+        return held
 
     def _asks_eager(self, request) -> bool:
         """Whether the request's kv_transfer_params ask for every chunk stored as computed
@@ -206,6 +223,13 @@ class SchedulerSide:
         return False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._after_alloc(request, blocks, num_external_tokens)
+        finally:
+            self.stats.alloc_s += time.perf_counter() - t0
+
+    def _after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if self.budget.after_alloc(request, blocks):
             return  # the stash is written back, nothing comes from the server
         st = self.reqs.get(request.request_id)
@@ -216,6 +240,15 @@ class SchedulerSide:
         st.load = (st.held - num_external_tokens, st.held)
 
     def build_meta(self, out) -> KVEditMetadata:
+        t0 = time.perf_counter()
+        try:
+            return self._build_meta(out)
+        finally:
+            self.stats.meta_s += time.perf_counter() - t0
+            self.stats.steps += 1
+            self.stats.maybe_log()
+
+    def _build_meta(self, out) -> KVEditMetadata:
         meta = KVEditMetadata()
         meta.budget = self.budget.build()
         self.queries.relock()
@@ -224,9 +257,16 @@ class SchedulerSide:
         if self.layouts is None:
             return meta
         self.pins.expire(self.link.client)
-        self._store_deferred(self.to_store, meta.stores)
+        # remembered chunks pushed out of the table: before the forward, as their blocks
+        # may be taken by this step's schedule
+        self._store_deferred(self.to_store, meta.pre_stores)
         self.to_store = []
-        self._store_deferred(self.admission.due(_written_before_forward(out)), meta.pre_stores)
+        t0 = time.perf_counter()
+        due = self.admission.due(_written_before_forward(out))
+        self.stats.watch_s += time.perf_counter() - t0
+        self.stats.take_s += self.admission.take_s
+        self.admission.take_s = 0.0
+        self._store_deferred(due, meta.pre_stores)
         for new in out.scheduled_new_reqs:
             st = self.reqs.get(new.req_id)
             if st is not None:
@@ -316,6 +356,13 @@ class SchedulerSide:
         self.pins.step_done(self.link.client)
 
     def request_finished(self, request) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._finished(request)
+        finally:
+            self.stats.finished_s += time.perf_counter() - t0
+
+    def _finished(self, request) -> None:
         st = self.reqs.pop(request.request_id, None)
         self.queries.finished(request.request_id)
         self.pins.release(self.link.client, request.request_id)

@@ -44,7 +44,7 @@ class ConnectorSettings:
     # waits for the whole device before a store's gather and after a load (the older way:
     # 10.7x the vLLM-thread store time in the H200 serving run, docs/gpu.md session 12).
     device_wait: bool = False
-    stats_interval_s: float = 30.0     # store/load stats lines in vLLM's log (0: every one)
+    stats_interval_s: float = 30.0     # store/load/scheduler stats lines in vLLM's log (0: each)
     kvedit_secret_file: str = ""       # the server's shared secret; "": $KVEDIT_SECRET(_FILE),
                                        # else a loopback server's own (kvedit.rundir)
     # Query capture (docs/queries.md): "auto" hooks attention where the vLLM is supported and

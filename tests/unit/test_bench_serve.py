@@ -134,5 +134,51 @@ def test_connector_config_is_parsed_and_reaches_the_kvedit_arms_connector(monkey
         cfg = json.loads(seen["args"][seen["args"].index("--kv-transfer-config") + 1])
     extra = cfg["kv_connector_extra_config"]
     assert extra["device_wait"] is False and extra["store"] == "evict"
+    assert extra["stats_interval_s"] == 1.0   # measure reads the stats lines per workload
+    with serve.start_arm("kvedit_evict", "/nonexistent",
+                         **{**kw, "connector_config": {"stats_interval_s": 5}}):
+        cfg = json.loads(seen["args"][seen["args"].index("--kv-transfer-config") + 1])
+    assert cfg["kv_connector_extra_config"]["stats_interval_s"] == 5
     with serve.start_arm("native", "/nonexistent", **kw):
         assert "--kv-transfer-config" not in seen["args"]
+
+
+def test_connector_figures_per_workload_are_what_the_stats_lines_moved_by(tmp_path):
+    """A kvedit arm's vLLM log read at two workload boundaries: the connector's stats lines
+    (written by its own stats classes) differ by what happened between them."""
+    import logging
+
+    from kvedit.bench.serve import _moved, connector_counters
+    from kvedit.vllm.copier_stats import StoreStats
+    from kvedit.vllm.scheduler_stats import SchedulerStats
+
+    log = tmp_path / "vllm.log"
+    handler = logging.FileHandler(log)
+    logger = logging.getLogger("vllm.kvedit")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        sched, store = SchedulerStats(every=0.0), StoreStats(every=0.0)
+        sched.steps, sched.lookup_s, sched.server_s = 10, 0.002, 0.001
+        store.stores, store.chunks, store.main_s = 1, 4, 0.004
+        sched.maybe_log()
+        store.maybe_log()
+        handler.flush()
+        before = connector_counters(log)
+        sched.steps, sched.lookups, sched.lookup_s, sched.server_s = 30, 4, 0.006, 0.004
+        store.stores, store.chunks, store.main_s = 3, 10, 0.010
+        sched.maybe_log()
+        store.maybe_log()
+        handler.flush()
+        moved = _moved(connector_counters(log), before)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+        handler.close()
+    assert moved["scheduler"]["steps"] == 20 and moved["scheduler"]["lookups"] == 4
+    assert moved["scheduler"]["lookup_ms"] == 4.0 and moved["scheduler"]["server_ms"] == 3.0
+    assert moved["scheduler"]["hooks_ms_per_step"] == 0.2
+    assert moved["store"] == {"stores": 2, "chunks": 6, "main_ms": 6.0, "device_wait_ms": 0.0,
+                              "ring_wait_ms": 0.0, "background_ms": 0.0}
+    assert moved["load"] == {}                      # no load line: nothing moved

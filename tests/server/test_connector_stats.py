@@ -1,0 +1,43 @@
+"""The connector's stats lines that `kvedit bench serve` reads back from vLLM's log: what
+they log parses back to the numbers logged, the last line wins, and a log without one
+gives nothing."""
+from __future__ import annotations
+
+import logging
+
+from kvedit.vllm.copier_stats import (
+    LoadStats,
+    LoadTiming,
+    StoreStats,
+    load_counters,
+    store_counters,
+)
+from kvedit.vllm.scheduler_stats import SchedulerStats, scheduler_counters
+
+
+def test_stats_lines_parse_back_to_what_was_logged(caplog):
+    s = SchedulerStats(every=0.0, steps=12, lookups=5, lookup_s=0.0042,
+                       server_s=0.003, meta_s=0.0011, watch_s=0.0004, take_s=0.0002,
+                       finished_s=0.0005, alloc_s=0.0001)
+    st = StoreStats(every=0.0, stores=4, chunks=17, main_s=0.0123, device_wait_s=0.0001,
+                    ring_wait_s=0.002, background_s=0.5)
+    with caplog.at_level(logging.INFO, logger="vllm.kvedit"):
+        s.maybe_log()
+        st.maybe_log()
+    got = scheduler_counters(caplog.text)
+    assert got == {"steps": 12, "hooks_ms": 6.1, "lookups": 5, "lookup_ms": 4.2,
+                   "server_ms": 3.0, "meta_ms": 1.1, "watch_ms": 0.6,
+                   "finished_ms": 0.5, "alloc_ms": 0.1}
+    assert store_counters(caplog.text) == {"stores": 4, "chunks": 17, "main_ms": 12.3,
+                                           "device_wait_ms": 0.1, "ring_wait_ms": 2.0,
+                                           "background_ms": 500.0}
+    assert scheduler_counters("nothing logged") == {}
+    with caplog.at_level(logging.INFO, logger="vllm.kvedit"):
+        s.steps, s.lookups = 20, 9
+        s.maybe_log()                                 # cumulative: the last line counts
+        loads = LoadStats(every=0.0)
+        loads.add(LoadTiming(chunks=3, nbytes=2_500_000_000, total_ms=7.5))
+        loads.add(LoadTiming(chunks=2, nbytes=500_000_000, total_ms=2.5))
+    assert scheduler_counters(caplog.text)["steps"] == 20
+    assert scheduler_counters(caplog.text)["lookups"] == 9
+    assert load_counters(caplog.text) == {"loads": 2, "chunks": 5, "gb": 3.0, "total_ms": 10.0}
