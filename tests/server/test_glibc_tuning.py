@@ -212,6 +212,9 @@ POOL = textwrap.dedent("""
 """)
 
 
+OUT_BYTES = 2 * 36 * 1024 * 1024 * 2    # POOL's torch.cat output (bf16)
+
+
 @pytest.mark.slow  # fresh interpreters; the opt-in
 def test_pool_threads_reuse_the_main_arena_and_an_own_arena_thread_does_not():
     r = _run(POOL)
@@ -221,11 +224,19 @@ def test_pool_threads_reuse_the_main_arena_and_an_own_arena_thread_does_not():
     # blocks earlier ones freed (glibc_tuning.settle_small_cache says why it is not at once)
     ptrs = [ptr for ptr, _ in r["in_pool"]]
     assert all(on_heap for _, on_heap in r["in_pool"])
-    assert r["heap_size"][-1] == r["heap_size"][-5], r["heap_size"]
+    # Over the last 8 outputs the heap grows at most once, by less than one output (without
+    # reuse it grows by an output each time: 8 x 151 MB). Once is tolerated: threads outside
+    # the pool share the main arena (M_ARENA_MAX=1: the main thread, torch's OpenMP workers)
+    # and their caches cannot be settled; seen in 2 of ~10 CI runs, +64.4 MiB at one late
+    # output, then flat again.
+    late = r["heap_size"][4:]
+    grew = [b - a for a, b in zip(late, late[1:]) if b != a]
+    assert len(grew) <= 1 and sum(grew) < OUT_BYTES, r["heap_size"]
     # the same memory again: each late output starts where an earlier one did, give or take
     # the small chunks the settled cache holds now (measured: at most 29 KiB; 1 MiB is under
-    # 1% of the 151 MB output, whose pages are reused)
-    assert all(any(abs(p - q) < 1 << 20 for q in ptrs[:-4]) for p in ptrs[-4:]), ptrs
+    # 1% of the 151 MB output, whose pages are reused); the one after a growth may not
+    reused = [any(abs(p - q) < 1 << 20 for q in ptrs[:i]) for i, p in enumerate(ptrs) if i >= 8]
+    assert sum(reused) >= len(reused) - len(grew), ptrs
     assert r["via"][1]  # run_fn uses the pool
     # control: a thread with its own arena maps the 151 MB afresh, outside the heap
     assert not any(on_heap for _, on_heap in r["early"])
