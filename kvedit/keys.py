@@ -7,7 +7,9 @@ processes and machines (unlike Python's hash()).
 """
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,28 +32,53 @@ def namespace(model: str, layout: ModelLayout, cache_salt: str = "") -> bytes:
     return h.digest()
 
 
+def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Little-endian uint32 bytes of `tokens`; ValueError unless every id is in [0, 2**32).
+    A list goes through array('I'), which range-checks as it converts (4x faster than
+    numpy for the lists vLLM hands the connector's scheduler side)."""
+    if not isinstance(tokens, (list, tuple)):   # numpy, torch, other sequences
+        arr = np.asarray(tokens, dtype=np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+            raise ValueError("token ids must be in [0, 2**32)")
+        return arr.astype("<u4").tobytes()
+    try:
+        a = array.array("I", tokens)
+    except (OverflowError, TypeError) as e:
+        raise ValueError(f"token ids must be in [0, 2**32) ({e})") from None
+    if a.itemsize != 4:   # C unsigned int is 4 bytes on every platform torch runs on
+        return np.asarray(a, dtype="<u4").tobytes()
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tobytes()
+
+
 def chunk_keys(tokens: Sequence[int] | np.ndarray, chunk_size: int, ns: bytes,
-               max_chunks: int | None = None) -> list[bytes]:
-    """Keys of the full chunks of `tokens` (at most `max_chunks` of them)."""
-    arr = np.asarray(tokens, dtype=np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
-        raise ValueError("token ids must be in [0, 2**32)")
-    n = len(arr) // chunk_size
+               max_chunks: int | None = None, known: Sequence[bytes] = ()) -> list[bytes]:
+    """Keys of the full chunks of `tokens` (at most `max_chunks` of them). `known`: the
+    keys of its leading chunks already computed (for the same tokens and namespace), which
+    are kept and extended: only the chunks after them are read and hashed."""
+    n = len(tokens) // chunk_size
     if max_chunks is not None:
         n = min(n, max_chunks)
-    data = arr[: n * chunk_size].astype("<u4").tobytes()
+    have = min(len(known), n)
+    keys = list(known[:have])
+    if have == n:
+        return keys
+    data = _token_bytes(tokens[have * chunk_size: n * chunk_size])
     step = chunk_size * 4
-    keys, prev = [], ns
-    for i in range(n):
+    prev = keys[-1] if keys else ns
+    for i in range(n - have):
         prev = hashlib.blake2b(prev + data[i * step:(i + 1) * step], digest_size=KEY_BYTES).digest()
         keys.append(prev)
     return keys
 
 
 def request_keys(model: str, layout: ModelLayout, tokens: Sequence[int] | np.ndarray,
-                 cache_salt: str = "") -> list[bytes]:
-    """The keys the connector stores `tokens` under (and the SDK looks them up with)."""
-    return chunk_keys(tokens, layout.chunk_size, namespace(model, layout, cache_salt))
+                 cache_salt: str = "", known: Sequence[bytes] = ()) -> list[bytes]:
+    """The keys the connector stores `tokens` under (and the SDK looks them up with);
+    `known` as in chunk_keys."""
+    return chunk_keys(tokens, layout.chunk_size, namespace(model, layout, cache_salt),
+                      known=known)
 
 
 def query_key(ns: bytes, prompt_tokens: Sequence[int] | np.ndarray, window: int) -> bytes:

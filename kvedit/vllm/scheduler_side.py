@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import vllm
 
-from kvedit.keys import request_keys
+from kvedit.keys import chunk_keys, namespace
 from kvedit.layout import ModelLayout
 from kvedit.query_contract import QueryShape
 from kvedit.vllm.admission import STORE_ASK, Admission, Deferred
@@ -107,9 +107,11 @@ class SchedulerSide:
     def _keys(self, st: _Req, n_chunks: int) -> list[list[bytes]]:
         """Keys of chunks [0, n_chunks) for every rank (extended as tokens arrive)."""
         if not st.keys or len(st.keys[0]) < n_chunks:
-            tokens = st.request.all_token_ids[: n_chunks * self.chunk]
+            tokens = st.request.all_token_ids   # only the chunks not keyed yet are read
             salt = st.request.cache_salt or ""
-            st.keys = [request_keys(self.model, lay, tokens, salt) for lay in self.layouts]
+            st.keys = [chunk_keys(tokens, self.chunk, namespace(self.model, lay, salt),
+                                  max_chunks=n_chunks, known=st.keys[r] if st.keys else ())
+                       for r, lay in enumerate(self.layouts)]
         return [k[:n_chunks] for k in st.keys]
 
     # ---- vLLM hooks ---------------------------------------------------------------------

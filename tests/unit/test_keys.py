@@ -54,3 +54,26 @@ def test_bad_tokens():
         request_keys("m", LAY, [1, 2, -3, 4])
     with pytest.raises(ValueError, match="token ids"):
         request_keys("m", LAY, [2**32, 1, 2, 3])
+
+
+def test_lists_arrays_and_extension_give_the_same_keys():
+    """The list path (array('I'), what vLLM hands the connector) and the numpy path agree,
+    with the chain written out by hand; extending known leading keys gives the whole chain."""
+    import hashlib
+
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 2**32, size=4 * 9 + 3, dtype=np.int64)
+    ns = namespace("m", LAY)
+    prev, want = ns, []
+    for i in range(9):
+        prev = hashlib.blake2b(prev + toks[4 * i:4 * i + 4].astype("<u4").tobytes(),
+                               digest_size=KEY_BYTES).digest()
+        want.append(prev)
+    assert chunk_keys(toks.tolist(), 4, ns) == chunk_keys(toks, 4, ns) == want
+    assert chunk_keys(tuple(toks.tolist()), 4, ns, max_chunks=5) == want[:5]
+    for have in (0, 1, 5, 9):
+        assert chunk_keys(toks.tolist(), 4, ns, known=want[:have]) == want
+    assert chunk_keys(toks.tolist()[:20], 4, ns, known=want) == want[:5]  # fewer tokens now
+    assert request_keys("m", LAY, toks.tolist(), known=want[:3]) == want
+    with pytest.raises(ValueError, match="token ids"):
+        chunk_keys([1, 2, 3, 4.5], 4, ns)
