@@ -229,7 +229,7 @@ class Admission:
         self.taken = []
 
     def _valid(self, d: Deferred) -> bool:
-        blocks_of = self.pool.blocks   # one list compare: this runs per watched chunk per step
+        blocks_of = self.pool.blocks   # one list compare: this runs per chunk taken
         return [blocks_of[b].block_hash for b in d.blocks] == d.hashes
 
     def _remember(self, d: Deferred) -> None:
