@@ -74,11 +74,9 @@ def chunk_keys(tokens: Sequence[int] | np.ndarray, chunk_size: int, ns: bytes,
 
 
 def request_keys(model: str, layout: ModelLayout, tokens: Sequence[int] | np.ndarray,
-                 cache_salt: str = "", known: Sequence[bytes] = ()) -> list[bytes]:
-    """The keys the connector stores `tokens` under (and the SDK looks them up with);
-    `known` as in chunk_keys."""
-    return chunk_keys(tokens, layout.chunk_size, namespace(model, layout, cache_salt),
-                      known=known)
+                 cache_salt: str = "") -> list[bytes]:
+    """The keys the connector stores `tokens` under (and the SDK looks them up with)."""
+    return chunk_keys(tokens, layout.chunk_size, namespace(model, layout, cache_salt))
 
 
 def query_key(ns: bytes, prompt_tokens: Sequence[int] | np.ndarray, window: int) -> bytes:

@@ -129,11 +129,8 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int | None:
         """Tokens beyond `num_computed_tokens` the server holds, or None ("ask again next
         step") while the server's run of chunks stops at one whose store is in flight."""
-        t0 = time.perf_counter()
-        try:
+        with self.stats.timed("lookup_s"):
             return self._matched_tokens(request, num_computed_tokens)
-        finally:
-            self.stats.lookup_s += time.perf_counter() - t0
 
     def _matched_tokens(self, request, num_computed_tokens: int) -> int | None:
         if not self.new_request_hook and request.request_id not in self.reqs:
@@ -171,10 +168,9 @@ class SchedulerSide:
         if self._store_in_flight(st, keys, first, first + held):
             return None
         if held:   # pinned: the load finds them (None: a hit reported unpinned)
-            t0 = time.perf_counter()
-            pinned = self.pins.pin(client, self.model, request.request_id,
-                                   [k[first:] for k in keys], held)
-            self.stats.server_s += time.perf_counter() - t0
+            with self.stats.timed("server_s"):
+                pinned = self.pins.pin(client, self.model, request.request_id,
+                                       [k[first:] for k in keys], held)
             held = held if pinned is None else pinned
         # Leave vLLM at least one token to compute (it needs logits for the last one).
         end = min((first + held) * self.chunk, request.num_tokens - 1)
@@ -187,16 +183,14 @@ class SchedulerSide:
 
     def _lookup(self, client, keys: list[list[bytes]], first: int) -> int | None:
         """How many chunks from `first` every rank's server holds; None if it failed."""
-        t0, self.stats.lookups = time.perf_counter(), self.stats.lookups + 1
+        self.stats.lookups += 1
         try:
-            held = min(client.lookup(self.model, k[first:], tp_rank=r)
-                       for r, k in enumerate(keys))
+            with self.stats.timed("server_s"):
+                return min(client.lookup(self.model, k[first:], tp_rank=r)
+                           for r, k in enumerate(keys))
         except Exception as e:  # an unreachable server is a miss, never an error
             self.link.failed(e)
             return None
-        finally:
-            self.stats.server_s += time.perf_counter() - t0
-        return held
 
     def _asks_eager(self, request) -> bool:
         """Whether the request's kv_transfer_params ask for every chunk stored as computed
@@ -225,11 +219,8 @@ class SchedulerSide:
         return False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        t0 = time.perf_counter()
-        try:
+        with self.stats.timed("alloc_s"):
             self._after_alloc(request, blocks, num_external_tokens)
-        finally:
-            self.stats.alloc_s += time.perf_counter() - t0
 
     def _after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if self.budget.after_alloc(request, blocks):
@@ -242,11 +233,10 @@ class SchedulerSide:
         st.load = (st.held - num_external_tokens, st.held)
 
     def build_meta(self, out) -> KVEditMetadata:
-        t0 = time.perf_counter()
         try:
-            return self._build_meta(out)
+            with self.stats.timed("meta_s"):
+                return self._build_meta(out)
         finally:
-            self.stats.meta_s += time.perf_counter() - t0
             self.stats.steps += 1
             self.stats.maybe_log()
 
@@ -263,9 +253,8 @@ class SchedulerSide:
         # may be taken by this step's schedule
         self._store_deferred(self.to_store, meta.pre_stores)
         self.to_store = []
-        t0 = time.perf_counter()
-        due = self.admission.due(_written_before_forward(out))
-        self.stats.watch_s += time.perf_counter() - t0
+        with self.stats.timed("watch_s"):
+            due = self.admission.due(_written_before_forward(out))
         self.stats.take_s += self.admission.take_s
         self.admission.take_s = 0.0
         self._store_deferred(due, meta.pre_stores)
@@ -358,11 +347,8 @@ class SchedulerSide:
         self.pins.step_done(self.link.client)
 
     def request_finished(self, request) -> None:
-        t0 = time.perf_counter()
-        try:
+        with self.stats.timed("finished_s"):
             self._finished(request)
-        finally:
-            self.stats.finished_s += time.perf_counter() - t0
 
     def _finished(self, request) -> None:
         st = self.reqs.pop(request.request_id, None)

@@ -2,8 +2,7 @@
 
 vLLM's scheduler shares the engine-core process with a single GPU's worker and, unless it
 schedules asynchronously, runs between forwards: a millisecond in these hooks is then a
-millisecond added to a step. A line every `every`
-seconds while the engine steps (connector setting `stats_interval_s`); the counts are
+millisecond added to a step. A line every `every` seconds while the engine steps (connector setting `stats_interval_s`); the counts are
 cumulative, so two lines' difference is what happened between them (`kvedit bench serve`
 reads them at its workload boundaries: `scheduler_counters`).
 """
@@ -12,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvedit.vllm.copier_stats import last_numbers
@@ -32,6 +32,15 @@ class SchedulerStats:
     finished_s: float = 0.0   # request_finished
     alloc_s: float = 0.0      # update_state_after_alloc
     logged_at: float = 0.0
+
+    @contextmanager
+    def timed(self, part: str):
+        """Add the time the block takes to the field `part` (e.g. "lookup_s")."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, part, getattr(self, part) + time.perf_counter() - t0)
 
     @property
     def total_s(self) -> float:
