@@ -22,6 +22,7 @@ MAX_KEY_BYTES = 64
 # them. A server's --max-keys-per-request is at most this.
 MAX_KEYS = 65536
 Keys = Annotated[list[bytes], msgspec.Meta(max_length=MAX_KEYS)]
+MAX_WATCH_RANKS = 1024   # tp_ranks one WatchKeys may follow
 
 # Every code an Error reply (or a data-link error) can carry; docs/protocol.md says when.
 ErrorCode = Literal[
@@ -143,8 +144,21 @@ class Stats(_Msg, tag="stats"):
     pass
 
 
+class WatchKeys(_Msg, tag="watch_keys"):
+    """Follow which "kv" keys of `model` (these tp_ranks) are ready (kvedit.client.key_watch).
+    renew=False (re)subscribes: the reply is a KeySnapshot, then the server pushes KeyEvents
+    on this socket as keys become ready or go. renew=True keeps the watch alive (it ends
+    after the server's watch TTL without one) -> WatchAck. `epoch` (the client's subscription
+    number) is echoed in every reply and push, so messages of an earlier subscription are
+    told apart."""
+    model: str
+    tp_ranks: Annotated[list[int], msgspec.Meta(max_length=MAX_WATCH_RANKS)]
+    epoch: int
+    renew: bool = False
+
+
 Request = Union[Hello, Register, Unregister, GetLayout, ListModels, Lookup, PrepareStore,
-                Commit, Abort, Retrieve, Release, Delete, Stats]
+                Commit, Abort, Retrieve, Release, Delete, Stats, WatchKeys]
 
 
 # ---- replies --------------------------------------------------------------------------
@@ -168,6 +182,9 @@ class ServerInfo(_Msg, tag="server_info"):
     # seconds the data link keeps an idle connection (0 = not announced): a client reconnects
     # well before rather than find it closed
     data_idle_timeout: float = 0.0
+    # the server has a second tier (--l2-url): a key missing from the pool may still be
+    # found by a lookup, so a watch of the pool's keys (WatchKeys) cannot answer misses
+    l2: bool = False
 
 
 class Ok(_Msg, tag="ok"):
@@ -215,6 +232,28 @@ class StatsReply(_Msg, tag="stats_reply"):
     stats: dict[str, Any]
 
 
+class KeySnapshot(_Msg, tag="key_snapshot"):
+    """WatchKeys' reply: every ready key of the watched model, by tp_rank. Pushes follow."""
+    epoch: int
+    keys: dict[int, list[bytes]]
+
+
+class KeyEvents(_Msg, tag="key_events"):
+    """Pushed to a watch: keys that became ready or went (evicted, deleted) since the last
+    push, by tp_rank. seq counts a subscription's pushes from 1; a gap means one was lost
+    (the client's queue was full) and the client subscribes again."""
+    epoch: int
+    seq: int
+    added: dict[int, list[bytes]] = {}
+    removed: dict[int, list[bytes]] = {}
+
+
+class WatchAck(_Msg, tag="watch_ack"):
+    """A renewed watch -> the seq of its last push (-1: no such watch: subscribe again)."""
+    epoch: int
+    seq: int
+
+
 class Error(_Msg, tag="error"):
     # str on the wire (not ErrorCode) so that an older client still decodes a newer code;
     # the server only sends members of ErrorCode (Service.fail takes an ErrorCode).
@@ -223,7 +262,7 @@ class Error(_Msg, tag="error"):
 
 
 Reply = Union[ServerInfo, Ok, LayoutReply, Models, Count, StoreSlots, Committed, Leased,
-              StatsReply, Error]
+              StatsReply, KeySnapshot, KeyEvents, WatchAck, Error]
 
 encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)

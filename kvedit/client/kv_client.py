@@ -29,6 +29,7 @@ from kvedit import protocol as P
 from kvedit.client.datalink import LinkClient, client_idle_timeout
 from kvedit.client.handles import (KVError, Retrieved, ServerUnavailable, StoreHandle, StoreResult,
                             ttl_margin)
+from kvedit.client.key_watch import KeyWatch
 from kvedit.layout import ModelLayout
 from kvedit.protocol import ServerInfo
 from kvedit.client.transport import ShmTransport, SocketTransport, Transport
@@ -113,17 +114,26 @@ class KVClient:
         if s is None:
             if self._closed:
                 raise KVError("closed", "KVClient is closed")
-            s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            # session + socket number: unique per socket, and the server's holder is the session
-            s.setsockopt(zmq.ROUTING_ID, self.session + next(self._socket_no).to_bytes(4, "big"))
-            if self._secret is not None:
-                auth.curve_client(s, self._secret)
-            s.connect(self.url)
-            self._local.sock = s
-            with self._lock:
-                self._sockets.append(s)
+            s = self._local.sock = self._new_socket()
         return s
+
+    def _new_socket(self) -> zmq.Socket:
+        """A DEALER socket to the server, closed with this client."""
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        # session + socket number: unique per socket, and the server's holder is the session
+        s.setsockopt(zmq.ROUTING_ID, self.session + next(self._socket_no).to_bytes(4, "big"))
+        if self._secret is not None:
+            auth.curve_client(s, self._secret)
+        s.connect(self.url)
+        with self._lock:
+            self._sockets.append(s)
+        return s
+
+    def watch_keys(self, model: str, tp_ranks: list[int]) -> KeyWatch:
+        """A copy of which "kv" keys of `model` the server holds ready, kept current by the
+        server's pushes (kvedit.client.key_watch): call its `sync()` from one thread."""
+        return KeyWatch(self, self._new_socket(), model, tp_ranks)
 
     def _drop_sock(self) -> None:
         """After a timeout: a fresh socket, so queued requests are never replayed later."""

@@ -64,6 +64,7 @@ class Index:
         self.order = EvictionOrder(policy)
         self.pages = CommitOrder()
         self.on_evict = None   # called with an object just before eviction frees it (L2)
+        self.feed = None       # told of keys that become ready or go (key_feed.py)
 
     @property
     def stores(self) -> dict[int, Pending]:
@@ -210,6 +211,8 @@ class Index:
                 c.query_bytes += o.nbytes
         self.pages.add(objs)
         self.order.enter(objs)
+        if self.feed is not None:
+            self.feed.ready(objs)
         return Committed(store_id, p.objs, sum(o.nbytes for o in p.objs), p.started)
 
     def abort(self, store_id: int, holder: bytes) -> None:
@@ -376,6 +379,8 @@ class Index:
                 c.query_bytes -= o.nbytes
             self.order.leave([o])
             self.pages.remove(o)
+            if self.feed is not None:
+                self.feed.gone(o)
         else:
             c.writing -= 1
 

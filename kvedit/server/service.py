@@ -33,6 +33,7 @@ from kvedit.server.metrics import Metrics
 from kvedit.server.peers import Peers, holder_of
 from kvedit.server.pool import Allocator, Arena
 from kvedit.server.trim import HeapTrim
+from kvedit.server.key_feed import KeyFeed
 from kvedit.server.waiters import TooManyWaits, Waiter, Waiters, wait_key
 
 log = logging.getLogger("kvedit.server")
@@ -108,6 +109,9 @@ class Service(L2Methods):
             max_keys_per_request=cfg.max_keys_per_request,
             max_message_bytes=cfg.message_bytes, data_idle_timeout=cfg.data_idle_timeout)
         self._l2_init(secret)   # second tier (--l2-url): kvedit/server/l2_service.py
+        self.info.l2 = self.l2 is not None
+        self.feed = KeyFeed()               # clients' copies of the ready keys (key_feed.py)
+        self.index.feed = self.feed
 
     # ---- loop -------------------------------------------------------------------------
     def run(self, wakeup_fd: int | None = None) -> None:
@@ -133,12 +137,14 @@ class Service(L2Methods):
             if self.l2 is not None and self.l2.wake_fd in events:
                 with self.lock:
                     self._l2_events()
+                    self.feed.flush(self._send)
             try:
                 gone = self.peers.poll()
                 with self.lock:
                     for holder in gone:
                         self._session_gone(holder)
                     self._housekeeping(time.monotonic())
+                    self.feed.flush(self._send)   # what HTTP's threads changed, expiries
             except Exception:  # a bug must not take the server (and its data) down
                 log.exception("internal error in housekeeping")
 
@@ -172,6 +178,7 @@ class Service(L2Methods):
                 cut()
         for w in self.waiters.expired(now):
             self._answer_waiter(w)
+        self.feed.expire(now)
         self._freeze_gc()
         self.trim.observe(KEY_BYTES * (self.waiters.keys + self.index.leased_keys())
                           + (self.l2.queue_bytes if self.l2 is not None else 0))
@@ -191,6 +198,7 @@ class Service(L2Methods):
     def _session_gone(self, holder: bytes) -> None:
         """The holder's last socket disconnected: let go of what only it could use."""
         self.waiters.drop_client(holder)
+        self.feed.drop_holder(holder)
         self.index.session_gone(holder)
 
     # ---- messages ---------------------------------------------------------------------
@@ -210,7 +218,12 @@ class Service(L2Methods):
         else:
             rid = frames[1].bytes
             with self.lock:
+                # pushes to key watches leave before any reply: before this request's (a
+                # watch's snapshot starts after them) and after it (a Committed reply never
+                # overtakes the push of its keys)
+                self.feed.flush(self._send)
                 out = self._dispatch(ident, rid, frames)
+                self.feed.flush(self._send)
         if out is not None:
             self._send(ident, rid, out)
         if gone:
@@ -298,6 +311,8 @@ class Service(L2Methods):
             case P.Delete(model=model, keys=keys, tp_rank=tp, kind=kind):
                 self._layout(model, tp, keys)
                 return P.Count(n=self.index.delete(model, tp, keys, kind))
+            case P.WatchKeys():
+                return self.feed.watch(ident, holder, rid, req, self.index.pages.ready)
             case P.Stats():
                 return P.StatsReply(stats=self._snapshot())
         raise Fail("unknown_type", f"unhandled message type {type(req).__name__}")
@@ -503,6 +518,7 @@ class Service(L2Methods):
     def _snapshot(self) -> dict:
         return self.index.snapshot() | {
             "models": len(self.layouts), "waiting_lookups": len(self.waiters),
+            "key_watches": len(self.feed), "key_pushes": self.feed.pushes,
             "parked_keys": self.waiters.keys, "data_conns": self.data.connections(),
             "zmq_conns": self.peers.connected(), "heap_trims": self.trim.trims,
             "transfer_mode": "shm" if self.cfg.shm_name else "socket",

@@ -49,31 +49,35 @@ class Pins:
         self.stats = PinStats()
 
     def pin(self, client, model: str, req_id: str, keys: list[list[bytes]],
-            counted: int) -> int | None:
+            counted: int, looked_up: bool = True) -> int | None:
         """Pin the first `counted` chunks of `keys` (per rank) for `req_id` -> how many are
         held on every rank now (fewer when some were evicted since the lookup), or None
-        when nothing is pinned (off, over the bound, refused: report `counted` unpinned)."""
+        when nothing is pinned (off, over the bound, refused: report `counted` unpinned).
+        looked_up=False: no lookup counted them (the pin is the lookup: fewer held is no
+        eviction)."""
         self.release(client, req_id)   # a request asked again (not scheduled last time)
         if counted <= 0 or self.max_chunks <= 0:
             return None
         if self.chunks + counted > self.max_chunks:
             self.stats.unpinned += 1
             return None
-        leases, held = [], counted
+        leases, held, most = [], counted, 0
         try:
             for rank, k in enumerate(keys):
-                lease_id, n = client.pin(model, k[:counted], tp_rank=rank)
+                if held == 0 and rank:   # rank 0 holds none: nothing to keep elsewhere
+                    break
+                lease_id, n = client.pin(model, k[:held], tp_rank=rank)   # what all hold
                 leases.append(lease_id)
-                held = min(held, n)
+                held, most = min(held, n), max(most, n)
         except Exception as e:   # refused (e.g. a lease cap) or the server went away
             self._release_leases(client, leases)
             self.stats.unpinned += 1
             logger.debug("kvedit: pin for %s refused (%s); hit reported unpinned", req_id, e)
             return None
-        if held < counted:
+        if held < counted and looked_up:
             self.stats.shorter += 1
-        self.held[req_id] = Pin(leases, counted, self.clock())
-        self.chunks += counted
+        self.held[req_id] = Pin(leases, most, self.clock())   # what the leases keep
+        self.chunks += most
         self.stats.pinned += 1
         return held
 

@@ -2,7 +2,8 @@
 
 Runs in vLLM's engine-core process. It asks the server how many leading chunks of a new
 request it holds (beyond vLLM's own prefix-cache hit) and pins what it reports until the load
-has run (pins.py), and each step tells the workers which chunks to load before the forward
+has run (pins.py); a copy of the server's keys (kvedit.client.key_watch) answers misses
+without asking, and turns a hit's lookup and pin into one round trip. Each step tells the workers which chunks to load before the forward
 and which chunks to store after it: which and when is the store mode's (admission.py).
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 
 import vllm
 
+from kvedit.client.key_watch import KeyWatch
 from kvedit.keys import chunk_keys, namespace
 from kvedit.layout import ModelLayout
 from kvedit.query_contract import QueryShape
@@ -69,6 +71,7 @@ class SchedulerSide:
         self.inflight: InFlightKeys | None = None
         if settings.background_commit(device == "cuda") and settings.store_wait_s > 0:
             self.inflight = InFlightKeys(settings.store_wait_s)
+        self.watch: KeyWatch | None = None   # the server's keys, copied (key_watch.py)
         self.link = ServerLink(settings.kvedit_url, settings.timeout, settings.retry_interval,
                                self._on_connect, "scheduler", secret=settings.secret())
 
@@ -84,8 +87,11 @@ class SchedulerSide:
     def _on_connect(self, client) -> None:
         if self.layouts is None:  # chunk size not configured: the server's
             self._set_chunk_size(client.server_info().chunk_size)
-        ttl = client.server_info().lease_ttl   # a pin must end well before its lease would
-        self.pins.ttl_s = min(self.settings.pin_ttl_s, ttl / 4)
+        info = client.server_info()
+        self.pins.ttl_s = min(self.settings.pin_ttl_s, info.lease_ttl / 4)  # before its lease
+        # a fresh copy for every connection (a restarted server): misses answered here
+        self.watch = (client.watch_keys(self.model, list(range(self.tp_size)))
+                      if self.settings.key_watch and not info.l2 else None)
 
     def bind_pool(self, pool) -> None:
         """vLLM's block pool (vLLM >= 0.32 binds it): store mode "evict" watches it."""
@@ -162,12 +168,12 @@ class SchedulerSide:
             # would load them; a capturing request loads up to its window (query_window)
             return 0
         keys = self._keys(st, n_full)
-        held = self._lookup(client, keys, first)
+        held, pinned = self._held(client, request.request_id, keys, first)
         if held is None:
             return 0
         if self._store_in_flight(st, keys, first, first + held):
             return None
-        if held:   # pinned: the load finds them (None: a hit reported unpinned)
+        if held and not pinned:   # pinned: the load finds them (None: a hit reported unpinned)
             with self.stats.timed("server_s"):
                 pinned = self.pins.pin(client, self.model, request.request_id,
                                        [k[first:] for k in keys], held)
@@ -180,6 +186,27 @@ class SchedulerSide:
         elif window is not None:
             self.queries.lift(request)
         return max(0, end - num_computed_tokens)
+
+    def _held(self, client, req_id: str, keys: list[list[bytes]],
+              first: int) -> tuple[int | None, bool]:
+        """How many chunks from `first` every rank's server holds (None: the server failed),
+        and whether they are pinned already. With a copy of the server's keys (key_watch.py)
+        a first chunk it lacks is a miss without a round trip, and one it holds is pinned at
+        once: the pin counts what is there, one round trip where a lookup and a pin took two."""
+        watch = self.watch
+        if watch is not None and watch.client is client:
+            watch.sync()
+            if watch.lacks(keys, first):
+                self.stats.local_misses += 1
+                return 0, False
+            if watch.trusted:
+                with self.stats.timed("server_s"):
+                    n = self.pins.pin(client, self.model, req_id, [k[first:] for k in keys],
+                                      len(keys[0]) - first, looked_up=False)
+                if n is not None:   # else: pins off, at their bound or refused: look up
+                    self.stats.lookups += 1
+                    return n, True
+        return self._lookup(client, keys, first), False
 
     def _lookup(self, client, keys: list[list[bytes]], first: int) -> int | None:
         """How many chunks from `first` every rank's server holds; None if it failed."""
@@ -249,6 +276,8 @@ class SchedulerSide:
         if self.layouts is None:
             return meta
         self.pins.expire(self.link.client)
+        if self.watch is not None:
+            self.watch.sync()   # each step: its queue stays short, its renewals go out
         # remembered chunks pushed out of the table: before the forward, as their blocks
         # may be taken by this step's schedule
         self._store_deferred(self.to_store, meta.pre_stores)

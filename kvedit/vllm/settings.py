@@ -62,6 +62,10 @@ class ConnectorSettings:
     # once (0: no pins), each pin at most pin_ttl_s (and a quarter of the lease TTL).
     pin_max_chunks: int = 4096
     pin_ttl_s: float = 30.0
+    # Answer a lookup whose first chunk the server lacks from a copy of its keys that the
+    # server keeps current (kvedit.client.key_watch), without a round trip in vLLM's
+    # scheduler loop; off where the server has a second tier (a miss may be found there).
+    key_watch: bool = True
     # In-engine budgets (docs/in-engine.md): hook vLLM's scheduler and model runner so a
     # request may ask, in kv_transfer_params, to have its KV compacted in place; off, such a
     # request is refused. stash_bytes bounds the host memory per worker that holds preempted
@@ -120,7 +124,7 @@ class ConnectorSettings:
         if kept not in get_args(CachedKeptBlocks):
             raise ValueError(f"kvedit connector: cached_kept_blocks {kept!r}; expected one of "
                              f"{list(get_args(CachedKeptBlocks))}")
-        for name in ("in_engine", "device_wait"):
+        for name in ("in_engine", "device_wait", "key_watch"):
             if not isinstance(extra.get(name, defaults[name]), bool):
                 raise ValueError(f"kvedit connector: {name} {extra[name]!r}; expected true or "
                                  "false")

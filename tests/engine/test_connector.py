@@ -192,6 +192,32 @@ def test_loaded_kv_is_really_used(vllm_server, client):
     assert diff > 100 * TOL  # ... and attended to
 
 
+def test_chunks_stored_from_outside_are_found_by_the_next_request(vllm_server, client,
+                                                                   kv_server):
+    """The scheduler answers misses from its copy of the server's keys (key_watch): a prompt's
+    chunks deleted (the copy says "none") and then stored by another client are found by the
+    very next request, as the SDK's edit-then-decode relies on."""
+    prompt = prompt_of(3 * CHUNK + 20, seed=11)
+    first = complete(vllm_server, prompt)
+    keys = keys_of(client, prompt)
+    assert client.lookup(MODEL, keys, wait_timeout=LANDED) == 3
+    with client.retrieve(MODEL, keys) as r:
+        saved = [t.clone() for t in r.tensors]
+    assert client.stats()["key_watches"] >= 1   # vLLM's scheduler side follows the keys
+    for attempt in range(3):   # each time: gone, then stored again just before the request
+        assert client.delete(MODEL, keys) == 3
+        reset_prefix_cache(vllm_server)
+        miss = complete(vllm_server, prompt, max_tokens=1)
+        assert miss["cached"] == 0, "the copy says the chunks are gone"
+        assert client.lookup(MODEL, keys, wait_timeout=LANDED) == 3   # vLLM stored them
+        assert client.delete(MODEL, keys) == 3
+        assert client.store(MODEL, keys, saved).stored == 3
+        reset_prefix_cache(vllm_server)
+        again = complete(vllm_server, prompt)
+        assert again["cached"] == 3 * CHUNK, f"attempt {attempt}: the new store was missed"
+        assert again["tokens"] == first["tokens"]
+
+
 def test_different_salt_gets_no_hit(vllm_server, client):
     prompt = prompt_of(2 * CHUNK + 50, seed=4)
     complete(vllm_server, prompt, max_tokens=1)
