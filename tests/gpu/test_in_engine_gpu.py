@@ -25,6 +25,19 @@ pytestmark = pytest.mark.skipif(_reason() is not None, reason=_reason() or "")
 
 
 @pytest.fixture(scope="module")
+def kv_server():
+    """A server of this module's own: the session's has "tiny-qwen3" registered in float32 by
+    the connector tests (a bf16 registration there is a layout_conflict)."""
+    from kvedit.launch.server import start_server
+
+    server = start_server(2.0, chunk_size=CHUNK, shm=True, eviction="LRU", lazy=True)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
 def engine(tiny_model, kv_server):
     from kvedit.launch.vllm import start_vllm
 
