@@ -35,6 +35,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -100,6 +101,13 @@ def register(bsub) -> None:
     p.add_argument("--chunk-size", type=int, default=256, help="kvedit and LMCache chunk "
                    "tokens (default 256)")
     p.add_argument("--repeats", type=int, default=1, help="runs of every arm (default 1)")
+    p.add_argument("--deadline-s", type=float, default=None, metavar="S",
+                   help="start no run that would end more than S seconds after the start "
+                        "(judged by the run before; the first always runs): for a machine "
+                        "that lends a command a fixed time")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="also write the JSON to FILE once the arms are up and after every "
+                        "run (what a cut-short command leaves)")
     p.add_argument("--lmcache-python", default=None,
                    help="python to run the lmcache arm's vLLM with (default: this one)")
     p.add_argument("--model", default=None, help="model dir (default: the tiny Qwen3)")
@@ -125,12 +133,18 @@ def run(args) -> int:
         arms.insert(0, "vllm")   # every ratio is against it
     w = Workloads(**{f: getattr(args, f) for f in Workloads.__dataclass_fields__
                      if hasattr(args, f)})
+    def write(result: dict) -> None:
+        tmp = Path(args.out + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(args.out)   # a reader never sees half a file
+
     result = serve_bench(w, arms, model=args.model, dtype=args.dtype,
                          tier_fraction=args.tier_fraction,
                          vllm_kv_fraction=args.vllm_kv_fraction, eviction=args.eviction,
                          chunk=args.chunk_size, repeats=args.repeats,
                          lmcache_python=args.lmcache_python, vllm_args=args.vllm_arg,
-                         connector_config=args.connector_config)
+                         connector_config=args.connector_config, deadline_s=args.deadline_s,
+                         on_result=write if args.out else None)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
@@ -315,12 +329,16 @@ def serve_bench(w: Workloads, arms: list[str], *, model: str | None = None,
                 dtype: str = "float32", tier_fraction: float = 0.5,
                 vllm_kv_fraction: float = 0.6, eviction: str = "lru", chunk: int = 256,
                 repeats: int = 1, lmcache_python: str | None = None, vllm_args=(),
-                connector_config: dict | None = None) -> dict:
+                connector_config: dict | None = None, deadline_s: float | None = None,
+                on_result=None) -> dict:
+    """`deadline_s`: no run starts that would end past it (seconds from now; a run is
+    expected to take 1.1x the one before). `on_result(result)`: the result so far, once the
+    arms are up and after every run."""
     import vllm
 
     from kvedit.harness.tiny_model import default_tiny_model
-    from kvedit.vllm.settings import ConnectorSettings
 
+    t0 = time.monotonic()
     model_dir = Path(model or default_tiny_model())
     bpt, vocab = kv_bytes_per_token(model_dir, dtype)
     w = Workloads(**{**asdict(w), "vocab": min(w.vocab, vocab)})
@@ -344,10 +362,26 @@ def serve_bench(w: Workloads, arms: list[str], *, model: str | None = None,
         targets = {a: r.base_url for a, r in running.items()}
         servers = {a: r.server_http_url for a, r in running.items() if r.server_http_url}
         logs = {a: r.log_path for a, r in running.items() if r.server_http_url}
+
+        def result(done: int) -> dict:
+            return _result(runs, done, vllm_version=vllm.__version__, model=model, dtype=dtype,
+                           vllm_args=vllm_args, w=w, bpt=bpt, working_set=working_set,
+                           tier=tier, tier_fraction=tier_fraction, vllm_kv=vllm_kv,
+                           eviction=eviction, chunk=chunk, connector_config=connector_config)
+
+        if on_result is not None:
+            on_result(result(0))
+        done, last_s = 0, 0.0
         for rep in range(repeats):
+            left = None if deadline_s is None else deadline_s - (time.monotonic() - t0)
+            if rep and left is not None and 1.1 * last_s > left:
+                print(f"kvedit bench serve: stopping after {rep} of {repeats} runs: "
+                      f"{left:.0f} s to --deadline-s, a run takes ~{last_s:.0f} s",
+                      file=sys.stderr)
+                break
             print(f"kvedit bench serve: measuring {list(targets)} (run {rep + 1}/{repeats})",
                   file=sys.stderr)
-            load0 = os.getloadavg()[0]
+            r0, load0 = time.monotonic(), os.getloadavg()[0]
             figures = measure(targets, w, seed=rep, servers=servers, logs=logs)
             for arm, f in figures.items():
                 f["load_avg_1m"] = [load0, os.getloadavg()[0]]
@@ -355,10 +389,23 @@ def serve_bench(w: Workloads, arms: list[str], *, model: str | None = None,
                 if why:
                     f["degraded"] = why
                 runs[arm].append(f)
+            done, last_s = rep + 1, time.monotonic() - r0
+            if on_result is not None:
+                on_result(result(done))
+    return result(done)
+
+
+def _result(runs: dict[str, list], repeats: int, *, vllm_version: str, model, dtype: str,
+            vllm_args, w: Workloads, bpt: int, working_set: int, tier: int,
+            tier_fraction: float, vllm_kv: int, eviction: str, chunk: int,
+            connector_config: dict | None) -> dict:
+    """The JSON of `kvedit bench serve` for the runs done so far (`repeats` of them)."""
+    from kvedit.vllm.settings import ConnectorSettings
+
     default = ConnectorSettings().store
     per_arm = {a: _median_run(rs) for a, rs in runs.items()}
     return {
-        "vllm_version": vllm.__version__, "model": str(model or "tiny-qwen3"), "dtype": dtype,
+        "vllm_version": vllm_version, "model": str(model or "tiny-qwen3"), "dtype": dtype,
         "vllm_args": list(vllm_args), "workloads": asdict(w), "repeats": repeats,
         "kv_bytes_per_token": bpt, "working_set_bytes": working_set, "tier_bytes": tier,
         "tier_fraction": tier_fraction, "vllm_kv_bytes": vllm_kv, "eviction": eviction,
