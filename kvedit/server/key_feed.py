@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvedit import protocol as P
 from kvedit.server.index_types import Obj
@@ -46,18 +46,13 @@ class Watch:
     seq: int = 0           # pushes sent in this subscription
 
 
-@dataclass(slots=True)
-class _Changes:
-    """A model's keys changed since the last flush: (tp_rank, key) -> ready now."""
-    last: dict[tuple[int, bytes], bool] = field(default_factory=dict)
-
-
 class KeyFeed:
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
         self.watches: dict[bytes, Watch] = {}        # by ident
         self._models: dict[str, int] = {}            # watched model -> watches
-        self._changes: dict[str, _Changes] = {}
+        # keys changed since the last flush: model -> {(tp_rank, key): ready now}
+        self._changes: dict[str, dict[tuple[int, bytes], bool]] = {}
         self.pushes = 0
 
     def __len__(self) -> int:
@@ -75,10 +70,7 @@ class KeyFeed:
 
     def _note(self, o: Obj, ready: bool) -> None:
         if o.kind == "kv" and o.model in self._models:
-            ch = self._changes.get(o.model)
-            if ch is None:
-                ch = self._changes[o.model] = _Changes()
-            ch.last[(o.tp_rank, o.key)] = ready
+            self._changes.setdefault(o.model, {})[(o.tp_rank, o.key)] = ready
 
     # ---- subscriptions -----------------------------------------------------------------
     def watch(self, ident: bytes, holder: bytes, rid: bytes, req: P.WatchKeys,
@@ -142,7 +134,7 @@ class KeyFeed:
                 continue
             added: dict[int, list[bytes]] = {}
             removed: dict[int, list[bytes]] = {}
-            for (rank, key), ready in ch.last.items():
+            for (rank, key), ready in ch.items():
                 if rank in w.ranks:
                     (added if ready else removed).setdefault(rank, []).append(key)
             if added or removed:

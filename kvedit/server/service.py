@@ -28,12 +28,12 @@ from kvedit.server import layout_limits
 from kvedit.server.config import ServerConfig
 from kvedit.server.datalink import DataLink
 from kvedit.server.index import Index, Refused
+from kvedit.server.key_feed import KeyFeed
 from kvedit.server.l2_service import L2_HOLDER, L2Methods
 from kvedit.server.metrics import Metrics
 from kvedit.server.peers import Peers, holder_of
 from kvedit.server.pool import Allocator, Arena
 from kvedit.server.trim import HeapTrim
-from kvedit.server.key_feed import KeyFeed
 from kvedit.server.waiters import TooManyWaits, Waiter, Waiters, wait_key
 
 log = logging.getLogger("kvedit.server")

@@ -3,8 +3,9 @@
 Runs in vLLM's engine-core process. It asks the server how many leading chunks of a new
 request it holds (beyond vLLM's own prefix-cache hit) and pins what it reports until the load
 has run (pins.py); a copy of the server's keys (kvedit.client.key_watch) answers misses
-without asking, and turns a hit's lookup and pin into one round trip. Each step tells the workers which chunks to load before the forward
-and which chunks to store after it: which and when is the store mode's (admission.py).
+without asking, and turns a hit's lookup and pin into one round trip. Each step tells the
+workers which chunks to load before the forward and which chunks to store after it: which
+and when is the store mode's (admission.py).
 """
 from __future__ import annotations
 
@@ -85,9 +86,9 @@ class SchedulerSide:
         self.admission.chunk = chunk_size
 
     def _on_connect(self, client) -> None:
-        if self.layouts is None:  # chunk size not configured: the server's
-            self._set_chunk_size(client.server_info().chunk_size)
         info = client.server_info()
+        if self.layouts is None:  # chunk size not configured: the server's
+            self._set_chunk_size(info.chunk_size)
         self.pins.ttl_s = min(self.settings.pin_ttl_s, info.lease_ttl / 4)  # before its lease
         # a fresh copy for every connection (a restarted server): misses answered here
         self.watch = (client.watch_keys(self.model, list(range(self.tp_size)))
