@@ -199,16 +199,18 @@ TINY_SERVED = "tiny-qwen3"  # the name vLLM serves the tiny model as
 
 
 def resolve_model(name: str) -> tuple[Path, str]:
-    """(model dir, served name) for smollm2 (built on first use), tiny or a model dir."""
-    if name == "smollm2":
-        from kvedit.harness.models import smollm2
+    """(model dir, served name) for a packaged model (`kvedit.harness.models.MODELS`: smollm2,
+    qwen2.5-coder-1.5b; built on first use), tiny or a model dir."""
+    from kvedit.harness.models import MODELS, build_packaged
 
-        return Path(smollm2()), "smollm2"
+    if name in MODELS:
+        return Path(build_packaged(MODELS[name])), name
     if name == "tiny":
         from kvedit.harness.tiny_model import default_tiny_model
 
         return Path(default_tiny_model()), TINY_SERVED
     path = Path(name)
     if not path.is_dir():
-        raise SystemExit(f"--model {name!r}: expected smollm2, tiny or a model directory")
+        raise SystemExit(f"--model {name!r}: expected one of {sorted(MODELS)}, tiny or a model "
+                         "directory")
     return path, path.name

