@@ -25,11 +25,12 @@ def test_context_is_exactly_the_length_asked_and_the_question_follows(tok, task,
     tail = tok.decode(s.prompt_ids[length:])
     # The editable context ends at `length`; the question and the prime come after it.
     assert "Question:" in tail and "Question:" not in tok.decode(s.prompt_ids[:length])
-    assert tail.rstrip().endswith(("is", "are"))  # the answer prime
+    # the answer prime (docqa's: "... founded in the year", "... employs", ...)
+    assert tail.rstrip().endswith(("is", "are", "year", "city of", "employs", "its"))
     assert len(s.prompt_ids) - length < 128  # the question fits in the suffix (< one chunk)
 
 
-@pytest.mark.parametrize("task", sorted(TASKS))
+@pytest.mark.parametrize("task", sorted(t for t in TASKS if t != "cwe"))  # cwe: no needle
 @pytest.mark.parametrize("depth", [0.1, 0.5, 0.9])
 def test_needle_sits_at_the_intended_token_depth(tok, task, depth):
     length = 1024
@@ -66,7 +67,8 @@ def test_header_is_the_template_opening_and_instruction_before_any_needle(tok):
     header = tok.header(INSTRUCTION)
     for s in suite(tok, sorted(TASKS), [512], 5, seed=2):
         assert s.header == len(header) and s.prompt_ids[:s.header] == header
-        assert min(s.needle_positions) >= s.header  # the eval's sink never covers a needle
+        # the eval's sink never covers a needle (cwe has none)
+        assert min(s.needle_positions, default=s.header) >= s.header
         assert "Below is a long text" in tok.decode(s.prompt_ids[:s.header])
 
 

@@ -18,15 +18,27 @@ Tasks (a generator is one function; `TASKS` registers it):
   distractor chains; the question asks the value of the chain's last variable, so the
   answer is found by following the chain, not by matching the question (RULER's vt, asked
   backwards so a small model can answer in a few tokens).
+- multikey_confusable, multivalue_confusable (`confusable.py`): the needle among distractors
+  one word of key and often one digit of value away, more of them as the context grows; a
+  distractor's value in the answer makes it wrong.
+- cwe (`cwe.py`): a list of words, three of which recur often; name those three.
+- docqa (`docqa.py`): short company profiles; one attribute of one company, with profiles
+  of companies one word of name away as distractors.
+
+A generator is `(rng, depth, length) -> Spec` (`spec.py`); `build` places its needles in
+its haystack (filler sentences unless the Spec brings its own) at exact token length.
 """
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
 from typing import Callable
 
+from kvedit.harness.eval.confusable import multikey_confusable, multivalue_confusable
+from kvedit.harness.eval.cwe import cwe
+from kvedit.harness.eval.docqa import docqa
 from kvedit.harness.eval.filler import sentence
+from kvedit.harness.eval.spec import Ask, Needle, Spec, correct, distinct, number
 from kvedit.harness.eval.tokenizer import ChatTokenizer
 
 INSTRUCTION = ("Below is a long text. Some important facts are hidden in it. Read it and "
@@ -40,45 +52,14 @@ VAR_LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
 
 
 @dataclass(frozen=True)
-class Needle:
-    text: str     # the sentence inserted into the haystack (with its leading space)
-    depth: float  # where in the haystack, 0 = start, 1 = end
-
-
-@dataclass(frozen=True)
-class Ask:
-    """A further question about the same context (the reuse suite: one edited cache, many
-    questions): its question, answer prime and expected answers."""
-    question: str
-    prime: str
-    answers: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Spec:
-    """What a task generator decides; `build` turns it into token ids."""
-    needles: tuple[Needle, ...]
-    question: str
-    prime: str
-    answers: tuple[str, ...]   # all must appear in the model's answer
-    max_tokens: int
-    more: tuple[Ask, ...] = ()  # the reuse suite's questions (the main one is not among them)
-
-
-@dataclass(frozen=True)
 class Question:
     """One question of a context as token ids: the un-editable tail after the context."""
     tail: tuple[int, ...]       # question, end of the user turn, assistant turn, prime
     answers: tuple[str, ...]
+    wrong: tuple[str, ...] = ()  # none of these may appear (spec.correct)
 
     def correct(self, output: str) -> bool:
-        return correct(output, self.answers)
-
-
-def correct(output: str, answers) -> bool:
-    """True when every expected answer is in the output (numbers as whole numbers)."""
-    found = set(re.findall(r"\d+", output))
-    return all(a in found if a.isdigit() else a.lower() in output.lower() for a in answers)
+        return correct(output, self.answers, self.wrong)
 
 
 @dataclass(frozen=True)
@@ -98,36 +79,25 @@ class Sample:
     seed: int = 0                   # the suite's seed (several seeds run in one eval)
     # The reuse suite's questions about this context: the main one first, then `Spec.more`.
     questions: tuple[Question, ...] = ()
+    wrong: tuple[str, ...] = ()     # answers that must not appear (spec.correct)
 
     def correct(self, output: str) -> bool:
-        """True when every expected answer is in the output (numbers as whole numbers)."""
-        return correct(output, self.answers)
+        """Every expected answer in the output (numbers as whole numbers, words as whole
+        words) and no forbidden one."""
+        return correct(output, self.answers, self.wrong)
 
 
-def _number(rng: random.Random, digits: int) -> str:
-    return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
-
-
-def _distinct(rng: random.Random, n: int, make) -> list:
-    out: list = []
-    while len(out) < n:
-        x = make()
-        if x not in out:
-            out.append(x)
-    return out
-
-
-def passkey(rng: random.Random, depth: float) -> Spec:
-    key = _number(rng, 5)
+def passkey(rng: random.Random, depth: float, length: int) -> Spec:
+    key = number(rng, 5)
     return Spec((Needle(f" The pass key is {key}. Remember it. {key} is the pass key.", depth),),
                 "What is the pass key?", "The pass key is", (key,), 8)
 
 
-def multikey(rng: random.Random, depth: float) -> Spec:
+def multikey(rng: random.Random, depth: float, length: int) -> Spec:
     # Keys are single nouns ("the falcon"): with hyphenated two-word keys ("amber-falcon")
     # SmolLM2-135M answered a distractor's number about half the time even unedited.
-    keys = _distinct(rng, 3, lambda: rng.choice(KEY_NOUN))
-    values = _distinct(rng, 3, lambda: _number(rng, 5))
+    keys = distinct(rng, 3, lambda: rng.choice(KEY_NOUN))
+    values = distinct(rng, 3, lambda: number(rng, 5))
     depths = [depth] + [rng.random() for _ in keys[1:]]
     needles = tuple(Needle(f" The pass key of the {k} is {v}. Remember it: the pass key of the "
                            f"{k} is {v}.", d) for k, v, d in zip(keys, values, depths))
@@ -137,9 +107,9 @@ def multikey(rng: random.Random, depth: float) -> Spec:
                 f"The pass key of the {keys[0]} is", (values[0],), 8, more)
 
 
-def multivalue(rng: random.Random, depth: float) -> Spec:
+def multivalue(rng: random.Random, depth: float, length: int) -> Spec:
     key = rng.choice(CITIES)
-    values = _distinct(rng, 2, lambda: _number(rng, 5))
+    values = distinct(rng, 2, lambda: number(rng, 5))
     other = rng.uniform(0.05, 0.95)
     needles = (Needle(f" The first secret code of {key} is {values[0]}.", depth),
                Needle(f" The second secret code of {key} is {values[1]}.", other))
@@ -149,9 +119,9 @@ def multivalue(rng: random.Random, depth: float) -> Spec:
                 f"The first secret code of {key} is", tuple(values), 24, more)
 
 
-def vartrack(rng: random.Random, depth: float) -> Spec:
-    names = _distinct(rng, 4, lambda: "".join(rng.choices(VAR_LETTERS, k=3)))
-    values = _distinct(rng, 2, lambda: _number(rng, 5))
+def vartrack(rng: random.Random, depth: float, length: int) -> Spec:
+    names = distinct(rng, 4, lambda: "".join(rng.choices(VAR_LETTERS, k=3)))
+    values = distinct(rng, 2, lambda: number(rng, 5))
     a, b, x, y = names
     # The asked chain a -> b: its value at `depth`, the copy later; a distractor chain x -> y.
     later = min(0.98, depth + rng.uniform(0.05, 0.3))
@@ -165,9 +135,33 @@ def vartrack(rng: random.Random, depth: float) -> Spec:
                 (values[0],), 8, more)
 
 
-TASKS: dict[str, Callable[[random.Random, float], Spec]] = {
+TASKS: dict[str, Callable[[random.Random, float, int], Spec]] = {
     "passkey": passkey, "multikey": multikey, "multivalue": multivalue, "vartrack": vartrack,
+    "multikey_confusable": multikey_confusable, "multivalue_confusable": multivalue_confusable,
+    "cwe": cwe, "docqa": docqa,
 }
+
+
+def _haystack(tok: ChatTokenizer, spec: Spec, rng: random.Random,
+              room: int) -> tuple[list[str], list[list[int]], bool]:
+    """The haystack's pieces as text and as token ids, `room` tokens in all, and whether the
+    last piece was cut to fit. Pieces are drawn in batches and tokenized together (one call per batch: a 16k
+    context is ~500 pieces); the pieces past the one that fills the room are dropped, and
+    nothing after the haystack draws from `rng`, so a sample is the same as drawn one by one."""
+    make = spec.haystack or (lambda r: " " + sentence(r))
+    texts: list[str] = []
+    hay: list[list[int]] = []
+    total = 0
+    while total < room:
+        batch = [make(rng) for _ in range(max(8, min(256, (room - total) // 8)))]
+        for text, enc in zip(batch, tok.encode_batch(batch)):
+            texts.append(text)
+            hay.append(enc)
+            total += len(enc)
+            if total >= room:
+                break
+    hay[-1] = hay[-1][: len(hay[-1]) - (total - room)]  # cut the last piece to fit exactly
+    return texts, hay, total > room
 
 
 def build(tok: ChatTokenizer, task: str, length: int, depth: float, index: int,
@@ -176,7 +170,7 @@ def build(tok: ChatTokenizer, task: str, length: int, depth: float, index: int,
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; expected one of {sorted(TASKS)}")
     rng = random.Random(f"{seed}/{task}/{length}/{depth}/{index}")
-    spec = TASKS[task](rng, depth)
+    spec = TASKS[task](rng, depth, length)
     header = tok.header(INSTRUCTION)
     needles = [tok.encode(n.text) for n in spec.needles]
     room = length - len(header) - sum(map(len, needles))
@@ -184,13 +178,9 @@ def build(tok: ChatTokenizer, task: str, length: int, depth: float, index: int,
         raise ValueError(f"length {length} leaves {room} haystack tokens for task {task!r} "
                          f"(header {len(header)}, needles {sum(map(len, needles))}); "
                          "ask for a longer context")
-    hay: list[list[int]] = []  # filler sentences, in order
-    total = 0
-    while total < room:
-        s = tok.encode(" " + sentence(rng))
-        hay.append(s)
-        total += len(s)
-    hay[-1] = hay[-1][: len(hay[-1]) - (total - room)]  # cut the last sentence to fit exactly
+    texts, hay, cut = _haystack(tok, spec, rng, room)
+    if spec.check is not None:
+        spec.check(texts[:-1] if cut else texts)
     bounds = [0]  # haystack token offset at each sentence boundary
     for s in hay:
         bounds.append(bounds[-1] + len(s))
@@ -210,11 +200,11 @@ def build(tok: ChatTokenizer, task: str, length: int, depth: float, index: int,
             ids += hay[i]
     assert len(ids) == length, (len(ids), length)
     tail = tok.footer(spec.question, spec.prime)
-    questions = (Question(tuple(tail), spec.answers),) + tuple(
-        Question(tuple(tok.footer(a.question, a.prime)), a.answers) for a in spec.more)
+    questions = (Question(tuple(tail), spec.answers, spec.wrong),) + tuple(
+        Question(tuple(tok.footer(a.question, a.prime)), a.answers, a.wrong) for a in spec.more)
     return Sample(task, length, depth, index, ids + tail, spec.answers, tuple(pos),
                   tuple(tuple(n) for n in needles), spec.max_tokens, header=len(header),
-                  seed=seed, questions=questions)
+                  seed=seed, questions=questions, wrong=spec.wrong)
 
 
 def suite(tok: ChatTokenizer, tasks, lengths, samples: int, seed: int = 0,
