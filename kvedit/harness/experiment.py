@@ -67,13 +67,7 @@ def engines(*, server_url: str | None = None, server_http_url: str | None = None
         from kvedit.harness.tiny_model import default_tiny_model
 
         model_dir = model or str(default_tiny_model())
-        extra = []
-        if kv_tokens:
-            bs = block_size()
-            blocks = -(-kv_tokens // bs)
-            # +1: vLLM keeps one block aside (its null block), so `blocks` remain usable.
-            extra = ["--block-size", str(bs), "--num-gpu-blocks-override", str(blocks + 1)]
-            max_model_len = min(max_model_len, blocks * bs)  # vLLM refuses a longer one
+        extra, max_model_len = kv_pool_args(kv_tokens, max_model_len)
         log(f"starting vLLM ({model_dir}, {dtype}, KV capacity "
             f"{kv_tokens or 'default'} tokens) ...")
         vp = stack.enter_context(start_vllm(
@@ -83,6 +77,38 @@ def engines(*, server_url: str | None = None, server_http_url: str | None = None
         groups = (vp.pid,) + ((server.proc.pid,) if not server_url else ())
         yield Engines(url, http_url, vp.base_url, served_model_name, kv_tokens, vp.log_path,
                       groups)
+
+
+def kv_pool_args(kv_tokens: int | None, max_model_len: int) -> tuple[list[str], int]:
+    """vLLM arguments that make its KV pool hold `kv_tokens` (whole blocks), and the
+    max_model_len it then accepts."""
+    if not kv_tokens:
+        return [], max_model_len
+    bs = block_size()
+    blocks = -(-kv_tokens // bs)
+    # +1: vLLM keeps one block aside (its null block), so `blocks` remain usable.
+    extra = ["--block-size", str(bs), "--num-gpu-blocks-override", str(blocks + 1)]
+    return extra, min(max_model_len, blocks * bs)  # vLLM refuses a longer one
+
+
+@contextmanager
+def plain_vllm(*, model: str | None = None, served_model_name: str = TINY_SERVED,
+               dtype: str = "bfloat16", kv_tokens: int | None = None,
+               max_model_len: int = 4096, vllm_args: tuple[str, ...] | list[str] = (),
+               log=print):
+    """Yield Engines for a vLLM started without the kvedit connector (and no kvedit server):
+    the same build, model and KV pool as `engines` gives, for arms that measure plain vLLM."""
+    from kvedit.harness.tiny_model import default_tiny_model
+    from kvedit.launch.vllm import start_vllm
+
+    model_dir = model or str(default_tiny_model())
+    extra, max_model_len = kv_pool_args(kv_tokens, max_model_len)
+    log(f"starting plain vLLM, no connector ({model_dir}, {dtype}, KV capacity "
+        f"{kv_tokens or 'default'} tokens) ...")
+    with start_vllm(model_dir, server=None, served_model_name=served_model_name, dtype=dtype,
+                    max_model_len=max_model_len, extra_args=[*extra, *vllm_args]) as vp:
+        yield Engines("", None, vp.base_url, served_model_name, kv_tokens, vp.log_path,
+                      (vp.pid,))
 
 
 def cpu_seconds(groups: tuple[int, ...]) -> float:

@@ -83,3 +83,19 @@ def test_bad_arguments_are_refused_with_the_reason(smollm2_model):
         longgen.samples(smollm2_model, "sum", 1)
     with pytest.raises(ValueError, match="more than the 3 primed numbers"):
         longgen.samples(smollm2_model, "count", 1, how_many=3)
+
+
+def test_restate_asks_for_the_code_at_the_end_of_one_reply(smollm2_model, tok):
+    """restate: the note's code and the count in one turn, the code asked for after the
+    count; scored on the reply alone (no second turn), so one request per stream carries it."""
+    for s in longgen.samples(smollm2_model, "restate", 3, how_many=400, note_tokens=1500):
+        text = tok.decode(s.prompt_ids)
+        assert f"The secret code is {s.code}." in text and s.question_ids == []
+        assert text.index(s.code) < text.index("First, count") < text.index(
+            "followed by the secret code")
+        assert tok.decode(s.prompt_ids[s.code_position:]).startswith(" The secret code is")
+        assert s.code_position > CHUNK and 1500 <= len(s.prompt_ids) <= 1800
+        reply = _count_text(s.start + 3, s.stop) + f"\nThe secret code is {s.code}."
+        assert len(tok.encode(reply)) <= s.max_tokens  # the whole reply fits
+        assert s.correct(reply) and not s.correct(_count_text(s.start + 3, s.stop))
+        assert s.score_count(reply).complete

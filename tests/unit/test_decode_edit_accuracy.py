@@ -35,7 +35,7 @@ def test_accuracy_model_none_skips():
 
 
 def test_unknown_arm_is_refused_with_the_choices(tmp_path, monkeypatch):
-    monkeypatch.setattr(A, "cached_model", lambda: (tmp_path, ""))  # refused before use
+    monkeypatch.setattr(A, "cached_model", lambda name: (tmp_path, ""))  # refused before use
     with pytest.raises(SystemExit, match=r"unknown \['snapkv'\].*'none', 'rounds'"):
         bench_long._accuracy(_args(accuracy_arms="none,snapkv"), print)
 

@@ -16,6 +16,12 @@ seeded, built from token-id pieces with the model's chat template (as tasks.py d
   asks for the code in a second turn (`Sample.question_ids`, appended to the stream). The
   fact lies past the first chunk, so a budget that keeps only sinks and recent tokens loses
   it: this shows what a budget costs, per policy.
+- restate: the recall note and count in one turn: "First count ... Then write the secret
+  code." The code must come back at the end of the model's own long reply (>= 2k generated
+  tokens at 400 numbers), in one request, so an in-engine budget (one request per stream)
+  is scored on it too. Correct when the code is restated (the count's completeness is
+  reported beside it). Made for a real instruct model (Qwen2.5-Coder-1.5B); SmolLM2 rarely
+  follows the two-part instruction.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from pathlib import Path
 from kvedit.harness.eval.filler import sentence
 from kvedit.harness.eval.tokenizer import ChatTokenizer, load
 
-TASKS = ("count", "recall")
+TASKS = ("count", "recall", "restate")
 TOKENS_PER_NUMBER = 5   # ", 123" is 4-5 tokens with SmolLM2's tokenizer (digits split)
 PRIMED = 3              # numbers written in the prime: the model continues from S+3
 DEPTHS = (0.3, 0.55, 0.8)  # with a 512-token note: all past the first 128-token chunk
@@ -85,6 +91,13 @@ class Sample:
     def recalled(self, answer: str) -> bool:
         """The code appears in the answer as a whole number."""
         return self.code in re.findall(r"\d+", answer)
+
+    def correct(self, generated: str) -> bool:
+        """count: the whole count; restate: the code in the reply (5 digits: no counted
+        number has as many); recall is scored on its second turn's answer instead."""
+        if self.task == "restate":
+            return self.recalled(generated)
+        return self.score_count(generated).complete
 
 
 @lru_cache(maxsize=4)
@@ -160,6 +173,21 @@ def recall_sample(tok: ChatTokenizer, t: Turns, rng: random.Random, index: int,
                   question, code, depth, position)
 
 
+def restate_sample(tok: ChatTokenizer, t: Turns, rng: random.Random, index: int,
+                   how_many: int, note_tokens: int) -> Sample:
+    """recall's note and count, with the code asked for at the end of the same reply."""
+    r = recall_sample(tok, t, rng, index, how_many, note_tokens)
+    head = r.prompt_ids[:len(r.prompt_ids) - len(tok.encode(
+        "\n\nFirst, c" + _count_instruction(r.start, r.stop)[1:] + t.after_user
+        + _prime(r.start)))]
+    ids = head + tok.encode(
+        "\n\nFirst, c" + _count_instruction(r.start, r.stop)[1:] + " Then, on a new line, "
+        "write \"The secret code is\" followed by the secret code from the note."
+        + t.after_user + _prime(r.start))
+    return Sample("restate", index, ids, r.start, r.stop, r.max_tokens + r.answer_tokens, [],
+                  r.code, r.depth, r.code_position)
+
+
 def samples(model_dir: str | Path, task: str, n: int, *, how_many: int = 200,
             note_tokens: int = 512, seed: int = 0) -> list[Sample]:
     """n seeded samples of `task` (count or recall) for the model's tokenizer/template."""
@@ -172,4 +200,5 @@ def samples(model_dir: str | Path, task: str, n: int, *, how_many: int = 200,
     rng = random.Random(f"longgen-{task}-{seed}")
     if task == "count":
         return [count_sample(tok, t, rng, i, how_many) for i in range(n)]
-    return [recall_sample(tok, t, rng, i, how_many, note_tokens) for i in range(n)]
+    make = recall_sample if task == "recall" else restate_sample
+    return [make(tok, t, rng, i, how_many, note_tokens) for i in range(n)]
