@@ -1,0 +1,1 @@
+"""The GPU kit's build side: groups, fetching, the travelling tree, cutting and planning."""
