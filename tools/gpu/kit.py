@@ -49,7 +49,9 @@ def _check(all_groups, fetched, verbose: bool = False) -> tuple[list[str], int]:
     image = requires.load_image()
     lines, bad = [], 0
     for g in all_groups:
-        verdicts = requires.check_group(g, [p for _, p, _ in fetched[g.name]], image)
+        base = next((b for b in all_groups if b.name == "base"), None)
+        verdicts = requires.check_group(g, [p for _, p, _ in fetched[g.name]], image,
+                                        under=base if g.site else None)
         lines += requires.report(g, verdicts, verbose)
         bad += requires.problems(verdicts)
     return lines, bad

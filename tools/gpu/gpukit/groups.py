@@ -18,8 +18,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[1]
 GROUP_DIR = HERE / "groups"
 # Stream order; `site`: where the host installs the group (None: the model's parts).
-ORDER = ("vllm", "kvpress", "model")
-SITES = {"vllm": "vllm-site", "kvpress": "kvpress-site", "model": None}
+# base first (small: the model's conversion needs it), then the model's parts (its conversion
+# then runs while the vLLM wheel arrives), vLLM, kvpress.
+ORDER = ("base", "model", "vllm", "kvpress")
+SITES = {"base": "base-site", "vllm": "vllm-site", "kvpress": "kvpress-site", "model": None}
 
 _LINE = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[A-Za-z0-9.+!_-]+)"
                    r"(?P<opts>(?:\s+\w+=\S+)*)\s*$")

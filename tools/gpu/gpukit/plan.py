@@ -3,8 +3,8 @@
 One call per part, back to back (a machine idle for ~30 s is given back and the next call
 gets a bare one). Call NN carries `.gpu_kit/send/NN` and runs `host/recv.sh NN`, which
 checks the part, moves it out of the checkout to `$HOME/kit` and starts the job of every
-group the part completes (the vLLM site, the kvpress site, the model's conversion) in the
-background, so the installs overlap the transfers still to come. The last call also runs
+group the part completes (the base site, the model's conversion, the vLLM site, the kvpress
+site) in the background, so the installs overlap the transfers still to come. The last call also runs
 `host/ready.sh`: it waits for the jobs, checks, and writes `$HOME/env.sh`.
 
 Time per call is estimated from the transfer calls of earlier GPU sessions (docs/gpu.md:
@@ -29,7 +29,8 @@ START_SECONDS = (30, 60, 180)    # the first call also starts the machine
 JOB_NOTES = {
     "vllm": "vLLM site install starts (background)",
     "kvpress": "kvpress site install starts (background)",
-    "model": "model conversion starts (background; waits for the vLLM site)",
+    "base": "base site install starts (background: msgspec, pyzmq, gguf)",
+    "model": "model conversion starts (background, beside the remaining transfers)",
 }
 
 
@@ -136,7 +137,7 @@ def render(calls: list[Call], manifest: dict, tree_bytes: int) -> str:
     low, typ, high = estimate(calls)
     lines += ["", f"estimate: {len(calls)} calls back to back, ~{typ} device seconds "
                   f"({low}-{high}) including the machine's start; then ready.sh waits for "
-                  f"the model's conversion (started by the last call)",
+                  f"the jobs still running (the vLLM install, started by the last call)",
               "every call is the same shape: run them with no pause (idle ~30 s loses the "
               "machine); a call that fails can be run again as is; on a new machine start "
               "again at call 1"]

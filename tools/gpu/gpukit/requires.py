@@ -68,8 +68,12 @@ def _version_ok(req: Requirement, version: str) -> bool:
 
 
 def check_group(group: Group, wheels: list[Path],
-                image: dict[str, str | None]) -> list[Verdict]:
+                image: dict[str, str | None], under: Group | None = None) -> list[Verdict]:
+    """`under`: a group whose site lies under this one's on PYTHONPATH (the base site), so
+    its wheels count as this group's own."""
     own = {normalize(e.name): e.version for e in group.entries}
+    if under is not None and under is not group:
+        own = {**{normalize(e.name): e.version for e in under.entries}, **own}
     out = []
     for path in wheels:
         for req in wheel_requires(path):

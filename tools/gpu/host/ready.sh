@@ -48,7 +48,7 @@ if [ "$(job_state vllm)" = done ]; then
     echo "# Written by tools/gpu/host/ready.sh (kit $(kit_host id), $(date -u +%FT%TZ))."
     echo "# Source it before kvedit on this host: . \$HOME/env.sh"
     echo "if [ \"\${KVEDIT_KIT_ENV:-}\" != \"$KIT\" ]; then"
-    echo "  export PYTHONPATH=\"$REPO:$KIT/vllm-site:$KIT/stubs\${PYTHONPATH:+:\$PYTHONPATH}\""
+    echo "  export PYTHONPATH=\"$REPO:$KIT/vllm-site:$KIT/base-site:$KIT/stubs\${PYTHONPATH:+:\$PYTHONPATH}\""
     echo "  export PATH=\"$KIT/bin:$KIT/vllm-site/bin:\$PATH\" KVEDIT_KIT_ENV=\"$KIT\""
     echo "fi"
     echo "export KVEDIT_SRC=\"$REPO\""
