@@ -145,9 +145,10 @@ TASKS: dict[str, Callable[[random.Random, float, int], Spec]] = {
 def _haystack(tok: ChatTokenizer, spec: Spec, rng: random.Random,
               room: int) -> tuple[list[str], list[list[int]], bool]:
     """The haystack's pieces as text and as token ids, `room` tokens in all, and whether the
-    last piece was cut to fit. Pieces are drawn in batches and tokenized together (one call per batch: a 16k
-    context is ~500 pieces); the pieces past the one that fills the room are dropped, and
-    nothing after the haystack draws from `rng`, so a sample is the same as drawn one by one."""
+    last piece was cut to fit. Pieces are drawn in batches and tokenized together (one call
+    per batch: a 16k context is ~500 pieces); the pieces past the one that fills the room are
+    dropped, and nothing after the haystack draws from `rng`, so a sample is the same as
+    drawn one by one."""
     make = spec.haystack or (lambda r: " " + sentence(r))
     texts: list[str] = []
     hay: list[list[int]] = []
