@@ -5,7 +5,7 @@ Started by `kvedit.harness.eval.reference` as `<kvpress venv>/bin/python kvpress
 kvedit). It reads one JSON object on stdin and writes one JSON line per answer on stdout;
 progress goes to stderr. No pickle: only JSON crosses the process boundary.
 
-Input: {"model_dir", "threads", "samples": [{"id", "context": [ids], "split": int,
+Input: {"model_dir", "threads", "deadline", "samples": [{"id", "context": [ids], "split": int,
 "questions": [[ids], ...], "max_tokens"}], "arms": [{"press": class name | null,
 "kwargs": {...}, "ratio": float, "question_in_context": bool}]}. For each sample and arm
 it runs kvpress's own pipeline step (`KVPressTextGenerationPipeline._forward`): prefill the
@@ -17,6 +17,11 @@ chat template's closing and the answer prime), as kvpress's evaluation does with
 the context alone.
 
 Output lines: {"id", "arm", "answers": [text per question], "kept": [tokens per layer 0]}.
+
+On a GPU (this interpreter's torch sees CUDA) the model runs there in bfloat16, as vLLM runs
+it; on the CPU in float32. `deadline` (epoch seconds, or null): no sample starts that would
+end past it, judged by the mean time of the samples done; a sample once started runs every
+arm, so each sample in the output has all its arms.
 """
 from __future__ import annotations
 
@@ -48,11 +53,21 @@ def main() -> int:
     from kvpress.pipeline import KVPressTextGenerationPipeline
 
     torch.set_num_threads(int(job.get("threads") or 1))
-    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32).eval()
+    cuda = torch.cuda.is_available()
+    model = AutoModelForCausalLM.from_pretrained(
+        job["model_dir"], dtype=torch.bfloat16 if cuda else torch.float32).eval()
+    if cuda:
+        model = model.to("cuda")
     tok = AutoTokenizer.from_pretrained(job["model_dir"])
     pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok)
     t0 = time.time()
+    deadline = job.get("deadline")
     for i, s in enumerate(job["samples"]):
+        per = (time.time() - t0) / i if i else 0.0
+        if deadline is not None and time.time() + per > deadline:
+            print(f"kvpress: deadline, {i}/{len(job['samples'])} samples done",
+                  file=sys.stderr, flush=True)
+            break
         for a, spec in enumerate(job["arms"]):
             context, questions = list(s["context"]), [list(q) for q in s["questions"]]
             ratio = spec["ratio"]

@@ -2,11 +2,16 @@
 
 kvedit's policies re-implement kvpress's presses; this arm runs kvpress itself on the same
 token ids (context, question tails, greedy answers of the same length) with the same model
-in transformers (float32, CPU), so each shared method's accuracy can be read beside
-kvedit's. kvpress 0.5.5 pins transformers < 5.3 and vLLM's environment has a newer one, so
-kvpress runs in its own virtual environment under the kvedit cache directory, created on
-first use with the pip command printed (`ensure_env`), and is driven through a subprocess
-that reads and writes JSON (`kvpress_worker.py`; never pickle).
+in transformers (bfloat16 on a GPU, as vLLM runs it there; float32 on the CPU), so each
+shared method's accuracy can be read beside kvedit's. kvpress 0.5.5 pins transformers < 5.3
+and vLLM's environment has a newer one, so kvpress runs apart, driven through a subprocess
+that reads and writes JSON (`kvpress_worker.py`; never pickle), in one of two places:
+- a site directory (`--reference-site DIR` or $KVEDIT_KVPRESS_SITE): kvpress and a
+  transformers it accepts installed with `pip install --target DIR --no-deps` (SITE_WHEELS),
+  put first on PYTHONPATH of this interpreter, whose torch (CUDA or not) it uses. For a
+  machine without an index (a GPU host): the wheels are carried there;
+- else its own virtual environment under the kvedit cache directory, created on first use
+  with the pip command printed (`ensure_env`; CPU torch).
 
 Pairs (kvedit policy: kvpress press, as configured here):
 - SnapKV: SnapKVPress (window 64, kernel 5) and TOVA: TOVAPress, each compressing the
@@ -28,11 +33,21 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 KVPRESS_VERSION = "0.5.5"
 TORCH_VERSION = "2.13.0"
 WORKER = Path(__file__).with_name("kvpress_worker.py")
+SITE_ENV = "KVEDIT_KVPRESS_SITE"
+# What a site directory needs beside an interpreter that has torch, numpy, pandas, accelerate,
+# peft, requests, pyarrow, fsspec, xxhash, huggingface-hub >= 1.3, safetensors, regex, tqdm,
+# pyyaml, typer and jinja2 (the GPU image has these): kvpress imports datasets, cachetools and
+# fire at import time; transformers 5.2 (the newest kvpress 0.5.5 accepts) checks at import
+# that tokenizers is <= 0.23.0.
+SITE_WHEELS = ("kvpress==0.5.5", "transformers==5.2.0", "tokenizers==0.22.2",
+               "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19", "fire==0.6.0",
+               "termcolor==3.3.0", "cachetools==5.5.2")
 
 # kvedit policy class -> (press, kwargs, question in the compressed context)
 PRESSES = {
@@ -60,14 +75,57 @@ def pip_command(target: Path) -> list[list[str]]:
              f"kvpress=={KVPRESS_VERSION}"]]
 
 
+PROBE = f"import kvpress, importlib.metadata as m; assert m.version('kvpress') == " \
+        f"{KVPRESS_VERSION!r}, m.version('kvpress')"
+
+
 def _works(python: Path) -> bool:
-    probe = f"import kvpress, importlib.metadata as m; assert m.version('kvpress') == " \
-            f"{KVPRESS_VERSION!r}"
     try:
-        return subprocess.run([str(python), "-c", probe], capture_output=True,
+        return subprocess.run([str(python), "-c", PROBE], capture_output=True,
                               timeout=300).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where the kvpress worker runs: its interpreter and what its environment adds."""
+    python: Path
+    env: dict
+    where: str   # for the log and the JSON
+
+
+def site_env(site: Path) -> dict:
+    """The worker's environment additions for a site directory: it goes first on the path,
+    so its transformers shadows the interpreter's own."""
+    return {"PYTHONPATH": str(site)}
+
+
+def check_site(site: Path) -> None:
+    """kvpress imports from `site` with this interpreter, or a ValueError that says what is
+    missing and which wheels the directory needs."""
+    if not site.is_dir():
+        raise ValueError(f"kvpress site directory {site} does not exist: make it with "
+                         f"`pip install --target {site} --no-deps {' '.join(SITE_WHEELS)}`")
+    run = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, **site_env(site)})
+    if run.returncode:
+        raise ValueError(f"kvpress {KVPRESS_VERSION} does not import from {site} with "
+                         f"{sys.executable}:\n{run.stderr.strip()[-1500:]}\nthe directory "
+                         f"needs (pip install --target {site} --no-deps ...): "
+                         f"{' '.join(SITE_WHEELS)}")
+
+
+def runtime(site: str | None, log=print) -> Runtime:
+    """The site directory if one is given (argument, else $KVEDIT_KVPRESS_SITE), checked;
+    else kvpress's own venv (built on first use)."""
+    site = site or os.environ.get(SITE_ENV)
+    if site:
+        path = Path(site).expanduser().resolve()
+        check_site(path)
+        return Runtime(Path(sys.executable), site_env(path), f"site {path}")
+    python = ensure_env(log)
+    return Runtime(python, {}, f"venv {python.parent.parent}")
 
 
 def ensure_env(log=print) -> Path:
@@ -129,24 +187,31 @@ def _split(tail: list[int], closing: list[int]) -> int:
     return len(tail)
 
 
-def job(samples, tok, model_dir: Path, arm_list: list[dict]) -> dict:
+def job(samples, tok, model_dir: Path, arm_list: list[dict], *, threads: int = 1,
+        deadline: float | None = None) -> dict:
+    """The worker's input. `deadline`: epoch seconds after which it starts no sample that
+    would end past it (judged by its samples so far)."""
     closing = tok.encode(tok.after_user)
-    return {"model_dir": str(model_dir), "threads": 1, "arms": arm_list, "samples": [
+    return {"model_dir": str(model_dir), "threads": threads, "deadline": deadline,
+            "arms": arm_list, "samples": [
         {"id": i, "context": s.prompt_ids[:s.length],
          "split": _split(list(s.questions[0].tail), closing),
          "questions": [list(q.tail) for q in s.questions[:1]], "max_tokens": s.max_tokens}
         for i, s in enumerate(samples)]}
 
 
-def run_workers(python: Path, payload: dict, workers: int, log=print) -> list[dict]:
-    """Split the samples over `workers` processes (one thread each), feed each its JSON,
-    collect their JSON lines (their stderr is their progress, logged when they end)."""
+def run_workers(python: Path, payload: dict, workers: int, log=print,
+                env_extra: dict | None = None) -> list[dict]:
+    """Split the samples over `workers` processes (`payload["threads"]` threads each), feed
+    each its JSON, collect their JSON lines (their stderr is their progress, logged when
+    they end)."""
     from concurrent.futures import ThreadPoolExecutor
 
     samples = payload["samples"]
     parts = [samples[k::workers] for k in range(workers) if samples[k::workers]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "TRANSFORMERS_VERBOSITY": "error"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(payload.get("threads") or 1),
+           "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
+           **(env_extra or {})}
 
     def one(part: list[dict]) -> str:
         p = subprocess.Popen([str(python), str(WORKER)], stdin=subprocess.PIPE,
@@ -165,18 +230,24 @@ def run_workers(python: Path, payload: dict, workers: int, log=print) -> list[di
 
 
 def run_reference(cfg, model_dir: Path, samples, tok, sink: int | None, *, log=print,
-                  workers: int | None = None) -> tuple[dict, list[dict]]:
+                  workers: int | None = None,
+                  deadline: float | None = None) -> tuple[dict, list[dict]]:
     """The kvpress arm: (accuracy per press and ratio with 95% Wilson intervals on
-    `samples`, every answer as a record)."""
+    `samples`, every answer as a record). On a GPU (the site route with a CUDA torch) one
+    worker runs bfloat16 there; on the CPU two single-threaded workers run float32.
+    `deadline` (epoch seconds): no sample starts that would end past it."""
     from kvedit.harness.eval.report import summarize
 
     ratios = cfg.reference_ratios or cfg.ratios
     arm_list = arms([_class(p) for p in cfg.policies if ":" not in p], ratios, sink)
-    python = ensure_env(log)
-    workers = workers or max(1, min(2, os.cpu_count() or 1))
+    rt = runtime(getattr(cfg, "reference_site", None), log)
+    gpu = bool(rt.env) and _cuda()
+    workers = workers or (1 if gpu else max(1, min(2, os.cpu_count() or 1)))
+    threads = max(1, (os.cpu_count() or 1) // workers) if gpu else 1
     log(f"kvpress: {len(samples)} samples x {len(arm_list)} arms in {workers} process(es) "
-        f"({python})")
-    lines = run_workers(python, job(samples, tok, model_dir, arm_list), workers, log)
+        f"({rt.where}, {'CUDA bfloat16' if gpu else 'CPU float32'})")
+    lines = run_workers(rt.python, job(samples, tok, model_dir, arm_list, threads=threads,
+                                       deadline=deadline), workers, log, rt.env)
     by_arm: dict[int, list[dict]] = {}
     for line in lines:
         s, a = samples[line["id"]], arm_list[line["arm"]]
@@ -190,10 +261,19 @@ def run_reference(cfg, model_dir: Path, samples, tok, sink: int | None, *, log=p
         {"policy": a["policy"], "ratio": a["ratio"], "press": a["press"],
          "records": by_arm.get(i, [])} for i, a in enumerate(arm_list) if i > 0])
     keep = ("policy", "press", "ratio", "accuracy", "ci", "correct", "n", "by_task")
-    return {"kvpress": KVPRESS_VERSION, "precision": "float32", "runtime": "transformers, CPU",
+    done = len({line["id"] for line in lines})
+    return {"kvpress": KVPRESS_VERSION, "precision": "bfloat16" if gpu else "float32",
+            "runtime": f"transformers, {'CUDA' if gpu else 'CPU'} ({rt.where})",
+            "samples_done": done, "samples": len(samples),
             "baseline": {k: base[k] for k in ("accuracy", "ci", "correct", "n", "by_task")},
             "results": [{k: r[k] for k in keep} for r in rows]}, \
         [r for recs in by_arm.values() for r in recs]
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _class(key: str) -> str:
