@@ -56,7 +56,20 @@ def test_eval_end_to_end_json_table_charts(kv_server, smollm2_vllm, smollm2_mode
     assert {(r["policy"], r["query_aware"]) for r in reuse["results"]} == {
         ("KeyDiff", False), ("StreamingLLM", False)}
     records = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
-    assert len(records) == 4 * 3 + 2 * 3  # (baseline + 2 policies) x (4 mains + 2 questions)
+    # (baseline + the no-op edit + 2 policies) x (4 mains + 2 further questions)
+    assert len(records) == 4 * 4 + 2 * 4
+    assert out["partial"] is False and out["progress"]["groups_done"] == 1
+    assert out["progress"]["stopped_by_deadline"] is None
+    noop = [r for r in records if r["policy"] == "noop" and r["question"] == 0]
+    assert out["noop"]["n"] == 4 and out["noop"]["same"] == sum(r["same_as_baseline"]
+                                                                for r in noop)
+    gated = out["gated"]  # the pairs the full KV answers at >= 0.8 count, the rest beside
+    assert {(t["task"], t["length"]) for t in gated["tasks"]} == {("passkey", 512),
+                                                                  ("vartrack", 512)}
+    assert gated["baseline"]["n"] + gated["not_gated"]["baseline"]["n"] == 4
+    assert all(t["gated"] == (t["accuracy"] >= 0.8) for t in gated["tasks"])
+    assert [(r["policy"], r["ratio"]) for r in gated["results"]] == [("KeyDiff", 0.5),
+                                                                     ("StreamingLLM", 0.5)]
     assert sorted({(r["seed"], r["question"]) for r in records if r["task"] == "vartrack"}) \
         == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for rec in records:  # every verdict is the check applied to the stored answer
@@ -65,6 +78,64 @@ def test_eval_end_to_end_json_table_charts(kv_server, smollm2_vllm, smollm2_mode
     for name in ("accuracy_vs_ratio.png", "accuracy_vs_gain.png"):
         png = (tmp_path / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_a_killed_eval_leaves_the_figures_of_the_cells_it_finished(kv_server, smollm2_vllm,
+                                                                   smollm2_model, tmp_path):
+    """results.json is rewritten after every cell: SIGTERM the run once it has one, and what
+    is on disk is a whole JSON of what finished, marked partial, with its counts."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-m", "kvedit.cli", "eval", "--model", str(smollm2_model),
+           "--server-url", kv_server.url, "--server-http-url", kv_server.http_url,
+           "--vllm-url", smollm2_vllm.base_url, "--served-model-name", smollm2_vllm.model,
+           "--tasks", "passkey", "--lengths", "512", "--samples", "4", "--group-size", "2",
+           "--policies", "keydiff,streaming_llm,key_norm,random,uniform", "--ratios",
+           "0.25,0.5,0.75", "--no-progress", "--no-reuse", "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    path = tmp_path / "results.json"
+    try:
+        end = time.monotonic() + 600
+        while time.monotonic() < end and proc.poll() is None:
+            if path.exists() and json.loads(path.read_text())["results"]:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = json.loads(path.read_text())
+    assert out["partial"] is True and out["progress"]["groups"] == 2
+    assert out["baseline"]["n"] >= 2 and 1 <= len(out["results"]) < 15
+    for r in out["results"]:  # a cell counts the samples of the groups it finished
+        assert r["n"] == r["samples"] and r["n"] in (2, 4)
+    # every answer so far is on disk beside it, whole lines
+    recs = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert sum(r["policy"] is None for r in recs) >= out["baseline"]["n"]
+    assert sum(r["policy"] not in (None, "noop") for r in recs) >= sum(
+        r["n"] for r in out["results"])
+    assert not (tmp_path / "results.json.tmp").exists()
+
+
+def test_an_eval_past_its_deadline_starts_nothing_and_says_so(kv_server, smollm2_vllm,
+                                                               smollm2_model, tmp_path,
+                                                               capsys):
+    rc = main(["eval", "--model", str(smollm2_model), "--server-url", kv_server.url,
+               "--server-http-url", kv_server.http_url, "--vllm-url", smollm2_vllm.base_url,
+               "--served-model-name", smollm2_vllm.model, "--tasks", "passkey",
+               "--lengths", "512", "--samples", "1", "--policies", "keydiff", "--ratios", "0.5",
+               "--deadline-s", "0.001", "--json", "--no-progress", "--out", str(tmp_path)])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["progress"]["groups_done"] == 0 and out["baseline"]["n"] == 0
+    assert "group 1/1 not started" in out["progress"]["stopped_by_deadline"]
+    assert out["results"] == [] and out["partial"] is False
 
 
 def test_gain_arms_share_one_prefill_and_keep_what_the_policy_keeps(kv_server, smollm2_vllm):

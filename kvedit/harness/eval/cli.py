@@ -59,6 +59,31 @@ def register(sub) -> None:
                         "first use): accuracy side by side")
     p.add_argument("--reference-ratios", default=None,
                    help="ratios of the kvpress arm (default: --ratios; it is slow on CPU)")
+    p.add_argument("--reference-site", default=None, metavar="DIR",
+                   help="a directory holding kvpress and a transformers it accepts (pip "
+                        "install --target DIR --no-deps ...), put on PYTHONPATH and run with "
+                        "this interpreter instead of kvpress's own venv (default: "
+                        "$KVEDIT_KVPRESS_SITE if set)")
+    p.add_argument("--reference-share", type=float, default=0.3, metavar="F",
+                   help="with --deadline-s: the fraction of it left for the kvpress arm "
+                        "(default %(default)s)")
+    p.add_argument("--deadline-s", type=float, default=None, metavar="S",
+                   help="no group of samples, cell or arm starts that would end past S "
+                        "seconds from the start (judged by the same step before); "
+                        "results.json is rewritten after every cell either way")
+    p.add_argument("--group-size", type=int, default=None, metavar="N",
+                   help="samples per group (each group runs whole: prefill, every cell); "
+                        "default: all in one, or one round (a sample of every task x length "
+                        "x seed) with --deadline-s")
+    p.add_argument("--no-noop", action="store_true",
+                   help="skip the no-op edit's cell (retrieve, identity, store, decode)")
+    p.add_argument("--in-flight", type=int, default=None, metavar="N",
+                   help="requests in flight per batch (default 16 on CPU, 64 on a GPU)")
+    p.add_argument("--modify-concurrency", type=int, default=None, metavar="N",
+                   help="streams edited at once (default 2 on CPU, 4 on a GPU host)")
+    p.add_argument("--edit-device", default="auto",
+                   help="where policies run their edit (scores, gather, re-rotation): auto (CUDA "
+                        "when this process sees one), cpu, or a torch device such as cuda:0")
     p.add_argument("--no-keep-header", action="store_true",
                    help="policies with a `sink` option use their own default instead of "
                         "keeping the prompt's header (template opening + instruction)")
@@ -158,6 +183,16 @@ def _main(args) -> int:
             raise SystemExit(f"--seeds: each seed once, got {seeds}")
         ref_ratios = _list(args.reference_ratios, float, "reference-ratios") \
             if args.reference_ratios else None
+        if args.deadline_s is not None and args.deadline_s <= 0:
+            raise SystemExit(f"--deadline-s must be positive, got {args.deadline_s}")
+        if args.group_size is not None and args.group_size <= 0:
+            raise SystemExit(f"--group-size must be positive, got {args.group_size}")
+        for name in ("in_flight", "modify_concurrency"):
+            if getattr(args, name) is not None and getattr(args, name) <= 0:
+                raise SystemExit(f"--{name.replace('_', '-')} must be positive, got "
+                                 f"{getattr(args, name)}")
+        if not 0 <= args.reference_share < 1:
+            raise SystemExit(f"--reference-share must be in [0, 1), got {args.reference_share}")
         if ref_ratios and any(not 0 < r < 1 for r in ref_ratios):
             raise SystemExit(f"--reference-ratios: each must be in (0, 1), got {ref_ratios}")
         cfg = EvalConfig(model=args.model, tasks=tasks, lengths=lengths, samples=args.samples,
@@ -167,7 +202,12 @@ def _main(args) -> int:
                          progress=not args.no_progress, keep_header=not args.no_keep_header,
                          chunk_size=CHUNK, reuse=not args.no_reuse, reference=args.reference,
                          reference_ratios=ref_ratios, positions=args.positions,
-                         per_head=None if args.per_head is None else args.per_head == "on")
+                         per_head=None if args.per_head is None else args.per_head == "on",
+                         deadline_s=args.deadline_s, group_size=args.group_size,
+                         noop=not args.no_noop, in_flight=args.in_flight,
+                         modify_concurrency=args.modify_concurrency,
+                         edit_device=args.edit_device, reference_site=args.reference_site,
+                         reference_share=args.reference_share)
         out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
         out.mkdir(parents=True, exist_ok=True)
         log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print

@@ -60,6 +60,16 @@ def compact(base: dict, results: list[dict]) -> dict:
                          **{k: r[k] for k in _BRIEF}} for r in results]}
 
 
+def noop(records) -> dict:
+    """The no-op edit (retrieve -> identity -> store -> decode): how many of its answers are
+    the unedited baseline's, word for word, and its accuracy."""
+    main = main_records(records)
+    same = [r["same_as_baseline"] for r in main if "same_as_baseline" in r]
+    return {"same": sum(same), "n": len(same),
+            "same_fraction": sum(same) / len(same) if same else None,
+            **accuracy(r["ok"] for r in main).to_dict()}
+
+
 def kvzip_cost(baseline_info: dict) -> dict | None:
     """KVzip's reconstruction pass against the plain prefill of the same prompts (wall time
     of each phase, all samples at once; the pass's context tokens come from the server)."""
@@ -202,8 +212,8 @@ def table(base: dict, results: list[dict]) -> str:
     tasks = list(base["by_task"])
     head = ["policy", "ratio", "kept", "accuracy", "95% CI", *tasks, "decode gain", "step gain",
             "bound"]
-    rows = [["baseline", "0", "1.00", _f(base["accuracy"]),
-             f"[{_f(base['ci'][0])}, {_f(base['ci'][1])}]",
+    bci = base["ci"] or (None, None)
+    rows = [["baseline", "0", "1.00", _f(base["accuracy"]), f"[{_f(bci[0])}, {_f(bci[1])}]",
              *[_f(base["by_task"][t]["accuracy"]) for t in tasks], "1.00x", "1.00x", ""]]
     for r in results:
         ci = r["ci"] or (None, None)

@@ -1,4 +1,11 @@
-"""`kvedit eval` orchestration: engines up, suite generated, accuracy cells, gain arms, report."""
+"""`kvedit eval` orchestration: engines up, suite generated, accuracy cells, gain arms, report.
+
+The accuracy phase runs the samples in groups (schedule.py: rounds over task x length x
+seed), each group whole before the next: prefill, baseline, the no-op edit, every policy x
+ratio. results.json is rewritten after every cell (`"partial": true` until the end) and every
+answer appended to samples.jsonl as it comes, so a run that is killed, or stopped by its
+`deadline_s`, leaves the figures of what finished, with their counts.
+"""
 from __future__ import annotations
 
 import json
@@ -6,6 +13,13 @@ import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from kvedit.harness.eval.policyspec import (  # noqa: F401  (the eval's names, used by cli/demo)
+    _value, header_sink, label, make_policy, needs_queries, needs_reconstruction, parse_spec,
+    query_aware, reconstruction_for, sink_policies,
+)
+from kvedit.harness.eval.schedule import Deadline, mean, rounds
+from kvedit.harness.eval.tally import Tally
 
 
 @dataclass
@@ -33,8 +47,25 @@ class EvalConfig:
     # "kvpress": the same samples through kvpress's presses in transformers (reference.py).
     reference: str | None = None
     reference_ratios: list[float] | None = None  # None: the eval's ratios
+    # A PYTHONPATH directory holding kvpress and a transformers it accepts, run with this
+    # interpreter (None: $KVEDIT_KVPRESS_SITE, else kvpress's own venv; reference.py).
+    reference_site: str | None = None
+    # With deadline_s: the part of it the kvpress arm gets (it runs after the accuracy phase).
+    reference_share: float = 0.3
     per_head: bool | None = None    # None: each policy's default (kvedit.edits.base)
     positions: str | None = None    # None: each policy's default ("compact" / "logical")
+    # Seconds from the start after which no group, cell or arm starts (schedule.Deadline).
+    deadline_s: float | None = None
+    # Samples per group (schedule.rounds); None: every sample in one group, or one round
+    # (one sample of every task x length x seed) when deadline_s is set.
+    group_size: int | None = None
+    noop: bool = True        # the no-op edit's cell (its answers against the baseline's)
+    in_flight: int | None = None   # requests at once per batch; None: 16 on CPU, 64 on a GPU
+    # Streams edited at once (BatchedStream's modify_concurrency); None: 2 on CPU, 4 on a GPU.
+    modify_concurrency: int | None = None
+    # Where policies run their edit (DropPolicy.edit_device): "auto" = CUDA when this
+    # process sees one, else where the KV is (the host).
+    edit_device: str = "auto"
 
     @property
     def seed(self) -> int:
@@ -42,134 +73,18 @@ class EvalConfig:
         return self.seeds[0]
 
 
-def parse_spec(spec: str) -> tuple[str, dict]:
-    """A --policies entry: a registry name, optionally with dataclass options
-    (`snapkv:per_head=off:positions=compact`) -> (name, options)."""
-    from dataclasses import fields
-
-    from kvedit.edits import POLICIES
-
-    name, *opts = spec.split(":")
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; expected one of {sorted(POLICIES)}")
-    known = {f.name: f for f in fields(POLICIES[name])}
-    out: dict = {}
-    for opt in opts:
-        key, eq, text = opt.partition("=")
-        if not eq or key not in known or key in ("ratio", "granularity"):
-            raise ValueError(f"{spec!r}: {opt!r} is not option=value of {POLICIES[name].__name__}"
-                             f" (options: {sorted(set(known) - {'ratio', 'granularity'})})")
-        out[key] = _value(text)
-    return name, out
-
-
-def _value(text: str):
-    low = text.lower()
-    if low in ("on", "true", "yes"):
-        return True
-    if low in ("off", "false", "no"):
-        return False
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def label(spec: str) -> str:
-    """How results name a --policies entry: the class name and its options."""
-    from kvedit.edits import POLICIES
-
-    name, opts = parse_spec(spec)
-    return POLICIES[name].__name__ + "".join(f":{k}={v}" for k, v in opts.items())
-
-
-def sink_policies() -> list[str]:
-    """Registry names of the policies that have a `sink` option (keep the first n tokens)."""
-    from dataclasses import fields
-
-    from kvedit.edits import POLICIES
-
-    return [k for k, cls in POLICIES.items() if any(f.name == "sink" for f in fields(cls))]
-
-
-def header_sink(samples, keep_header: bool) -> int | None:
-    """The `sink` the eval gives policies that have one: the header's token count, which
-    every sample of a suite shares (one template, one instruction); None: policy defaults."""
-    if not keep_header:
-        return None
-    sizes = {s.header for s in samples}
-    if len(sizes) != 1 or not min(sizes):
-        raise ValueError(f"the samples' header lengths differ or are unknown ({sorted(sizes)}): "
-                         "one sink cannot protect them all")
-    return sizes.pop()
-
-
-def make_policy(name: str, ratio: float, granularity: str, sink: int | None = None, *,
-                per_head: bool | None = None, positions: str | None = None):
-    """POLICIES[name] at `ratio` (`name` may carry options, parse_spec); `sink` (the header,
-    see header_sink) to those that have one; `per_head` and `positions` override the
-    policy's defaults when given; the name's own options override all."""
-    from kvedit.harness.vocab import policy
-
-    name, opts = parse_spec(name)
-    kw: dict = {}
-    if per_head is not None:
-        kw["per_head"] = per_head
-    if positions is not None:
-        kw["positions"] = positions
-    return policy(name, ratio=ratio, granularity=granularity, sink=sink, **{**kw, **opts})
-
-
-def needs_queries(policies: list[str]) -> bool:
-    """Some policy scores from the prompt's captured queries: the prefills must capture
-    them."""
-    from kvedit.edits import POLICIES
-
-    classes = [POLICIES[parse_spec(n)[0]] for n in policies]
-    return any(c.needs_queries and not c.needs_reconstruction for c in classes)
-
-
-def needs_reconstruction(policies: list[str]) -> bool:
-    """Some policy scores from KVzip's reconstruction pass: run it once per sample."""
-    from kvedit.edits import POLICIES
-
-    return any(POLICIES[parse_spec(n)[0]].needs_reconstruction for n in policies)
-
-
-def query_aware(policy_label: str) -> bool:
-    """Whether the policy (a result's label, `label`) scores with the question's queries."""
-    from kvedit.edits import POLICIES
-
-    name = policy_label.split(":")[0]
-    cls = next(c for c in POLICIES.values() if c.__name__ == name)
-    return cls.needs_queries and not cls.needs_reconstruction
-
-
-def reconstruction_for(tok):
-    """KVzip's pass for the eval's prompts: the paper's repeat prompt closed by the chat
-    template's end of user turn and assistant opening, repeating the context from after the
-    template's opening (as kvpress)."""
-    from kvedit.harness.eval.runner import Reconstruction
-    from kvedit.sdk.kvzip import REPEAT_PROMPT
-
-    return Reconstruction(tok.encode(REPEAT_PROMPT + tok.after_user),
-                          len(tok.encode(tok.before_user)))
-
-
 def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None = None) -> dict:
     """The whole eval; writes results.json, samples.jsonl and the charts into `out` and
     returns the JSON result. `engines_kw` overrides kvedit.harness.experiment.engines
     arguments (tests pass the session's server and vLLM)."""
-    from kvedit.harness.vocab import resolve_model
     from kvedit.harness.eval.tokenizer import load
+    from kvedit.harness.vocab import resolve_model
 
     t0 = time.perf_counter()
     engines_kw = dict(engines_kw or {})
     model_dir, served = resolve_model(cfg.model)
     tok = load(model_dir)
-    run = _Run(cfg, model_dir, tok, log, t0)
+    run = _Run(cfg, model_dir, tok, log, t0, out)
     run.engines_kw(engines_kw.get("served_model_name", served), engines_kw)
     with ExitStack() as stack:
         if "server_url" not in run.kw:
@@ -184,16 +99,17 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
             run.gain()
     if cfg.reference:
         run.reference()
-    return run.write(out)
+    return run.write()
 
 
 class _Run:
     """One eval's state, phase by phase: accuracy cells, gain arms, reference, report."""
 
-    def __init__(self, cfg: EvalConfig, model_dir: Path, tok, log, t0: float):
+    def __init__(self, cfg: EvalConfig, model_dir: Path, tok, log, t0: float, out: Path):
         from kvedit.harness.eval.tasks import suite
 
         self.cfg, self.model_dir, self.tok, self.log, self.t0 = cfg, model_dir, tok, log, t0
+        self.out = out
         self.samples = [s for seed in cfg.seeds
                         for s in suite(tok, cfg.tasks, cfg.lengths, cfg.samples, seed=seed)]
         self.sink = header_sink(self.samples, cfg.keep_header)
@@ -201,14 +117,29 @@ class _Run:
         if max(self.tails) >= cfg.chunk_size:
             raise ValueError(f"a question takes {max(self.tails)} tokens, more than a chunk "
                              f"({cfg.chunk_size}): it would be editable")
-        self.timings: dict = {}
-        self.rows: list[dict] = []
+        per_round = len(cfg.seeds) * len(cfg.tasks) * len(cfg.lengths)
+        size = cfg.group_size or (per_round if cfg.deadline_s else len(self.samples))
+        self.groups = rounds(self.samples, size)
+        # The accuracy phase's deadline: the run's, less the kvpress arm's share.
+        share = cfg.reference_share if cfg.reference else 0.0
+        self.deadline = Deadline(None if cfg.deadline_s is None
+                                 else cfg.deadline_s * (1 - share))
+        self.cells: list = []
+        self.tallies: dict[str, Tally] = {}
+        self.noop_tally: Tally | None = None
         self.base_records: list[dict] = []
+        self.base_info: dict = {}
+        self.base_info_last: dict | None = None
+        self.groups_done = 0   # groups that ran every cell
+        self.groups_cut = 0    # a group the deadline cut after its baseline (0 or 1)
+        self.gains: list[dict] | None = None
+        self.timings: dict = {}
         self.reference_result = self.reference_records = None
+        self.edit_device = _edit_device(cfg.edit_device)
 
     def server_gb(self) -> float:
-        """L1 for the server eval starts: every sample's original chunks (held for the whole
-        run) and captured queries (the question's; KVzip's pass: ~the context's rows), one
+        """L1 for the server eval starts: one group's original chunks (held while the group
+        runs) and captured queries (the question's; KVzip's pass: ~the context's rows), one
         cell's edited chunks, with KVzip the pass's own chunks (the repeat and the second
         copy of the context, stored before they are deleted: were they not counted, LRU
         would evict the pass's queries under them), with room to spare; at least 2 GB."""
@@ -218,20 +149,26 @@ class _Run:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // qheads
         kv_token = 2 * layers * (heads or qheads) * head_dim * 2          # bf16 K and V
         q_row = layers * qheads * head_dim * 2
-        context = sum(s.length for s in self.samples)
-        rows, copies = sum(self.tails), 2
-        if needs_reconstruction(self.cfg.policies):
-            rows, copies = rows + context, 3
-        need = copies * context * kv_token + rows * q_row
+        need = 0
+        for group in self.groups:
+            context = sum(s.length for s in group)
+            rows, copies = sum(len(s.prompt_ids) - s.length for s in group), 2
+            if needs_reconstruction(self.cfg.policies):
+                rows, copies = rows + context, 3
+            need = max(need, copies * context * kv_token + rows * q_row)
         return max(2.0, round(1.5 * need / 1e9 + 0.5))
 
     def policy(self, name: str, ratio: float):
-        return make_policy(name, ratio, self.cfg.granularity, self.sink,
-                           per_head=self.cfg.per_head, positions=self.cfg.positions)
+        pol = make_policy(name, ratio, self.cfg.granularity, self.sink,
+                          per_head=self.cfg.per_head, positions=self.cfg.positions)
+        if self.edit_device is not None:
+            pol.edit_device = self.edit_device
+        return pol
 
     def engines_kw(self, served: str, overrides: dict) -> None:
         from kvedit.harness.eval.gain import GainConfig
         from kvedit.harness.experiment import block_size
+        from kvedit.query_contract import MAX_WINDOW
 
         cfg = self.cfg
         self.gcfg = GainConfig(seed=cfg.seed)
@@ -242,51 +179,140 @@ class _Run:
         longest = max(len(s.prompt_ids) for s in self.samples) + max(
             s.max_tokens for s in self.samples)
         if needs_reconstruction(cfg.policies):  # context + repeat prompt + context
-            longest = max(longest, 2 * max(cfg.lengths)
-                          + len(reconstruction_for(self.tok).repeat_ids))
+            rec = reconstruction_for(self.tok)
+            window = max(cfg.lengths) + len(rec.repeat_ids) - rec.start
+            if window > MAX_WINDOW:
+                raise ValueError(
+                    f"KVzip's reconstruction pass repeats the whole context: at "
+                    f"{max(cfg.lengths)} tokens it would capture {window} query rows, more "
+                    f"than the capture bound {MAX_WINDOW} (kvedit.sdk.kvzip); run KVzip at "
+                    f"lengths up to {MAX_WINDOW - len(rec.repeat_ids) + rec.start}")
+            longest = max(longest, 2 * max(cfg.lengths) + len(rec.repeat_ids))
         self.kw = dict(model=str(self.model_dir), served_model_name=served, dtype="bfloat16",
                        max_model_len=longest + self.bs, chunk_size=cfg.chunk_size, log=self.log)
+        if self.bs != 128 and self.edit_device is not None:
+            # Policies edit on this GPU beside vLLM: leave them room (vLLM's default 0.9).
+            self.kw["vllm_args"] = ["--gpu-memory-utilization", "0.8"]
         self.kw.update(overrides)
+        self.in_flight = cfg.in_flight or (16 if self.bs == 128 else 64)
+        self.modify_concurrency = cfg.modify_concurrency or (2 if self.bs == 128 else 4)
 
     def accuracy(self) -> None:
-        from tqdm.auto import tqdm
-
-        from kvedit.harness.eval.runner import AccuracyRun, Cell
+        from kvedit.harness.eval.runner import Cell
         from kvedit.harness.experiment import engines
 
         cfg, log = self.cfg, self.log
-        cells = [Cell(p, r) for p in cfg.policies for r in cfg.ratios]
+        self.cells = [Cell(p, r) for p in cfg.policies for r in cfg.ratios]
+        self.tallies = {c.label: Tally(label(c.policy), c.ratio) for c in self.cells}
         log(f"{len(self.samples)} samples ({', '.join(cfg.tasks)} at {cfg.lengths} tokens, "
-            f"seeds {cfg.seeds}), {len(cells)} policy x ratio cells, model {self.model_dir}")
-        with engines(**self.kw) as eng:
-            self.timings["start_s"] = time.perf_counter() - self.t0
-            with _session(eng) as (ctx, completion):
-                odd = sorted({n for n in cfg.lengths if n % ctx.chunk_size})
-                if odd:
-                    raise ValueError(f"lengths {odd} are not whole chunks of the server's "
-                                     f"{ctx.chunk_size} tokens: part of a question would be "
-                                     "editable")
-                zipped = needs_reconstruction(cfg.policies)
-                acc = AccuracyRun(ctx, completion, self.samples, self.tok.decode,
-                                  progress=False, capture=needs_queries(cfg.policies),
-                                  reconstruction=reconstruction_for(self.tok) if zipped
-                                  else None, reuse=cfg.reuse)
-                log("accuracy: prefill every sample once" + (", run KVzip's reconstruction "
-                    "pass" if zipped else "") + ", decode the baseline")
-                self.base_records, self.timings["baseline"] = acc.baseline()
-                bar = tqdm(cells, desc="accuracy (policy x ratio)", disable=not cfg.progress)
-                for c in bar:
-                    bar.set_postfix_str(c.label)
-                    recs, info = acc.cell(self.policy(c.policy, c.ratio), c)
-                    self.rows.append({"policy": label(c.policy), "ratio": c.ratio,
-                                      "records": recs, **info})
-                acc.close()
+            f"seeds {cfg.seeds}) in {len(self.groups)} group(s), {len(self.cells)} policy x "
+            f"ratio cells{' + the no-op edit' if cfg.noop else ''}, model {self.model_dir}"
+            + (f", deadline {self.deadline.seconds:.0f} s" if self.deadline.seconds else ""))
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._samples_file = open(self.out / "samples.jsonl", "w")
+        try:
+            with engines(**self.kw) as eng:
+                self.timings["start_s"] = time.perf_counter() - self.t0
+                with _session(eng) as (ctx, completion):
+                    odd = sorted({n for n in cfg.lengths if n % ctx.chunk_size})
+                    if odd:
+                        raise ValueError(f"lengths {odd} are not whole chunks of the server's "
+                                         f"{ctx.chunk_size} tokens: part of a question would "
+                                         "be editable")
+                    for k, group in enumerate(self.groups):
+                        if not self._group(ctx, completion, k, group):
+                            break
+        finally:
+            self._samples_file.close()
         self.timings["accuracy_s"] = time.perf_counter() - self.t0 - self.timings["start_s"]
-        self.cells = cells
+
+    def _group(self, ctx, completion, k: int, group: list) -> bool:
+        """Run one group whole (as far as the deadline lets cells start); False: stop."""
+        from tqdm.auto import tqdm
+
+        from kvedit.harness.eval.runner import AccuracyRun, Cell, NoOp
+
+        cfg, log = self.cfg, self.log
+        prev = self.timings.get("groups", [])
+        expected = prev[-1]["seconds"] * len(group) / prev[-1]["samples"] if prev else None
+        if not self.deadline.allows(expected, f"group {k + 1}/{len(self.groups)}"):
+            log(f"deadline: {self.deadline.stopped}")
+            return False
+        t0 = time.perf_counter()
+        zipped = needs_reconstruction(cfg.policies)
+        acc = AccuracyRun(ctx, completion, group, self.tok.decode, progress=False,
+                          capture=needs_queries(cfg.policies),
+                          reconstruction=reconstruction_for(self.tok) if zipped else None,
+                          reuse=cfg.reuse, in_flight=self.in_flight,
+                          modify_concurrency=self.modify_concurrency)
+        log(f"group {k + 1}/{len(self.groups)} ({len(group)} samples): prefill" +
+            (", KVzip's reconstruction pass" if zipped else "") + ", baseline")
+        try:
+            records, info = acc.baseline()
+            self._add_baseline(records, info)
+            todo = ([(Cell("noop", 0.0), NoOp())] if cfg.noop else []) + \
+                [(c, None) for c in self.cells]
+            times: list[float] = []
+            bar = tqdm(todo, desc=f"group {k + 1} (policy x ratio)", disable=not cfg.progress)
+            for j, (c, fn) in enumerate(bar):
+                # The same cell in the group before (scaled to this group's size), else the
+                # mean of this group's cells so far.
+                last = prev[-1]["cells_s"] if prev else []
+                guess = last[j] * len(group) / prev[-1]["samples"] if j < len(last) \
+                    else mean(times)
+                if not self.deadline.allows(guess, f"cell {c.label} of group {k + 1}"):
+                    log(f"deadline: {self.deadline.stopped}")
+                    break
+                bar.set_postfix_str(c.label)
+                recs, info = acc.cell(fn or self.policy(c.policy, c.ratio), c)
+                times.append(info["seconds"])
+                if fn is not None:
+                    self.noop_tally = self.noop_tally or Tally("noop", 0.0)
+                    self.noop_tally.add(recs, info, len(group))
+                else:
+                    self.tallies[c.label].add(recs, info, len(group))
+                self._append(recs)
+                self.checkpoint()
+        finally:
+            acc.close()
+        if self.deadline.stopped is None:
+            self.groups_done += 1
+        else:
+            self.groups_cut += 1
+        self.timings.setdefault("groups", []).append(
+            {"samples": len(group), "seconds": time.perf_counter() - t0,
+             "baseline_s": info_s(self.base_info_last), "cells_s": times})
+        self.checkpoint()
+        return self.deadline.stopped is None
+
+    def _add_baseline(self, records: list[dict], info: dict) -> None:
+        self.base_records += records
+        self.base_info_last = info
+        for k, v in info.items():
+            self.base_info[k] = self.base_info.get(k, 0) + (v or 0)
+        self._append(records)
+        self.checkpoint()
+
+    def _append(self, records: list[dict]) -> None:
+        for r in records:
+            self._samples_file.write(json.dumps(r) + "\n")
+        self._samples_file.flush()
+
+    def rows(self) -> list[dict]:
+        """Every cell with answers so far, as report.summarize reads them (+ gains)."""
+        out = []
+        for i, c in enumerate(self.cells):
+            t = self.tallies[c.label]
+            if t.groups:
+                out.append({**t.row(), **((self.gains or {}).get(i) or {})})
+        return out
 
     def gain(self) -> None:
         from kvedit.harness.experiment import engines
 
+        if self.deadline.stopped or not self.deadline.allows(GAIN_GUESS_S, "the gain arms"):
+            self.log("deadline: skipping the decode-gain arms")
+            return
         t1 = time.perf_counter()
         gcfg, bs = self.gcfg, self.bs
         gkw = {**self.kw, "kv_tokens": gcfg.kv_blocks * bs,
@@ -295,34 +321,66 @@ class _Run:
             raise ValueError("the decode-gain arms start their own KV-bound vLLM: "
                              "run with gain=False against an existing vLLM")
         with engines(**gkw) as eng, _session(eng) as (ctx, completion):
-            _gains(ctx, completion, eng, gcfg, bs, self.cells, self.rows, self)
+            self.gains = _gains(ctx, completion, eng, gcfg, bs, self.cells, self)
         self.timings["gain_s"] = time.perf_counter() - t1
 
     def reference(self) -> None:
         from kvedit.harness.eval.reference import run_reference
 
+        done = [s for g in self.groups[:self.groups_done + self.groups_cut] for s in g]
+        if not done:
+            self.log("kvpress: no group finished, nothing to compare")
+            return
+        deadline = None
+        if self.cfg.deadline_s is not None:
+            deadline = time.time() + self.cfg.deadline_s - (time.perf_counter() - self.t0)
         t1 = time.perf_counter()
         self.reference_result, self.reference_records = run_reference(
-            self.cfg, self.model_dir, self.samples, self.tok, self.sink, log=self.log)
+            self.cfg, self.model_dir, done, self.tok, self.sink, log=self.log,
+            deadline=deadline)
         self.timings["reference_s"] = time.perf_counter() - t1
 
-    def result(self) -> dict:
-        from kvedit.harness.eval import report
+    def result(self, final: bool = True) -> dict:
+        from kvedit.harness.eval import gating, report
 
-        cfg, rows = self.cfg, self.rows
+        cfg = self.cfg
+        rows = self.rows()
         base, results = report.summarize(self.base_records, rows)
         seeds = report.by_seed(self.base_records, rows, cfg.seeds)
         reuse = report.reuse(self.base_records, rows, query_aware) if cfg.reuse else None
+        noop = report.noop(self.noop_tally.records) if self.noop_tally else None
+        g = gating.gated(self.base_records, rows, cfg.seeds, aware=query_aware)
         reference = self.reference_result
         if reference is not None:
-            reference["side_by_side"] = report.side_by_side(results, reference)
+            # kvedit's cells on the samples the kvpress arm answered (it may stop earlier)
+            same = {gating.key({**r, "question": 0}) for r in self.reference_records}
+
+            def answered(recs):
+                return [r for r in report.main_records(recs) if gating.key(r) in same]
+
+            _, mine = report.summarize(self.base_records, rows, answered)
+            reference["side_by_side"] = report.side_by_side(mine, reference)
+            pairs = gating.gated_pairs(self.base_records)
+            reference["gated_results"] = gating.reference_gated(self.reference_records, pairs)
+            reference["kvedit_gated"] = gating.gated(
+                [r for r in self.base_records if gating.key(r) in same],
+                [{**c, "records": answered(c["records"])} for c in rows], cfg.seeds,
+                aware=query_aware)["results"]
+        g["acceptance"] = gating.acceptance(g, query_aware, noop, reference)
         self.timings["total_s"] = time.perf_counter() - self.t0
         for row in results:
             row.pop("gain_baseline", None)
         return {
-            "model": cfg.model, "model_dir": str(self.model_dir),
+            "model": cfg.model, "model_dir": str(self.model_dir), "partial": not final,
+            "progress": {"groups_done": self.groups_done, "groups_cut": self.groups_cut,
+                         "groups": len(self.groups),
+                         "samples_done": sum(len(g) for g in self.groups[:self.groups_done]),
+                         "samples": len(self.samples),
+                         "stopped_by_deadline": self.deadline.stopped},
             "config": {**asdict(cfg), "gain_workload": asdict(self.gcfg) if cfg.gain else None,
-                       "samples_total": len(self.samples),
+                       "samples_total": len(self.samples), "edit_device": self.edit_device,
+                       "in_flight": getattr(self, "in_flight", None),
+                       "modify_concurrency": getattr(self, "modify_concurrency", None),
                        "header_sink": ({"tokens": self.sink, "policies": [
                            label(k) for k in cfg.policies
                            if parse_spec(k)[0] in sink_policies()]}
@@ -330,60 +388,99 @@ class _Run:
                        "query_window": ("the prompt's un-editable tail (question + answer "
                                         f"prime), {min(self.tails)}-{max(self.tails)} tokens"
                                         if needs_queries(cfg.policies) else None)},
-            "baseline": base, "results": results,
+            "baseline": base, "results": results, "gated": g, "noop": noop,
             "pooled": report.compact(base, results),
             "seeds": seeds, "reuse": reuse, "reference": reference,
-            "kvzip_cost": report.kvzip_cost(self.timings.get("baseline", {})),
-            "gain_baseline": rows and rows[0].get("gain_baseline"),
+            "kvzip_cost": report.kvzip_cost(self.base_info),
+            "gain_baseline": (self.gains or {}).get("baseline"),
             "acceptance": report.acceptance(base, results, seeds, reuse, reference),
-            "timings": self.timings,
-            "notes": ("accuracy: greedy; a sample is correct when every expected number is in "
-                      "the answer. baseline/results: pooled over the seeds (seeds: each on "
-                      "its own); reuse: every question of the multi-question samples, asked "
-                      "of one edited cache. kept_fraction: context tokens that survive the "
-                      "edit (stored or recomputed); query-aware policies (SnapKV, TOVA) score "
-                      "with the queries vLLM captured for the prompt's tail (the question), "
-                      "KVzip with those of its reconstruction pass; decode_gain: wall-clock "
-                      "decode throughput vs the unedited batch, step_gain: decode tokens per "
-                      "vLLM engine step (contention-free)."),
+            "timings": {**self.timings, "baseline": self.base_info},
+            "notes": ("accuracy: greedy; a sample is correct when every expected answer is in "
+                      "the answer (numbers as whole numbers, words as whole words) and no "
+                      "distractor's value is. gated: only the (task, length) pairs whose "
+                      "full-KV accuracy (pooled over seeds) is >= 0.8, relative to the full KV "
+                      "of the same samples; baseline/results: every task, pooled over the "
+                      "seeds (seeds: each on its own); reuse: every question of the "
+                      "multi-question samples, asked of one edited cache; noop: the edit path "
+                      "with nothing dropped, its answers against the baseline's. "
+                      "kept_fraction: context tokens that survive the edit (stored or "
+                      "recomputed); query-aware policies (SnapKV, TOVA) score with the "
+                      "queries vLLM captured for the prompt's tail (the question), KVzip with "
+                      "those of its reconstruction pass; decode_gain: wall-clock decode "
+                      "throughput vs the unedited batch, step_gain: decode tokens per vLLM "
+                      "engine step (contention-free)."),
         }
 
-    def write(self, out: Path) -> dict:
-        from kvedit.harness.eval import report
+    def checkpoint(self) -> None:
+        """results.json for what finished so far (`partial`: true)."""
+        _write_json(self.out / "results.json", self.result(final=False))
 
+    def write(self) -> dict:
+        from kvedit.harness.eval import gating, report
+
+        out = self.out
         result = self.result()
         base, results = result["baseline"], result["results"]
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(result, indent=2))
-        _jsonl(out / "samples.jsonl",
-               self.base_records + [r for row in self.rows for r in row["records"]])
-        charts = report.charts(base, results, out, f"{self.model_dir.name}, "
-                               f"{len(self.samples)} samples ({', '.join(self.cfg.tasks)}; "
-                               f"{'/'.join(map(str, self.cfg.lengths))} tokens; seeds "
-                               f"{','.join(map(str, self.cfg.seeds))})")
+        _write_json(out / "results.json", result)
+        charts = []
+        if results:
+            charts = report.charts(base, results, out, f"{self.model_dir.name}, "
+                                   f"{len(self.samples)} samples ({', '.join(self.cfg.tasks)}; "
+                                   f"{'/'.join(map(str, self.cfg.lengths))} tokens; seeds "
+                                   f"{','.join(map(str, self.cfg.seeds))})")
         if result["reference"] is not None:
             _jsonl(out / "kvpress_samples.jsonl", self.reference_records)
             charts.append(report.side_by_side_chart(result["reference"]["side_by_side"],
                                                     out / "kvedit_vs_kvpress.png"))
-        (out / "table.md").write_text(report.markdown(base, results))
+        (out / "table.md").write_text(report.markdown(base, results) if results else "")
         self.log("\n" + report.table(base, results))
-        self.log(f"\nacceptance: {json.dumps(result['acceptance'])}")
-        self.log(f"wrote {out / 'results.json'}, {out / 'samples.jsonl'}, "
-                 + ", ".join(str(p) for p in charts)
+        self.log("\n" + gating.table(result["gated"]))
+        if result["noop"]:
+            self.log(f"\nno-op edit: {result['noop']['same']}/{result['noop']['n']} answers "
+                     f"the same as the baseline's")
+        progress = result["progress"]
+        if progress["stopped_by_deadline"]:
+            self.log(f"\nstopped by the deadline after {progress['groups_done']}/"
+                     f"{progress['groups']} groups ({progress['samples_done']}/"
+                     f"{progress['samples']} samples): {progress['stopped_by_deadline']}")
+        self.log(f"\nacceptance (gated): {json.dumps(result['gated']['acceptance'])}")
+        self.log(f"wrote {out / 'results.json'}, {out / 'samples.jsonl'}"
+                 + "".join(f", {p}" for p in charts)
                  + f" in {result['timings']['total_s']:.0f} s")
         return result
+
+
+# With a deadline, the gain arms start only this far from it: they start their own vLLM.
+GAIN_GUESS_S = 300.0
+
+
+def info_s(info: dict | None) -> float | None:
+    return None if not info else info.get("seconds")
+
+
+def _edit_device(choice: str) -> str | None:
+    """The device policies edit on: None = where the KV is (the host)."""
+    if choice == "cpu":
+        return None
+    if choice == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else None
+    return choice
+
+
+def _write_json(path: Path, result: dict) -> None:
+    """Written whole or not at all (a reader never sees half a file, a kill never leaves one)."""
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(path)
 
 
 def _jsonl(path: Path, records) -> None:
     with open(path, "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
-
-
-def _class(key: str) -> str:
-    from kvedit.edits import POLICIES
-
-    return POLICIES[key].__name__
 
 
 @contextmanager
@@ -404,7 +501,8 @@ def _kept(policy, tokens: int) -> int:
     return tokens - policy.num_drop(units) * units.size
 
 
-def _gains(ctx, completion, eng, gcfg, bs, cells, rows, run: _Run) -> None:
+def _gains(ctx, completion, eng, gcfg, bs, cells, run: _Run) -> dict:
+    """{cell index: gain fields, "baseline": the baseline arms' reference}."""
     from tqdm.auto import tqdm
 
     from kvedit.harness.eval.gain import GainRun
@@ -427,9 +525,9 @@ def _gains(ctx, completion, eng, gcfg, bs, cells, rows, run: _Run) -> None:
             arms[k] = (cells[i].label, g.arm(policies[i]))
         g.arm()  # baseline, last
         ref = g.reference()
-        for row, k in zip(rows, group):
-            label, arm = arms[k]
-            row.update(GainRun.gains(arm, ref), gain_arm=label)
-        rows[0]["gain_baseline"] = ref
+        out: dict = {i: {**GainRun.gains(arms[k][1], ref), "gain_arm": arms[k][0]}
+                     for i, k in enumerate(group)}
+        out["baseline"] = ref
+        return out
     finally:
         g.close()

@@ -32,10 +32,21 @@ from dataclasses import dataclass
 from kvedit.harness.eval.tasks import Sample
 from kvedit.harness.vocab import greedy
 
-# Requests in flight at once. vLLM's throughput is the same with 16 as with all of them, but a
-# request's wait is then a slice of the batch's, not the whole: on a loaded machine a batch of
-# 120 prompts sent at once outlasts the completion client's read timeout.
+# Requests in flight at once. vLLM's throughput on two CPU cores is the same with 16 as with
+# all of them, but a request's wait is then a slice of the batch's, not the whole: on a loaded
+# machine a batch of 120 prompts sent at once outlasts the completion client's read timeout.
+# A GPU batches far more at no cost in latency (`in_flight` of AccuracyRun).
 IN_FLIGHT = 16
+IN_FLIGHT_GPU = 64
+
+
+class NoOp:
+    """The no-op edit: retrieve -> identity -> store -> decode. Its answers should be the
+    unedited baseline's (what the edit path itself costs, with nothing dropped)."""
+    needs_queries = False
+
+    def __call__(self, kv, tokens):
+        return kv, tokens
 
 
 @dataclass(frozen=True)
@@ -71,8 +82,9 @@ class AccuracyRun:
 
     def __init__(self, ctx, completion, samples: list[Sample], decode, *, progress: bool = True,
                  capture: bool = False, reconstruction: Reconstruction | None = None,
-                 reuse: bool = False):
+                 reuse: bool = False, in_flight: int = IN_FLIGHT, modify_concurrency: int = 2):
         self.ctx, self.completion, self.samples = ctx, completion, samples
+        self.in_flight, self.modify_concurrency = in_flight, modify_concurrency
         self.decode_text = decode  # token ids -> text (the model's tokenizer)
         self.progress = progress
         self.capture = capture  # some policy needs queries: the prefill captures them
@@ -87,7 +99,8 @@ class AccuracyRun:
         import kvedit
         from kvedit.sdk.kvzip import share_queries
 
-        batch = kvedit.BatchedStream(progress=self.progress, max_concurrency=IN_FLIGHT)
+        batch = kvedit.BatchedStream(progress=self.progress, max_concurrency=self.in_flight,
+                                     modify_concurrency=self.modify_concurrency)
         for i, (s, salt) in enumerate(zip(self.samples, self.salts)):
             kw = {"capture_queries": query_window(s, self.ctx.chunk_size)} if capture else {}
             st = batch.add(kvedit.create_request(self.ctx, self.completion, s.prompt_ids,
@@ -103,6 +116,7 @@ class AccuracyRun:
     def baseline(self) -> tuple[list[dict], dict]:
         """Prefill every sample (chunks stored, queries captured if asked), run KVzip's
         reconstruction pass if asked, and decode the unedited streams."""
+        t0 = time.perf_counter()
         batch = self._batch(self.capture)
         pre = batch.prefill(greedy(1))
         info = {"prefill_s": pre.duration, "prefill_tokens": pre.input_tokens}
@@ -124,7 +138,9 @@ class AccuracyRun:
                         if s.questions else None for s, salt in zip(self.samples, self.salts)]
             records += self._questions(contexts, Cell(None, 0.0), [1.0] * len(self.samples))
         stored = sum(editable(s, chunk) for s in self.samples)
-        return records, {**info, "decode_s": dec.duration, "stored_tokens": stored}
+        self.baseline_outputs = [r["output"] for r in records[:len(self.samples)]]
+        return records, {**info, "decode_s": dec.duration, "stored_tokens": stored,
+                         "seconds": time.perf_counter() - t0}
 
     def cell(self, policy, cell: Cell) -> tuple[list[dict], dict]:
         """Answers of every sample after `policy` edited its KV (and, with reuse, of every
@@ -146,15 +162,19 @@ class AccuracyRun:
         questions = self._questions(self._contexts(batch), cell, kept) if self.reuse else []
         dec = batch.decode(greedy(self.max_tokens))
         records = [self._record(s, st.output_token_ids, cell, k)
-                   for s, st, k in zip(self.samples, batch, kept)] + questions
+                   for s, st, k in zip(self.samples, batch, kept)]
+        if isinstance(policy, NoOp) and getattr(self, "baseline_outputs", None):
+            for r, base in zip(records, self.baseline_outputs):
+                r["same_as_baseline"] = r["output"] == base
+        records += questions
         self._release(batch)
-        total = sum(editable(s, chunk) for s in self.samples)
+        context = sum(editable(s, chunk) for s in self.samples)
         return records, {
-            "kept_fraction": sum(k * editable(s, chunk) for s, k in zip(self.samples, kept))
-            / total,
-            "stored_fraction": mod.tokens_after / mod.tokens_before if mod.tokens_before else None,
-            "modify_s": mod.duration, "decode_s": dec.duration,
-            "seconds": time.perf_counter() - t0}
+            "kept_tokens": sum(k * editable(s, chunk) for s, k in zip(self.samples, kept)),
+            "context_tokens": context, "tokens_before": mod.tokens_before,
+            "tokens_after": mod.tokens_after, "modify_s": mod.duration,
+            "retrieve_s": mod.retrieve_s, "fn_s": mod.fn_s, "store_s": mod.store_s,
+            "decode_s": dec.duration, "seconds": time.perf_counter() - t0}
 
     def _contexts(self, batch) -> list[tuple[list[int], str] | None]:
         """Each edited stream's context (its edited tokens and what follows them up to the
@@ -169,7 +189,7 @@ class AccuracyRun:
         import kvedit
 
         asks, where = kvedit.BatchedStream(progress=self.progress,
-                                           max_concurrency=IN_FLIGHT), []
+                                           max_concurrency=self.in_flight), []
         for i, (s, cs) in enumerate(zip(self.samples, contexts)):
             for j, q in enumerate(s.questions[1:], start=1):
                 context, salt = cs

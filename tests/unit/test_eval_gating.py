@@ -1,0 +1,186 @@
+"""`kvedit eval`'s gated figures, its schedule and its deadline, without an engine: which
+(task, length) pairs count (full-KV accuracy >= 0.8 pooled over seeds), figures relative to
+the full KV of the same samples (a cell cut short by the deadline against its own samples),
+the per-seed and reuse blocks, the acceptance checks on them, the rounds a run is cut into,
+what the deadline lets start, and the run's partial results.json written whole."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from kvedit.harness.eval import gating
+from kvedit.harness.eval.schedule import Deadline, interleave, rounds
+from kvedit.harness.eval.tally import Tally
+
+
+def rec(task, length, index, ok, seed=0, question=0, questions=1, policy=None, ratio=0.0):
+    return {"seed": seed, "task": task, "length": length, "index": index, "ok": ok,
+            "question": question, "questions": questions, "policy": policy, "ratio": ratio,
+            "depth": 0.5}
+
+
+def suite_records():
+    """passkey@4096 9/10 right unedited (gated), cwe@4096 4/10 (not), passkey@16384 8/10
+    (gated, at the threshold); two seeds of five samples each."""
+    base = []
+    for task, length, right in (("passkey", 4096, 9), ("cwe", 4096, 4), ("passkey", 16384, 8)):
+        for i in range(10):
+            base.append(rec(task, length, i % 5, i < right, seed=i // 5))
+    return base
+
+
+def cell(base, policy, ratio, flip: set):
+    """The same answers as `base`, except the samples in `flip` (index, seed) are wrong."""
+    return {"policy": policy, "ratio": ratio, "records": [
+        {**r, "policy": policy, "ratio": ratio,
+         "ok": r["ok"] and (r["index"], r["seed"]) not in flip} for r in base]}
+
+
+def test_only_pairs_answered_at_the_threshold_count_and_the_rest_are_beside():
+    base = suite_records()
+    cells = [cell(base, "SnapKV", 0.5, {(0, 0)}), cell(base, "KeyDiff", 0.5, set())]
+    g = gating.gated(base, cells, [0, 1], aware=lambda p: p == "SnapKV")
+    tasks = {(t["task"], t["length"]): t for t in g["tasks"]}
+    assert tasks["passkey", 4096]["gated"] and tasks["passkey", 16384]["gated"]
+    assert not tasks["cwe", 4096]["gated"] and tasks["cwe", 4096]["accuracy"] == 0.4
+    assert g["baseline"]["n"] == 20 and g["baseline"]["correct"] == 17
+    assert g["not_gated"]["baseline"]["n"] == 10 and g["not_gated"]["baseline"]["correct"] == 4
+    snap = g["results"][0]
+    # (0, 0) is wrong at both gated lengths, and right unedited at both: 15/20
+    assert (snap["correct"], snap["n"]) == (15, 20)
+    assert snap["relative_accuracy"] == pytest.approx(15 / 17)
+    lo, hi = snap["ci"]
+    assert snap["relative_ci"] == pytest.approx([lo / 0.85, hi / 0.85])
+    assert snap["by_length"]["4096"]["relative_accuracy"] == pytest.approx(8 / 9)
+    assert g["results"][1]["relative_accuracy"] == 1.0
+    # per seed: seed 0 holds the lost sample
+    seeds = {s["seed"]: s for s in g["seeds"]}
+    assert seeds[0]["results"][0]["correct"] == seeds[0]["baseline"]["correct"] - 2
+    assert seeds[1]["results"][0]["relative_accuracy"] == 1.0
+
+
+def test_relative_accuracy_is_against_the_baseline_of_the_same_samples():
+    base = suite_records()
+    c = cell(base, "KeyDiff", 0.5, set())
+    # a deadline cut the cell after seed 0: it has half the samples, all as the baseline
+    c["records"] = [r for r in c["records"] if r["seed"] == 0]
+    g = gating.gated(base, [c], [0, 1])
+    row = g["results"][0]
+    assert row["n"] == 10 and row["relative_accuracy"] == 1.0
+    assert row["baseline"] == pytest.approx(
+        sum(r["ok"] for r in base if r["seed"] == 0 and r["task"] == "passkey") / 10)
+
+
+def test_reuse_block_counts_every_question_of_gated_multi_question_samples():
+    base = [rec("docqa", 4096, i, True, question=q, questions=3) for i in range(5)
+            for q in range(3)] + [rec("passkey", 4096, i, True) for i in range(5)]
+    c = cell(base, "KVzip", 0.5, {(0, 0)})
+    g = gating.gated(base, [c], [0], aware=lambda p: False)
+    assert g["reuse"]["baseline"]["n"] == 15
+    assert g["reuse"]["results"][0]["correct"] == 12 and not g["reuse"]["results"][0][
+        "query_aware"]
+    assert g["baseline"]["n"] == 10  # main questions only
+
+
+def test_acceptance_states_each_target_on_the_gated_figures():
+    base = [rec("passkey", n, i, True, seed=s) for n in (4096, 16384) for i in range(10)
+            for s in (0, 1)]
+    cells = [cell(base, "SnapKV", 0.5, set()), cell(base, "SnapKV", 0.75, {(0, 0)}),
+             cell(base, "KeyDiff", 0.5, {(0, 0), (1, 0)}),
+             cell(base, "KeyDiff:per_head=True", 0.5, {(0, 0)}),
+             cell(base, "KeyDiff", 0.75, {(0, 0)}),
+             cell(base, "KeyDiff:per_head=True", 0.75, {(0, 0)})]
+    g = gating.gated(base, cells, [0, 1], aware=lambda p: p.startswith("SnapKV"))
+    a = gating.acceptance(g, lambda p: p.startswith("SnapKV"),
+                          noop={"same_fraction": 1.0})
+    assert a["noop_same_answer"]["ok"]
+    assert a["question_aware_at_0.5_len4096"]["ok"] and a["question_aware_at_0.5_len16384"]["ok"]
+    # SnapKV at 0.75 loses one of 20 per length: 0.95 x, the target is >= 0.95
+    assert a["question_aware_at_0.75_len4096"]["value"] == pytest.approx(0.95)
+    assert a["question_aware_at_0.75_len4096"]["ok"]
+    assert a["query_agnostic_at_0.5"]["policy"] == "KeyDiff:per_head=True"
+    assert a["query_agnostic_at_0.5"]["value"] == pytest.approx(38 / 40)
+    # per head: +2/40 at 0.5 (ok), equal at 0.75 (needs +0.02): not met
+    ph = a["per_head_vs_per_token"]
+    assert ph["differences"]["KeyDiff 0.5"] == pytest.approx(0.05)
+    assert ph["differences"]["KeyDiff 0.75"] == 0.0 and not ph["ok"]
+    assert a["best_at_0.5_every_seed"]["policy"] == "SnapKV" and a["best_at_0.5_every_seed"]["ok"]
+
+
+def test_the_table_shows_gated_figures_and_the_pairs_left_out():
+    base = suite_records()
+    g = gating.gated(base, [cell(base, "SnapKV", 0.5, {(0, 0)})], [0, 1])
+    text = gating.table(g)
+    assert "passkey@4096 0.90" in text and "not gated (reported beside): cwe@4096 0.40" in text
+    assert "x@4096" in text and "x@16384" in text
+    row = next(line for line in text.splitlines() if line.startswith("SnapKV"))
+    assert "0.75" in row and "0.88" in row  # 15/20, 15/17 of the full KV
+
+
+def test_rounds_interleave_every_task_length_and_seed_before_the_next_index():
+    class S:
+        def __init__(self, seed, task, length, index):
+            self.seed, self.task, self.length, self.index = seed, task, length, index
+
+    samples = [S(seed, t, n, i) for seed in (0, 1) for t in ("a", "b") for n in (4096, 16384)
+               for i in range(3)]
+    first = interleave(samples)[:8]
+    assert {(s.seed, s.task, s.length) for s in first} == {
+        (seed, t, n) for seed in (0, 1) for t in ("a", "b") for n in (4096, 16384)}
+    assert all(s.index == 0 for s in first)
+    groups = rounds(samples, 8)
+    assert [len(g) for g in groups] == [8, 8, 8] and [g[0].index for g in groups] == [0, 1, 2]
+    assert [len(g) for g in rounds(samples, 10)] == [10, 10, 4]
+    with pytest.raises(ValueError, match="positive"):
+        rounds(samples, 0)
+
+
+def test_the_deadline_lets_start_only_what_ends_before_it():
+    d = Deadline(None)
+    assert d.allows(1e9, "anything") and d.stopped is None
+    d = Deadline(10.0, t0=time.monotonic() - 4.0)   # 6 s left
+    assert d.allows(None, "first group") and d.allows(5.0, "a cell")
+    assert not d.allows(7.0, "cell snapkv 0.5")
+    assert "cell snapkv 0.5 not started" in d.stopped
+    assert not d.allows(8.0, "later") and "snapkv" in d.stopped  # the first refusal is kept
+    assert not Deadline(1.0, t0=time.monotonic() - 2.0).allows(None, "late start")
+
+
+def test_a_tally_adds_groups_into_one_row():
+    t = Tally("KeyDiff", 0.5)
+    t.add([{"ok": True}], {"kept_tokens": 2048.0, "context_tokens": 4096, "tokens_before": 4096,
+                           "tokens_after": 1920, "modify_s": 1.0, "seconds": 3.0}, 1)
+    t.add([{"ok": False}], {"kept_tokens": 2048.0, "context_tokens": 4096,
+                            "tokens_before": 4096, "tokens_after": 2048, "modify_s": 2.0,
+                            "seconds": 5.0}, 1)
+    row = t.row()
+    assert row["kept_fraction"] == 0.5 and row["stored_fraction"] == (1920 + 2048) / 8192
+    assert row["modify_s"] == 3.0 and row["seconds"] == 8.0 and row["seconds_per_sample"] == 4.0
+    assert row["groups"] == 2 and len(row["records"]) == 2
+
+
+def test_partial_results_are_written_whole(tmp_path):
+    from kvedit.harness.eval.run import _write_json
+
+    path = tmp_path / "results.json"
+    _write_json(path, {"partial": True, "n": 1})
+    _write_json(path, {"partial": False, "n": 2})
+    assert json.loads(path.read_text()) == {"partial": False, "n": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no temp file left
+
+
+def test_kvedit_against_kvpress_is_judged_on_the_samples_kvpress_answered():
+    base = [rec("passkey", 4096, i, True) for i in range(10)]
+    g = gating.gated(base, [cell(base, "SnapKV", 0.5, set())], [0])
+    mine = gating.gated(base[:5], [cell(base[:5], "SnapKV", 0.5, {(0, 0)})], [0])["results"]
+    press = [{**r, "press": "SnapKVPress", "policy": "SnapKV", "ratio": 0.5,
+              "ok": r["index"] != 1} for r in base[:5]]
+    reference = {"results": [{"ratio": 0.5}],
+                 "gated_results": gating.reference_gated(press, {("passkey", 4096)}),
+                 "kvedit_gated": mine}
+    a = gating.acceptance(g, lambda p: True, reference=reference)["kvedit_vs_kvpress_best"]
+    # 4/5 each on the five samples kvpress answered: not the 10/10 kvedit has on all ten
+    assert a["ratios"]["0.5"]["kvedit"] == ["SnapKV", 0.8]
+    assert a["ratios"]["0.5"]["kvpress"][:2] == ["SnapKVPress", 0.8] and a["ok"]
