@@ -107,6 +107,12 @@ class DropPolicy:
     # None: "logical" with per_head (compact positions would differ per head), else
     # "compact" (docs/eval.md measures both).
     positions: str | None = None
+    # Where the edit runs ("cuda", "cuda:1"; None: where kv is): the KV and the captured
+    # queries are copied there, scored, gathered and re-rotated there, and the edited KV
+    # comes back where kv was (keep_indices/select: the scores are computed there). For a
+    # host edit beside a GPU engine: the attention of a window over a long context, and the
+    # gather and re-rotation of a 16k-token cache, are GPU work.
+    edit_device: str | None = None
     # True: the policy scores from the request's captured queries; the SDK then fetches them
     # (the request must be created with capture_queries=W) and passes them to __call__.
     needs_queries: ClassVar[bool] = False
@@ -206,6 +212,29 @@ class DropPolicy:
                              f"expected ({units.count},)")
         return scores
 
+    def _elsewhere(self, kv: torch.Tensor) -> torch.device | None:
+        """The edit_device when it is not where kv is (None: run here)."""
+        if self.edit_device is None:
+            return None
+        dev = torch.device(self.edit_device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return None if dev == kv.device else dev
+
+    def _scores(self, kv: torch.Tensor, units: Units, layout: ModelLayout | None, queries,
+                query_start: int | None) -> torch.Tensor:
+        """unit_scores, computed on `edit_device` when one is set (and the policy reads the
+        KV), returned on kv's device."""
+        dev = self._elsewhere(kv)
+        if dev is None or not self.reads_kv:
+            return self.unit_scores(kv, units, layout,
+                                    self.captured_window(kv, layout, queries, query_start))
+        there = kv.to(dev)
+        if isinstance(queries, torch.Tensor):
+            queries = queries.to(dev)
+        window = self.captured_window(there, layout, queries, query_start)
+        return self.unit_scores(there, units, layout, window).to(kv.device)
+
     def _protect(self, token_scores: torch.Tensor) -> torch.Tensor:
         """Scores [..., T] with the last `protect_last` tokens made inf (a new tensor)."""
         if self.protect_last <= 0:
@@ -233,8 +262,7 @@ class DropPolicy:
         drop = self.num_drop(units)
         if drop == 0:
             return self._all(kv, layout, units.tokens)
-        window = self.captured_window(kv, layout, queries, query_start)
-        scores = self.unit_scores(kv, units, layout, window)
+        scores = self._scores(kv, units, layout, queries, query_start)
         if self.per_head:
             keep = units.tokens - min(drop * units.size, units.tokens - 1)
             return top_tokens(self._protect(units.expand(scores)), keep)
@@ -260,8 +288,7 @@ class DropPolicy:
         if keep == T:
             return self._all(kv, layout, T)
         units = self.units(T, layout)
-        window = self.captured_window(kv, layout, queries, query_start)
-        scores = self.unit_scores(kv, units, layout, window)
+        scores = self._scores(kv, units, layout, queries, query_start)
         return top_tokens(self._protect(units.expand(scores)), keep)
 
     def __call__(self, kv: torch.Tensor, tokens, layout: ModelLayout | None = None,
@@ -276,6 +303,14 @@ class DropPolicy:
             raise ValueError(f"{type(self).__name__}: re-rotation needs the model's RoPE "
                              "parameters (layout.rope); run it through the SDK, pass "
                              "layout=..., or set rerotate=False")
+        dev = self._elsewhere(kv)
+        if dev is not None:  # the whole edit there, the result back here
+            here = replace(self, edit_device=None)
+            if isinstance(queries, torch.Tensor):
+                queries = queries.to(dev)
+            out, kept = here(kv.to(dev), tokens, layout, queries, query_start)
+            return out.to(kv.device), kept.to(kv.device) if isinstance(
+                kept, torch.Tensor) else kept
         if self.per_head:
             return self._per_head_call(kv, tokens, layout, queries, query_start)
         idx = self.keep_indices(kv, layout, queries=queries, query_start=query_start)
@@ -317,7 +352,7 @@ class DropPolicy:
             rotate_keys(out[0], torch.full((idx.shape[-1],), idx.shape[-1] - T), layout.rope,
                         layout.head_dim)
         ids = torch.as_tensor(list(tokens) if not isinstance(tokens, torch.Tensor) else tokens,
-                              dtype=torch.int64)
+                              dtype=torch.int64, device=idx.device)
         return out, ids[idx]
 
     @property
@@ -329,5 +364,5 @@ class DropPolicy:
         """Where the kept tokens `idx` (of `num_tokens`) go: slots 0..T'-1 ("compact"), or
         each moved back by the number dropped ("logical")."""
         if self.where == "compact":
-            return torch.arange(len(idx))
+            return torch.arange(len(idx), device=idx.device)
         return idx - (num_tokens - len(idx))
