@@ -38,10 +38,13 @@ def qwen_model():
 def qwen_vllm(qwen_model, kv_server):
     from kvedit.launch.vllm import start_vllm
 
-    # 1 GiB of KV at 28 KiB a token holds ~37k tokens: both requests at once.
+    # 1 GiB of KV at 28 KiB a token holds ~37k tokens: both requests at once. Prefill in
+    # steps of 512 tokens, each well inside vLLM's 300 s step timeout even on two cores that
+    # other processes share (a whole 2k prefill in one step took over 300 s under load).
     with start_vllm(qwen_model, server=kv_server, served_model_name="qwen-coder",
                     dtype="bfloat16", kv_cache_gib=1, max_model_len=4096,
-                    dev_mode=True) as vp:
+                    extra_args=["--max-num-batched-tokens", "512"],
+                    env={"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "900"}, dev_mode=True) as vp:
         yield vp
 
 
