@@ -24,6 +24,12 @@ MAX_KEYS = 65536
 Keys = Annotated[list[bytes], msgspec.Meta(max_length=MAX_KEYS)]
 MAX_WATCH_RANKS = 1024   # tp_ranks one WatchKeys may follow
 
+# The wire's version: Hello carries the client's, and a server speaking another answers a
+# `protocol` error naming both (a peer never meets a message it cannot decode). Bump it with
+# any change an older peer cannot follow. 1: before versions (a Hello without the field).
+# 2: key-watch snapshots in parts with acknowledgements; the data link's mutual handshake.
+PROTOCOL = 2
+
 # Every code an Error reply (or a data-link error) can carry; docs/protocol.md says when.
 ErrorCode = Literal[
     "malformed",        # undecodable message, wrong frame count, request id too long
@@ -48,6 +54,7 @@ ErrorCode = Literal[
     "over_quota",       # the session (or all sessions) holds as many leases, stores, leased
                         # keys or pinned bytes as the server allows
     "unauthorized",     # data-link handshake failed (wrong or missing secret)
+    "protocol",         # Hello from a client of another protocol version (both named)
     "internal",         # a server bug; the request had no effect it can rely on
 ]
 ERROR_CODES: frozenset[str] = frozenset(get_args(ErrorCode))
@@ -66,8 +73,12 @@ class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, kw_only=Tr
 
 
 # ---- requests -------------------------------------------------------------------------
-class Hello(_Msg, tag="hello"):
-    """Ask for ServerInfo (what a client needs to attach to the shared-memory segment)."""
+class Hello(_Msg, tag="hello", forbid_unknown_fields=False):
+    """Ask for ServerInfo (what a client needs to attach to the shared-memory segment).
+    `protocol`: the client's PROTOCOL; a server speaking another answers Error("protocol").
+    Unknown fields are ignored here alone, so that a Hello of any later version still
+    decodes and gets that clear answer instead of `malformed`."""
+    protocol: int = 1
 
 
 class Register(_Msg, tag="register"):
@@ -185,6 +196,7 @@ class ServerInfo(_Msg, tag="server_info"):
     # the server has a second tier (--l2-url): a key missing from the pool may still be
     # found by a lookup, so a watch of the pool's keys (WatchKeys) cannot answer misses
     l2: bool = False
+    protocol: int = 1        # the server's PROTOCOL (only sent to a client that speaks it)
 
 
 class Ok(_Msg, tag="ok"):

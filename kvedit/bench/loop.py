@@ -55,7 +55,7 @@ def _hellos(s: zmq.Socket, seconds: float) -> list[float]:
     lat, end = [], time.monotonic() + seconds
     while time.monotonic() < end:
         t0 = time.perf_counter()
-        _call(s, P.Hello())
+        _call(s, P.Hello(protocol=P.PROTOCOL))
         lat.append((time.perf_counter() - t0) * 1e3)
         time.sleep(0.005)
     return sorted(lat)
@@ -107,7 +107,7 @@ def measure(keys: int, seconds: float) -> dict:
             over = _dealer(ctx, srv.url)
             over.send_multipart([b"x", b"\0" * (srv_max_message_bytes(small) + 1)])
             t0 = time.perf_counter()
-            _call(small, P.Hello())
+            _call(small, P.Hello(protocol=P.PROTOCOL))
             out["hello_after_oversized_message_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
             over.close(linger=0)
         finally:
@@ -118,7 +118,7 @@ def measure(keys: int, seconds: float) -> dict:
 
 
 def srv_max_message_bytes(s: zmq.Socket) -> int:
-    return _call(s, P.Hello()).max_message_bytes
+    return _call(s, P.Hello(protocol=P.PROTOCOL)).max_message_bytes
 
 
 def run(args) -> int:

@@ -289,7 +289,7 @@ def pinger(cfg: dict) -> dict:
     samples, failures = [], []
     while time.time() < cfg["deadline"] and len(samples) < cfg["max_ops"]:
         sent, t0 = round(time.time(), 3), time.perf_counter()
-        reply = peer.call(P.Hello(), timeout=1.0)
+        reply = peer.call(P.Hello(protocol=P.PROTOCOL), timeout=1.0)
         ms = (time.perf_counter() - t0) * 1e3
         (samples.append([sent, round(ms, 3)]) if reply is not None else failures.append(sent))
         time.sleep(max(0.0, 0.01 - ms / 1e3))
@@ -361,7 +361,7 @@ def oversized(cfg: dict) -> dict:
     peer = RawPeer(cfg)
     peer.call(P.Register(model=MODEL, layout=LAYOUT))
     out = {}
-    info = peer.call(P.Hello())
+    info = peer.call(P.Hello(protocol=P.PROTOCOL))
     many = P.Retrieve(model=MODEL, keys=[i.to_bytes(16, "little")
                                          for i in range(info.max_keys_per_request + 1)])
     r = peer.call(many, timeout=30)
@@ -377,7 +377,7 @@ def oversized(cfg: dict) -> dict:
     out["over_message_size"] = "no reply (dropped)" if r is None else (
         r.code if isinstance(r, P.Error) else repr(r)[:100])
     for _ in range(3):   # the server must still answer (a restart may be under way)
-        hello = peer.call(P.Hello(), timeout=5)
+        hello = peer.call(P.Hello(protocol=P.PROTOCOL), timeout=5)
         if hello is not None:
             break
     out["hello_after"] = type(hello).__name__ if hello is not None else None
@@ -421,7 +421,7 @@ def leaseflood(cfg: dict) -> dict:
     flood = None
     for _ in _paced(cfg, cfg.get("rate", 10.0)):
         if flood is None:
-            info = peer.call(P.Hello(), 2.0)
+            info = peer.call(P.Hello(protocol=P.PROTOCOL), 2.0)
             if info is None:
                 codes.add("no_reply")
                 continue

@@ -10,7 +10,14 @@ socket's ZMQ routing id is that session plus a 4-byte socket number, and the dat
 announces the session in its handshake, so the server binds the stores and leases it hands
 out to this client (another client's Commit/Release/PUT/GET of them gets `not_holder`).
 With a shared secret (argument, $KVEDIT_SECRET or $KVEDIT_SECRET_FILE, see kvedit.auth)
-every ZMQ socket is a CURVE client and the data-link handshake carries an HMAC of it.
+every ZMQ socket is a CURVE client (which checks the server's key before it sends anything
+of its own) and the data-link handshake has the server prove the secret before the client
+answers with its HMAC. A secret that lives in a file (the argument, the environment, or a
+loopback server's own file in the runtime directory) is read again when the server stops
+answering: a server restarted with another secret is found again (`reload_secret`).
+The first request is a Hello naming this client's protocol version; a server of another
+one answers with an error naming both (KVError "protocol") instead of a message this
+client could not decode.
 """
 from __future__ import annotations
 
@@ -81,9 +88,21 @@ class KVClient:
             raise
 
     # ---- connection -------------------------------------------------------------------
+    def _hello(self) -> ServerInfo:
+        try:
+            return self._call(P.Hello(protocol=P.PROTOCOL))
+        except KVError as e:
+            # a server from before versions refuses the field it does not know
+            if e.code == "malformed" and "protocol" in e.message:
+                raise KVError("protocol", f"the kvedit server at {self.url} speaks an older "
+                                          f"protocol (1, before versions) and this client "
+                                          f"speaks {P.PROTOCOL}: run the client and the "
+                                          f"server from the same kvedit release") from None
+            raise
+
     def _connect(self) -> None:
         """(Re)read ServerInfo and choose the transport as use_shm asks."""
-        info = self._call(P.Hello())
+        info = self._hello()
         old, self._transport = self._transport, None
         if old is not None:
             old.close()
@@ -238,7 +257,7 @@ class KVClient:
 
     # ---- API --------------------------------------------------------------------------
     def server_info(self) -> ServerInfo:
-        return self._call(P.Hello())
+        return self._hello()
 
     def register(self, model: str, layout: ModelLayout) -> None:
         self._call(P.Register(model=model, layout=layout))

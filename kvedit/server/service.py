@@ -108,6 +108,7 @@ class Service(L2Methods):
             lease_ttl=cfg.lease_ttl, write_ttl=cfg.write_ttl,
             max_keys_per_request=cfg.max_keys_per_request,
             max_message_bytes=cfg.message_bytes, data_idle_timeout=cfg.data_idle_timeout)
+        self.info.protocol = P.PROTOCOL
         self._l2_init(secret)   # second tier (--l2-url): kvedit/server/l2_service.py
         self.info.l2 = self.l2 is not None
         self.feed = KeyFeed()               # clients' copies of the ready keys (key_feed.py)
@@ -272,7 +273,12 @@ class Service(L2Methods):
         holder = holder_of(ident)
         self.index.session_seen(holder)
         match req:
-            case P.Hello():
+            case P.Hello(protocol=version):
+                if version != P.PROTOCOL:
+                    raise Fail("protocol", f"this client speaks kvedit protocol {version}, the "
+                                           f"server (kvedit {__version__}) speaks "
+                                           f"{P.PROTOCOL}: run the client and the server "
+                                           f"from the same kvedit release")
                 return self.info
             case P.Register(model=model, layout=layout):
                 return self._register(model, layout)

@@ -132,7 +132,7 @@ def test_quarantine_waits_for_the_last_socket_of_the_session(server):
     session = secrets.token_bytes(16)
     first, second = session_dealer(server.url, session, 0), session_dealer(server.url, session, 1)
     try:
-        assert isinstance(call(second, P.Hello()), P.ServerInfo)   # both sockets known
+        assert isinstance(call(second, P.Hello(protocol=P.PROTOCOL)), P.ServerInfo)   # both sockets known
         slots = call(first, P.PrepareStore(model="m", keys=[key(0, "two")]))
         assert isinstance(slots, P.StoreSlots)
         assert wait_until(lambda: status(server)["quarantined_bytes"] == CHUNK)
@@ -153,7 +153,7 @@ def test_other_clients_coming_and_going_do_not_drop_a_live_session(server):
         assert wait_until(lambda: status(server)["waiting_lookups"] == 1)
         for _ in range(30):          # churn: descriptors are freed and reused
             d = session_dealer(server.url)
-            assert isinstance(call(d, P.Hello()), P.ServerInfo)
+            assert isinstance(call(d, P.Hello(protocol=P.PROTOCOL)), P.ServerInfo)
             close_dealer(d)
         assert status(server)["waiting_lookups"] == 1
         with KVClient(server.url) as c:

@@ -100,8 +100,8 @@ def test_too_many_keys_is_refused_and_others_are_served(server):
         # possible); the server and every other client carry on
         d.send_multipart([b"big", P.encoder.encode(P.Retrieve(model="m",
                                                                keys=[b"k" * 64] * 70000))])
-        assert isinstance(call(other, P.Hello()), P.ServerInfo)
-        info = call(other, P.Hello())
+        assert isinstance(call(other, P.Hello(protocol=P.PROTOCOL)), P.ServerInfo)
+        info = call(other, P.Hello(protocol=P.PROTOCOL))
         assert info.max_keys_per_request == 1000 and info.max_message_bytes == 4 << 20
     finally:
         close_dealer(d)
@@ -167,9 +167,9 @@ def test_every_malformed_message_is_counted(server):
     d = dealer(server.url)
     try:
         bad = [[b"r1"],                                          # wrong frame count
-               [b"x" * 17, P.encoder.encode(P.Hello())],         # request id too long
+               [b"x" * 17, P.encoder.encode(P.Hello(protocol=P.PROTOCOL))],         # request id too long
                [b"r1", b"\xc1"],                                 # undecodable
-               [b"r1", P.encoder.encode(P.Hello()), b"extra"]]   # extra frame
+               [b"r1", P.encoder.encode(P.Hello(protocol=P.PROTOCOL)), b"extra"]]   # extra frame
         for frames in bad * 3:
             d.send_multipart(frames)
             d.recv_multipart()
@@ -183,7 +183,7 @@ def test_connection_gauges_follow_clients(server):
     socks = [dealer(server.url) for _ in range(3)]
     try:
         for s in socks:
-            assert isinstance(call(s, P.Hello()), P.ServerInfo)
+            assert isinstance(call(s, P.Hello(protocol=P.PROTOCOL)), P.ServerInfo)
         assert wait_until(lambda: status(server)["zmq_conns"] >= base + 3)
         text = httpx.get(server.http_url + "/metrics", timeout=10).text
         assert _metric(text, "kvedit_zmq_connections") >= base + 3

@@ -70,7 +70,7 @@ def test_a_server_without_flags_makes_a_secret_its_user_s_clients_find(rundir):
                     assert [matches(k, t) for k, t in zip(ks, r.tensors)] == [True, True]
         plain = dealer(s.url, timeout_ms=1500)   # no CURVE: the server never answers
         try:
-            plain.send_multipart([b"1", P.encoder.encode(P.Hello())])
+            plain.send_multipart([b"1", P.encoder.encode(P.Hello(protocol=P.PROTOCOL))])
             with pytest.raises(Exception):
                 plain.recv_multipart()
         finally:

@@ -279,7 +279,7 @@ def test_another_session_cannot_release_commit_or_abort_over_zmq(secured, peers)
 
 def test_another_session_cannot_get_or_put_over_the_data_link(secured, peers):
     a, b = peers
-    port = a.call(P.Hello()).data_port
+    port = a.call(P.Hello(protocol=P.PROTOCOL)).data_port
     leased = a.call(P.Retrieve(model=MODEL, keys=_stored_keys(secured, 1), with_data=True))
     with _data_conn(secured, port, SECRET.encode(), b.session) as conn:
         conn.sendall(wire.REQUEST.pack(wire.MAGIC, wire.GET, leased.lease_id, 0))
