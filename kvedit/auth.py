@@ -5,13 +5,22 @@ One secret (a token of printable ASCII, at least 16 characters) authenticates ev
   distinct personalisation each), so nothing but the secret has to be distributed; the
   server's ZAP handler (a ThreadAuthenticator) admits exactly the derived client public key.
   CURVE also encrypts, which is what makes a non-loopback bind safe.
-- data link: the server sends a random nonce on accept; the client answers with its session
-  id and HMAC-SHA256(secret, nonce + session). A replayed answer fails on a fresh nonce.
+- data link: mutual. The server sends a nonce, the client its own nonce and its session id;
+  the server proves it knows the secret first (an HMAC over both nonces, the session and its
+  port), and only then does the client answer with its own HMAC. So a process squatting the
+  port without the secret gets nothing it could replay: the client hangs up before sending
+  a MAC, and a MAC it relays to the real server is bound to nonces and a port it cannot
+  reuse.
 - HTTP: `Authorization: Bearer <secret>` on the endpoints that list, read or change data.
+  A client that must know it talks to the real server first asks /health to prove it knows
+  the secret (`http_proof`: an HMAC over the client's challenge); kvedit's own clients send
+  the bearer only after that, on the same connection.
 Without a secret the ZMQ sockets use the NULL mechanism and the handshake still carries the
-session id (unchecked), so holder checks work the same on a loopback-only server.
-Where a client's secret comes from (`load_secret`): the argument, the environment, then the
-file a same-user server started without one left for its port (kvedit.rundir).
+session id (unchecked), so holder checks work the same on a loopback-only server. A client
+that has a secret refuses a server that cannot prove it has the same one.
+Where a client's secret comes from (`SecretSource`): the argument, the environment, then the
+file a same-user server started without one left for its port (kvedit.rundir); a source that
+names a file is read again when a client reconnects (a restarted server may have another).
 This module imports nothing of kvedit but kvedit.rundir, so the server, the client and HTTP
 can all use it.
 """
@@ -31,10 +40,11 @@ from zmq.utils import z85
 from kvedit import rundir
 
 __all__ = ["AuthError", "SECRET_ENV", "SECRET_FILE_ENV", "NONCE_BYTES", "SESSION_BYTES",
-           "MAC_BYTES", "load_secret", "make_secret", "generate_secret", "l2_mac_key",
-           "curve_keys", "curve_server",
+           "MAC_BYTES", "SecretSource", "load_secret", "make_secret", "generate_secret",
+           "l2_mac_key", "curve_keys", "curve_server",
            "start_authenticator", "curve_client", "server_handshake", "client_handshake",
-           "handshake_mac", "http_authorized", "bearer_header"]
+           "link_mac", "http_authorized", "bearer_header", "http_challenge", "http_proof",
+           "check_http_proof", "CHALLENGE_HEADER", "PROOF_HEADER"]
 log = logging.getLogger("kvedit.auth")
 
 SECRET_ENV = "KVEDIT_SECRET"            # the secret itself
@@ -44,6 +54,9 @@ MAX_SECRET_CHARS = 4096
 NONCE_BYTES, SESSION_BYTES, MAC_BYTES = 32, 16, 32
 _SERVER_PERSON, _CLIENT_PERSON = b"kvedit-zmq-srv", b"kvedit-zmq-cli"
 _L2_PERSON = b"kvedit-l2-mac"
+_LINK_SERVER, _LINK_CLIENT = b"kvedit-link-server", b"kvedit-link-client"
+_HTTP_SERVER = b"kvedit-http-server"
+CHALLENGE_HEADER, PROOF_HEADER = "X-Kvedit-Challenge", "X-Kvedit-Proof"
 
 
 class AuthError(Exception):
@@ -83,18 +96,47 @@ def load_secret(secret: str | bytes | None = None, secret_file: str | os.PathLik
 
     An explicit argument wins over the environment; a secret given both ways at one level
     (secret and secret_file) is refused as ambiguous."""
-    if secret is not None and secret_file is not None:
-        raise AuthError("give the kvedit secret or a secret file, not both")
-    if secret is not None:
-        return _check(secret.encode() if isinstance(secret, str) else bytes(secret), "the argument")
-    if secret_file is not None:
-        return _read_file(os.fspath(secret_file))
-    if os.environ.get(SECRET_ENV):
-        return _check(os.environ[SECRET_ENV].strip().encode(), f"${SECRET_ENV}")
-    if os.environ.get(SECRET_FILE_ENV):
-        return _read_file(os.environ[SECRET_FILE_ENV])
-    found = rundir.lookup(url) if url else None
-    return None if found is None else _check(found[0], str(found[1]))
+    return SecretSource(secret, secret_file, url=url).read()
+
+
+class SecretSource:
+    """Where a client's secret comes from, read again on demand (`read`).
+
+    A secret given as such (argument, $KVEDIT_SECRET) never changes; one that lives in a
+    file (secret_file, $KVEDIT_SECRET_FILE, or the runtime directory's file of a loopback
+    server's port, kvedit.rundir) is read again each time, so a client reconnecting to a
+    restarted server finds the secret it uses now."""
+
+    def __init__(self, secret: str | bytes | None = None,
+                 secret_file: str | os.PathLike | None = None, *, url: str | None = None):
+        if secret is not None and secret_file is not None:
+            raise AuthError("give the kvedit secret or a secret file, not both")
+        self.fixed: bytes | None = None
+        self.file: str | None = None
+        self.url = url
+        if secret is not None:
+            self.fixed = _check(secret.encode() if isinstance(secret, str) else bytes(secret),
+                                "the argument")
+        elif secret_file is not None:
+            self.file = os.fspath(secret_file)
+        elif os.environ.get(SECRET_ENV):
+            self.fixed = _check(os.environ[SECRET_ENV].strip().encode(), f"${SECRET_ENV}")
+        elif os.environ.get(SECRET_FILE_ENV):
+            self.file = os.environ[SECRET_FILE_ENV]
+
+    @property
+    def rereads(self) -> bool:
+        """Whether `read` may give another secret later (a file, or the runtime directory)."""
+        return self.fixed is None
+
+    def read(self) -> bytes | None:
+        """The secret now; None if there is none (a loopback server's file not there)."""
+        if self.fixed is not None:
+            return self.fixed
+        if self.file is not None:
+            return _read_file(self.file)
+        found = rundir.lookup(self.url) if self.url else None
+        return None if found is None else _check(found[0], str(found[1]))
 
 
 def make_secret() -> bytes:
@@ -183,11 +225,26 @@ def curve_client(sock: zmq.Socket, secret: bytes) -> None:
 
 
 # ---- data link handshake ---------------------------------------------------------------
-def handshake_mac(secret: bytes | None, nonce: bytes, session: bytes) -> bytes:
-    """HMAC-SHA256(secret, nonce + session); zeros without a secret (the server then skips it)."""
+def link_mac(secret: bytes | None, side: str, server_nonce: bytes, client_nonce: bytes,
+             session: bytes, port: int) -> bytes:
+    """HMAC-SHA256 of one side ("server" or "client") of the data-link handshake over both
+    nonces, the session and the server's port; zeros without a secret. Each side's MAC is
+    new per connection (two fresh nonces) and names its side, so neither can be replayed,
+    nor one side's answer passed off as the other's."""
     if secret is None:
         return bytes(MAC_BYTES)
-    return hmac.new(secret, nonce + session, hashlib.sha256).digest()
+    person = {"server": _LINK_SERVER, "client": _LINK_CLIENT}[side]
+    return hmac.new(secret, person + server_nonce + client_nonce + session
+                    + port.to_bytes(2, "big"), hashlib.sha256).digest()
+
+
+def _port(conn: socket.socket, peer: bool) -> int:
+    """The server's TCP port of a data-link connection (0 for a socket pair)."""
+    try:
+        addr = conn.getpeername() if peer else conn.getsockname()
+    except OSError:
+        return 0
+    return addr[1] if isinstance(addr, tuple) else 0
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -203,25 +260,41 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 
 def server_handshake(conn: socket.socket, secret: bytes | None) -> bytes:
-    """Send a nonce, read session + MAC, check the MAC when a secret is set -> the session.
+    """Send a nonce; read the client's nonce and session; prove the secret; read and check
+    the client's MAC when a secret is set -> the session.
 
     Raises AuthError on a short answer or a wrong MAC (the caller sends its error reply and
     closes); socket timeouts (OSError) propagate, so set the first-bytes timeout before."""
     nonce = _secrets.token_bytes(NONCE_BYTES)
     conn.sendall(nonce)
-    answer = _recv_exact(conn, SESSION_BYTES + MAC_BYTES)
-    session, mac = answer[:SESSION_BYTES], answer[SESSION_BYTES:]
-    if secret is not None and not hmac.compare_digest(mac, handshake_mac(secret, nonce, session)):
+    answer = _recv_exact(conn, NONCE_BYTES + SESSION_BYTES)
+    theirs, session = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
+    port = _port(conn, peer=False)
+    conn.sendall(link_mac(secret, "server", nonce, theirs, session, port))
+    mac = _recv_exact(conn, MAC_BYTES)
+    if secret is not None and not hmac.compare_digest(
+            mac, link_mac(secret, "client", nonce, theirs, session, port)):
         raise AuthError("data link handshake failed: wrong or missing secret")
     return session
 
 
 def client_handshake(conn: socket.socket, secret: bytes | None, session: bytes) -> None:
-    """Answer the server's nonce with `session` (16 bytes) and its MAC."""
+    """Send a nonce and `session` (16 bytes); with a secret, check the server's proof and
+    only then send this side's MAC (AuthError, nothing sent, when the server cannot prove
+    it has the secret)."""
     if len(session) != SESSION_BYTES:
         raise ValueError(f"session is {len(session)} bytes, expected {SESSION_BYTES}")
     nonce = _recv_exact(conn, NONCE_BYTES)
-    conn.sendall(session + handshake_mac(secret, nonce, session))
+    mine = _secrets.token_bytes(NONCE_BYTES)
+    conn.sendall(mine + session)
+    proof = _recv_exact(conn, MAC_BYTES)
+    port = _port(conn, peer=True)
+    if secret is not None and not hmac.compare_digest(
+            proof, link_mac(secret, "server", nonce, mine, session, port)):
+        raise AuthError("the data link did not prove it knows this client's kvedit secret "
+                        "(no secret, or another one): it is not the kvedit server the client "
+                        "was told about (another process on the port?); nothing was sent")
+    conn.sendall(link_mac(secret, "client", nonce, mine, session, port))
 
 
 # ---- HTTP --------------------------------------------------------------------------------
@@ -244,3 +317,26 @@ def http_authorized(authorization_header: str | None, secret: bytes | None) -> b
 def bearer_header(secret: bytes | None) -> dict[str, str]:
     """The HTTP header a client sends (empty without a secret)."""
     return {} if secret is None else {"Authorization": f"Bearer {secret.decode('ascii')}"}
+
+
+def http_challenge() -> str:
+    """A fresh challenge a client sends to /health (CHALLENGE_HEADER) before trusting it."""
+    return _secrets.token_hex(NONCE_BYTES)
+
+
+def http_proof(secret: bytes | None, challenge: str | None) -> str | None:
+    """The server's answer to a /health challenge (PROOF_HEADER): HMAC of the challenge with
+    the secret; None without a secret or a well-formed challenge (16-128 hex digits)."""
+    if secret is None or not challenge or not 16 <= len(challenge) <= 128:
+        return None
+    try:
+        raw = bytes.fromhex(challenge)
+    except ValueError:
+        return None
+    return hmac.new(secret, _HTTP_SERVER + raw, hashlib.sha256).hexdigest()
+
+
+def check_http_proof(secret: bytes, challenge: str, proof: str | None) -> bool:
+    """Whether `proof` (the PROOF_HEADER of /health's answer) shows the server knows `secret`."""
+    want = http_proof(secret, challenge)
+    return proof is not None and want is not None and hmac.compare_digest(proof.strip(), want)

@@ -17,15 +17,18 @@ cron or a service see different environments. So that a stale file elsewhere doe
 a server removes the files of its port from all the places it knows before writing its own,
 and a client takes the newest file of the port it finds.
 One file per ZMQ port, `<port>.secret` (the secret and a newline, as --gen-secret writes
-one, so it also works as --secret-file), replaced atomically when a server on that port
-starts and removed when it stops cleanly. Only loopback URLs are looked up: a file here
-never belongs to a server on another host.
+one, so it also works as --secret-file). It outlives its server: the next server started
+without a secret on that port reuses it (`reusable`: a regular file of this user, mode 0600,
+in the private directory), so clients keep working across a restart and L2 records signed
+with it (--l2-mac) stay valid. Remove the file to make the next server draw a new secret.
+Only loopback URLs are looked up: a file here never belongs to a server on another host.
 No kvedit imports: kvedit.auth (client and server) uses it.
 """
 from __future__ import annotations
 
 import ipaddress
 import os
+import pwd
 import stat
 import tempfile
 from pathlib import Path
@@ -67,10 +70,28 @@ def ensure() -> Path:
         raise RundirError(f"cannot create the kvedit runtime directory {d}: {e.strerror}"
                           ) from None
     if not _private(d):
-        raise RundirError(f"the kvedit runtime directory {d} is not a directory of this user "
-                          f"with mode 0700 (another user may have made it): remove it, or "
-                          f"give --secret-file PATH (or --insecure)")
+        raise RundirError(_why_not_private(d))
     return d
+
+
+def reusable(port: int) -> tuple[Path | None, str]:
+    """(the file an earlier server on `port` left in this user's directory, "") when it may
+    be reused: a regular file (not a link) of this user with mode 0600; else (None, why)."""
+    d = directory()
+    path = d / f"{int(port)}{SUFFIX}"
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None, f"no secret of an earlier server on port {port} in {d}"
+    except OSError as e:
+        return None, f"cannot read {path}: {e.strerror}"
+    if not _private(d):
+        return None, _why_not_private(d)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        return None, f"{path} is not a regular file of this user"
+    if stat.S_IMODE(st.st_mode) != 0o600:
+        return None, f"{path} has mode {stat.S_IMODE(st.st_mode):o}, not 600"
+    return path, ""
 
 
 def publish(port: int, secret: bytes) -> Path:
@@ -131,6 +152,32 @@ def lookup(url: str) -> tuple[bytes, Path] | None:
 
 
 # ---- internals -----------------------------------------------------------------------------
+def _why_not_private(d: Path) -> str:
+    """What is wrong with runtime directory `d` and what to do: named owner and mode."""
+    try:
+        st = os.lstat(d)
+    except OSError as e:
+        return f"the kvedit runtime directory {d} cannot be used: {e.strerror}"
+    try:
+        owner = f"{pwd.getpwuid(st.st_uid).pw_name} (uid {st.st_uid})"
+    except KeyError:
+        owner = f"uid {st.st_uid}"
+    kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a directory"
+    me = f"{_user()} (uid {os.getuid()})"
+    return (f"the kvedit runtime directory {d} is {kind} owned by {owner} with mode "
+            f"{stat.S_IMODE(st.st_mode):04o}; it must be a directory of {me} with mode 0700, "
+            f"or another user could read or plant this server's secret. Remove it (its "
+            f"owner or root: rm -r {d}), or set XDG_RUNTIME_DIR to a private directory of "
+            f"yours, or give the server --secret-file PATH (or --insecure)")
+
+
+def _user() -> str:
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return f"uid {os.getuid()}"
+
+
 def _private(d: Path) -> bool:
     """A real directory (not a link) of this user that nobody else may enter."""
     try:

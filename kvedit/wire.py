@@ -8,8 +8,9 @@ offset, pool bytes. A client checks the instance id against ServerInfo before tr
 offsets, so it never writes into a segment of another server that happens to share the name.
 
 Data link (raw TCP, see kvedit.server.datalink and docs/protocol.md):
-  handshake: server -> client NONCE_BYTES random nonce; client -> server session(16) +
-             HMAC-SHA256(secret, nonce + session)(32) (see kvedit.auth)
+  handshake: server -> client NONCE_BYTES random nonce; client -> server its nonce(32) +
+             session(16); server -> client its proof, client -> server its MAC: HMAC-SHA256
+             of the secret over both nonces, the session and the port (32 each; kvedit.auth)
   request  <4s B 3x q Q>  magic "KVD1", op (PUT=1, GET=2), store/lease id, byte count
   reply    <4s B 3x Q I>  magic, status (0 ok, 1 error), payload bytes, message bytes
 """

@@ -65,11 +65,15 @@ class KVClient:
     """
 
     def __init__(self, url: str = "tcp://127.0.0.1:6555", *, use_shm: bool | None = None,
-                 timeout: float = 30.0, secret: str | bytes | None = None,
+                 timeout: float = 30.0, secret: str | bytes | auth.SecretSource | None = None,
                  secret_file: str | None = None, data_idle_timeout: float | None = None):
+        """`secret`: the secret, or an auth.SecretSource (read now and again on reconnects)."""
         self.url, self.timeout, self._use_shm = url, timeout, use_shm
         self._data_idle_timeout = data_idle_timeout
-        self._secret = auth.load_secret(secret, secret_file, url=url)
+        self._source = (secret if isinstance(secret, auth.SecretSource)
+                        else auth.SecretSource(secret, secret_file, url=url))
+        self._secret = self._source.read()
+        self.credentials = 0      # bumped when the secret changes: sockets are made anew
         self.session = secrets.token_bytes(auth.SESSION_BYTES)
         self._ctx = zmq.Context()
         self._local = threading.local()
@@ -130,16 +134,23 @@ class KVClient:
 
     def _sock(self) -> zmq.Socket:
         s = getattr(self._local, "sock", None)
+        if s is not None and self._local.credentials != self.credentials:
+            self._drop_sock()   # made with a secret that changed since
+            s = None
         if s is None:
             if self._closed:
                 raise KVError("closed", "KVClient is closed")
-            s = self._local.sock = self._new_socket()
+            s = self._local.sock = self.open_socket()
+            self._local.credentials = self.credentials
         return s
 
-    def _new_socket(self) -> zmq.Socket:
-        """A DEALER socket to the server, closed with this client."""
+    def open_socket(self, rcvhwm: int | None = None) -> zmq.Socket:
+        """A DEALER socket to the server with this client's session and current secret,
+        closed with this client (or by `close_socket`)."""
         s = self._ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
+        if rcvhwm is not None:
+            s.setsockopt(zmq.RCVHWM, rcvhwm)
         # session + socket number: unique per socket, and the server's holder is the session
         s.setsockopt(zmq.ROUTING_ID, self.session + next(self._socket_no).to_bytes(4, "big"))
         if self._secret is not None:
@@ -149,18 +160,43 @@ class KVClient:
             self._sockets.append(s)
         return s
 
+    def close_socket(self, s: zmq.Socket) -> None:
+        with self._lock:
+            if s in self._sockets:
+                self._sockets.remove(s)
+        s.close(linger=0)
+
+    def reload_secret(self) -> bool:
+        """Read the secret again where it came from (a file, or a loopback server's own file):
+        True when it changed, and sockets are then made anew with it (the data link's with
+        the next re-attach). A server restarted with another secret never answers sockets
+        made with the old one (CURVE)."""
+        if not self._source.rereads:
+            return False
+        try:
+            new = self._source.read()
+        except auth.AuthError as e:
+            log.warning("kvedit client: cannot read the secret again: %s", e)
+            return False
+        if new == self._secret:
+            return False
+        log.warning("kvedit server at %s: the secret changed (a restarted server made a new "
+                    "one?): reconnecting with it", self.url)
+        with self._lock:
+            self._secret = new
+            self.credentials += 1
+        return True
+
     def watch_keys(self, model: str, tp_ranks: list[int]) -> KeyWatch:
         """A copy of which "kv" keys of `model` the server holds ready, kept current by the
         server's pushes (kvedit.client.key_watch): call its `sync()` from one thread."""
-        return KeyWatch(self, self._new_socket(), model, tp_ranks)
+        return KeyWatch(self, self.open_socket(), model, tp_ranks)
 
     def _drop_sock(self) -> None:
         """After a timeout: a fresh socket, so queued requests are never replayed later."""
         s = self._local.sock
         self._local.sock = None
-        with self._lock:
-            self._sockets.remove(s)
-        s.close(linger=0)
+        self.close_socket(s)
 
     def _limits(self, msg) -> None:
         """Refuse what the server would refuse anyway, with a clear error instead of a
@@ -189,6 +225,8 @@ class KVClient:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(max(1, int(left * 1000))):
                 self._drop_sock()
+                if self.reload_secret():   # a restarted server with another secret
+                    return self._call(msg, timeout)
                 hint = (" (with a secret set, a server with another secret or none never "
                         "answers: CURVE drops the connection)" if self._secret else
                         " (no secret found: a server with one, the default, never answers; "

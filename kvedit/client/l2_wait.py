@@ -7,12 +7,17 @@ of a prefill-edit-decode hand-off, call `wait_l2_written(A's http_url)`: it retu
 write-behind queue is empty and nothing is being sent, which holds every commit made before
 the call (a write dropped at the queue bound or skipped because L1 evicted it first is
 counted in the returned `l2` object, not waited for).
+The bearer token goes only to a server that first proved, on the same connection, that it
+knows the secret (kvedit.auth.http_proof): a process squatting the port gets none.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import time
-import urllib.request
+from urllib.parse import urlsplit
+
+from kvedit import auth
 
 
 class L2NotWritten(TimeoutError):
@@ -25,19 +30,50 @@ def wait_l2_written(http_url: str, timeout: float = 60.0, secret: str | None = N
     /status "l2" object. Raises L2NotWritten (with that object) after `timeout` seconds and
     ValueError when the server runs without --l2-url."""
     deadline = time.monotonic() + timeout
-    headers = {"Authorization": f"Bearer {secret}"} if secret else {}
-    while True:
-        req = urllib.request.Request(http_url.rstrip("/") + "/status", headers=headers)
-        with urllib.request.urlopen(req, timeout=10) as r:
-            st = json.load(r)
-        l2 = st.get("l2")
-        if l2 is None:
-            raise ValueError(f"the kvedit server at {http_url} has no second tier (start it "
-                             f"with --l2-url redis://...)")
-        if l2["up"] and l2["queue"]["depth"] == 0 and not l2["writing"]:
-            return l2
-        if time.monotonic() > deadline:
-            raise L2NotWritten(f"the kvedit server at {http_url} still had {l2['queue']['depth']}"
-                               f" chunk(s) to write to L2 after {timeout} s (L2 up: "
-                               f"{l2['up']}): {l2}")
-        time.sleep(poll)   # a background thread drains the queue; nothing to be woken by
+    conn = _proven(http_url, secret)
+    headers = auth.bearer_header(secret.encode()) if secret else {}
+    try:
+        while True:
+            conn.request("GET", "/status", headers=headers)
+            r = conn.getresponse()
+            body = r.read()
+            if r.status != 200:
+                raise ValueError(f"GET {http_url}/status answered {r.status}: {body[:200]!r}")
+            l2 = _l2_status(http_url, json.loads(body), deadline, timeout)
+            if l2 is not None:
+                return l2
+            time.sleep(poll)   # a background thread drains the queue; nothing to be woken by
+    finally:
+        conn.close()
+
+
+def _proven(http_url: str, secret: str | None) -> http.client.HTTPConnection:
+    """A connection to the server on which (with a secret) /health proved it knows it."""
+    u = urlsplit(http_url)
+    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=10)
+    if secret:
+        challenge = auth.http_challenge()
+        conn.request("GET", "/health", headers={auth.CHALLENGE_HEADER: challenge})
+        r = conn.getresponse()
+        r.read()
+        if not auth.check_http_proof(secret.encode(), challenge,
+                                     r.getheader(auth.PROOF_HEADER)):
+            conn.close()
+            raise ValueError(f"{http_url} cannot prove it knows the kvedit secret (no or a "
+                             f"wrong {auth.PROOF_HEADER}): not sending it a bearer token")
+    return conn
+
+
+def _l2_status(http_url: str, st: dict, deadline: float, timeout: float) -> dict | None:
+    """/status's "l2" object once the write-behind is drained; None to poll again."""
+    l2 = st.get("l2")
+    if l2 is None:
+        raise ValueError(f"the kvedit server at {http_url} has no second tier (start it "
+                         f"with --l2-url redis://...)")
+    if l2["up"] and l2["queue"]["depth"] == 0 and not l2["writing"]:
+        return l2
+    if time.monotonic() > deadline:
+        raise L2NotWritten(f"the kvedit server at {http_url} still had {l2['queue']['depth']}"
+                           f" chunk(s) to write to L2 after {timeout} s (L2 up: "
+                           f"{l2['up']}): {l2}")
+    return None

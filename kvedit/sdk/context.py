@@ -28,7 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
-from kvedit.auth import AuthError, bearer_header, load_secret
+from kvedit.auth import (CHALLENGE_HEADER, PROOF_HEADER, AuthError, SecretSource,
+                         check_http_proof, http_challenge)
 from kvedit.client import KVClient, KVError
 from kvedit.keys import namespace, query_key, request_keys
 from kvedit.layout import ModelLayout
@@ -238,8 +239,10 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
 
     `secret` / `secret_file`: the server's shared secret (kvedit.auth); by default
     $KVEDIT_SECRET or $KVEDIT_SECRET_FILE when set, else the secret a loopback server of this
-    user made at start (kvedit.rundir). Used for ZMQ (CURVE), the data link and as the
-    bearer token of the HTTP calls.
+    user made at start (kvedit.rundir), read again if the server restarts with another. Used
+    for ZMQ (CURVE) and the data link, each of which has the server prove it knows the
+    secret before this process sends anything derived from it; `http_url`'s /health must
+    prove it too (the SDK sends no bearer token: /health needs none).
     """
     if not model_name:
         raise ConnectError("connect() needs model_name: the served model name vLLM uses")
@@ -249,20 +252,15 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
         tune_glibc_heap = True
     deadline = time.monotonic() + timeout
     try:
-        key = load_secret(secret, secret_file, url=url)
+        source = SecretSource(secret, secret_file, url=url)
+        key = source.read()
     except AuthError as e:
         raise ConnectError(str(e)) from None
     if http_url:
-        try:
-            httpx.get(f"{http_url.rstrip('/')}/health", headers=bearer_header(key),
-                      timeout=min(5.0, timeout)).raise_for_status()
-        except httpx.HTTPError as e:
-            raise ConnectError(f"the kvedit server's HTTP endpoint {http_url} does not answer "
-                               f"/health ({type(e).__name__}: {e}); is `kvedit server` running "
-                               f"with that --http-port?") from None
+        _check_health(http_url, key, min(5.0, timeout))
     try:
         client = KVClient(url, use_shm=use_shm, timeout=max(0.5, min(10.0, timeout)),
-                          secret=key)
+                          secret=source)
     except KVError as e:
         raise ConnectError(f"cannot reach the kvedit server at {url}: {e.message}; is "
                            f"`kvedit server` running there?") from None
@@ -284,6 +282,25 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
     pool = glibc_tuning.enable() if tune_glibc_heap else None
     return Context(client, url, http_url, model_name, layout, io_threads=io_threads,
                    track_writes=track_writes, tp=tp, fn_pool=pool)
+
+
+def _check_health(http_url: str, key: bytes | None, timeout: float) -> None:
+    """/health answers, and (with a secret) proves it knows the secret: a process squatting
+    the HTTP port while the server restarts is refused (it gets no token either way)."""
+    challenge = http_challenge()
+    try:
+        r = httpx.get(f"{http_url.rstrip('/')}/health", headers={CHALLENGE_HEADER: challenge},
+                      timeout=timeout)
+        r.raise_for_status()
+    except httpx.HTTPError as e:
+        raise ConnectError(f"the kvedit server's HTTP endpoint {http_url} does not answer "
+                           f"/health ({type(e).__name__}: {e}); is `kvedit server` running "
+                           f"with that --http-port?") from None
+    if key is not None and not check_http_proof(key, challenge, r.headers.get(PROOF_HEADER)):
+        raise ConnectError(f"{http_url} answers /health but cannot prove it knows the kvedit "
+                           f"secret this client uses (no or a wrong {PROOF_HEADER}): it is "
+                           f"not this kvedit server (another process on the port, or a server "
+                           f"with another secret or none)")
 
 
 def _tensor_parallel(client, model: str, layout: ModelLayout, total_kv_heads: int | None,

@@ -195,14 +195,32 @@ def run(args) -> int:
         else:
             secret = auth.load_secret(secret_file=args.secret_file)
             cfg.secret_file = args.secret_file or ""
-        if secret is None and not args.insecure:   # secure by default: make one (rundir.py)
-            cfg.secret_path = str(rundir.ensure() / rundir.secret_path(cfg.port).name)
-            secret = auth.make_secret()
+        if secret is None and not args.insecure:   # secure by default (rundir.py)
+            secret = _made_secret(cfg, log)
     except (auth.AuthError, rundir.RundirError) as e:
         log.error("cannot start: %s", e)
         return 2
     cfg.authenticated = secret is not None
     return serve(cfg, secret)
+
+
+def _made_secret(cfg: ServerConfig, log) -> bytes:
+    """The secret of a server started without one: the one an earlier server on this port
+    left in the runtime directory (its clients, and L2 records it signed, keep working), or
+    a new one. cfg says where it is and whether it was reused."""
+    from kvedit import auth, rundir
+
+    cfg.secret_path = str(rundir.ensure() / rundir.secret_path(cfg.port).name)
+    path, why = rundir.reusable(cfg.port)
+    if path is not None:
+        try:
+            secret = auth.load_secret(secret_file=path)
+            cfg.secret_reused = True
+            return secret
+        except auth.AuthError as e:
+            why = str(e)
+    log.info("a new secret for this server: %s", why)
+    return auth.make_secret()
 
 
 if __name__ == "__main__":

@@ -90,6 +90,7 @@ class ServerConfig:
     l2_mac: bool = False              # records carry an HMAC of the secret (a Redis writer
                                       # without it cannot plant a chunk); needs a secret
     secret_path: str = ""             # where a secret made at start was written (rundir.py)
+    secret_reused: bool = False       # ... it was an earlier server's on this port, reused
 
     @property
     def pool_bytes(self) -> int:

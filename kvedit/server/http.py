@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvedit.auth import http_authorized
+from kvedit.auth import CHALLENGE_HEADER, PROOF_HEADER, http_authorized, http_proof
 from kvedit.server import http_state as state
 from kvedit.server.http_openapi import MAX_CURSOR, MAX_MODEL_PARAM, MAX_PAGE, SPEC
 from kvedit.server.http_peer import PeerKey, peer_key
@@ -128,8 +128,12 @@ class _Routes:
                                    f"{names[:20]}{more}")
         return endpoint
 
-    async def health(self, _req: Request) -> Response:
-        return _json({"status": "ok", "instance": self.service.instance})
+    async def health(self, req: Request) -> Response:
+        # a client that has the secret asks the server to prove it has it too before it
+        # sends a bearer token (auth.http_proof): a process squatting the port cannot
+        proof = http_proof(self.secret, req.headers.get(CHALLENGE_HEADER))
+        return _json({"status": "ok", "instance": self.service.instance},
+                     headers={PROOF_HEADER: proof} if proof else None)
 
     async def metrics(self, _req: Request) -> Response:
         body = await asyncio.to_thread(state.metrics, self.service)

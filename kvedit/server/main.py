@@ -90,8 +90,8 @@ def serve(cfg: ServerConfig, secret: bytes | None = None) -> int:
     try:
         service.run(wakeup_fd=rsock.fileno())
     finally:
-        if cfg.secret_path:
-            rundir.withdraw(cfg.port, secret)
+        # a secret made at start stays in the runtime directory: the next server on this
+        # port reuses it, so clients (and --l2-mac records) survive a restart (rundir.py)
         signal.set_wakeup_fd(-1)
         http.close()
         service.close()
@@ -110,10 +110,19 @@ def _hand_over_secret(cfg: ServerConfig, secret: bytes | None) -> None:
         rundir.withdraw(cfg.port)
         return
     path = rundir.publish(cfg.port, secret)
-    print(f"kvedit: no --secret-file given: made a secret for this server and wrote it to "
-          f"{path} (mode 0600); KVClient, the SDK and the vLLM connector of this user find it "
-          f"there; give other clients --secret-file {path} (or KVEDIT_SECRET_FILE); HTTP: "
-          f"'Authorization: Bearer $(cat {path})'", flush=True)
+    how = ("reused the secret an earlier server on this port left in" if cfg.secret_reused
+           else "made a secret for this server and wrote it to")
+    print(f"kvedit: no --secret-file given: {how} {path} (mode 0600; kept after a stop, so a "
+          f"restart on this port keeps it; remove it to draw a new one); KVClient, the SDK "
+          f"and the vLLM connector of this user find it there; give other clients "
+          f"--secret-file {path} (or KVEDIT_SECRET_FILE); HTTP: 'Authorization: Bearer "
+          f"$(cat {path})'", flush=True)
+    if cfg.l2_mac and not cfg.secret_reused:
+        log.warning("--l2-mac with a secret made at start (%s): L2 records signed by earlier "
+                    "servers with another secret are misses now. The secret is kept in %s and "
+                    "reused by the next server on port %d, so records stay valid from now on "
+                    "(give --secret-file to share them with servers on other ports)",
+                    "no earlier one to reuse", path, cfg.port)
 
 
 def _warn_open_l2(cfg: ServerConfig) -> None:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from kvedit.auth import SecretSource
 from kvedit.client import KVClient, ServerUnavailable
 
 logger = logging.getLogger("vllm.kvedit")  # under "vllm": lines land in vLLM's log
@@ -23,8 +24,10 @@ UNAVAILABLE = (ServerUnavailable, ConnectionError, TimeoutError, OSError)
 class ServerLink:
     def __init__(self, url: str, timeout: float, retry_interval: float,
                  on_connect: Callable[[KVClient], None], role: str, *,
-                 secret: bytes | None = None):
-        """`secret`: the server's shared secret; None falls back to $KVEDIT_SECRET(_FILE)."""
+                 secret: bytes | SecretSource | None = None):
+        """`secret`: the server's shared secret, or where to read it (read again at each
+        reconnect: a server restarted with another secret is found again); None falls back
+        to $KVEDIT_SECRET(_FILE), then a loopback server's own file."""
         self.url, self.timeout, self.retry_interval = url, timeout, retry_interval
         self._secret = secret
         self.on_connect, self.role = on_connect, role

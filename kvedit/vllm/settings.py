@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
-from kvedit.auth import load_secret
+from kvedit.auth import SecretSource
 from kvedit.layout import ModelLayout, RopeParams
 from kvedit.vllm.admission import STORE_MODES, StoreMode
 
@@ -91,10 +91,11 @@ class ConnectorSettings:
         stores only when the workers commit in the background)."""
         return on_cuda if self.async_store is None else bool(self.async_store)
 
-    def secret(self) -> bytes | None:
-        """The shared secret: kvedit_secret_file, else the environment, else the file the
-        server at kvedit_url made in this user's runtime directory (kvedit.auth)."""
-        return load_secret(secret_file=self.kvedit_secret_file or None, url=self.kvedit_url)
+    def secret(self) -> SecretSource:
+        """Where the shared secret comes from: kvedit_secret_file, else the environment, else
+        the file the server at kvedit_url made in this user's runtime directory
+        (kvedit.auth); read at each (re)connect, so a restarted server is found again."""
+        return SecretSource(secret_file=self.kvedit_secret_file or None, url=self.kvedit_url)
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "ConnectorSettings":

@@ -28,16 +28,17 @@ from tests.fixtures_server import close_dealer, dealer
 from tests.kv_helpers import SMALL, chunk_for, key, matches
 
 
-def plain_server() -> ServerProcess:
+def plain_server(port: int | None = None, http_port: int | None = None,
+                 extra: tuple[str, ...] = ()) -> ServerProcess:
     """`kvedit server` with no flag about secrets: only its ports, pool and segment name
     (the test harness's start_server runs servers --insecure)."""
-    port, http_port = free_port(), free_port()
+    port, http_port = port or free_port(), http_port or free_port()
     shm = f"kvedit-{os.getpid()}-{port}"
     env = {k: v for k, v in os.environ.items() if k not in (auth.SECRET_ENV,
                                                             auth.SECRET_FILE_ENV)}
     return ServerProcess(["--l1-size-gb", "0.02", "--port", str(port), "--http-port",
-                          str(http_port), "--shm-name", shm], "127.0.0.1", port, http_port,
-                         shm, env=env)
+                          str(http_port), "--shm-name", shm, *extra], "127.0.0.1", port,
+                         http_port, shm, env=env)
 
 
 @pytest.fixture
@@ -81,7 +82,9 @@ def test_a_server_without_flags_makes_a_secret_its_user_s_clients_find(rundir):
         assert httpx.get(s.http_url + "/health", timeout=5).status_code == 200
     finally:
         assert s.stop() == 0
-    assert not path.exists()   # withdrawn at a clean stop
+    # kept at a clean stop: the next server on this port reuses it (tests/server/
+    # test_restarts.py), as long as it is this user's, mode 0600
+    assert path.read_bytes().strip() == secret and stat.S_IMODE(os.stat(path).st_mode) == 0o600
 
 
 def test_insecure_runs_open_and_a_stale_file_is_withdrawn(rundir):

@@ -148,7 +148,11 @@ def test_secret_from_the_environment(secured, monkeypatch):
 
 def _data_conn(server, port: int, secret: bytes | None, session: bytes) -> socket.socket:
     conn = socket.create_connection((server.host, port), timeout=10)
-    auth.client_handshake(conn, secret, session)
+    try:
+        auth.client_handshake(conn, secret, session)
+    except auth.AuthError:
+        conn.close()
+        raise
     return conn
 
 
@@ -169,6 +173,10 @@ def _data_reply(conn: socket.socket) -> tuple[int, bytes, str]:
 def test_data_link_refuses_a_missing_or_wrong_secret(secured, secret):
     with KVClient(secured.url, secret=SECRET) as c:
         port = c.server_info().data_port
+    if secret is not None:   # the server proves its secret first: this client hangs up
+        with pytest.raises(auth.AuthError, match="did not prove"):
+            _data_conn(secured, port, secret, secrets.token_bytes(16))
+        return
     with _data_conn(secured, port, secret, secrets.token_bytes(16)) as conn:
         status, _, msg = _data_reply(conn)  # the answer to the handshake, before any request
         assert status == wire.FAILED and "unauthorized" in msg
@@ -462,7 +470,7 @@ def test_connector_link_takes_the_secret_file_from_its_config(secured, tmp_path,
     path.chmod(0o600)
     settings = ConnectorSettings.from_extra({"kvedit_url": secured.url,
                                              "kvedit_secret_file": str(path)})
-    assert settings.secret() == SECRET.encode()
+    assert settings.secret().read() == SECRET.encode()
     link = ServerLink(settings.kvedit_url, 1.5, 60.0, lambda c: None, "worker",
                       secret=settings.secret())
     try:
@@ -470,7 +478,7 @@ def test_connector_link_takes_the_secret_file_from_its_config(secured, tmp_path,
     finally:
         link.close()
     bare = ConnectorSettings.from_extra({"kvedit_url": secured.url})
-    assert bare.secret() is None
+    assert bare.secret().read() is None
     link = ServerLink(bare.kvedit_url, 1.5, 60.0, lambda c: None, "worker", secret=bare.secret())
     try:
         assert link.client is None  # refused (no CURVE reply): an outage, not a crash

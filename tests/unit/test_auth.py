@@ -130,13 +130,27 @@ def test_authenticator_refuses_a_client_with_its_own_keypair_and_the_server_key(
 
 # ---- data-link handshake --------------------------------------------------------------------
 def _handshake(server_secret, client_secret, session=b"S" * 16):
+    """-> (what the server side returned or raised, what the client side raised or None)."""
     a, b = socket.socketpair()
     a.settimeout(5)
     b.settimeout(5)
-    t = threading.Thread(target=auth.client_handshake, args=(b, client_secret, session))
+    client_error = []
+
+    def client():
+        try:
+            auth.client_handshake(b, client_secret, session)
+        except auth.AuthError as e:   # it hangs up, as the data link client does
+            client_error.append(e)
+            b.close()
+
+    t = threading.Thread(target=client)
     t.start()
     try:
-        return auth.server_handshake(a, server_secret)
+        try:
+            got = auth.server_handshake(a, server_secret)
+        except auth.AuthError as e:
+            got = e
+        return got, (client_error[0] if client_error else None)
     finally:
         t.join()
         a.close()
@@ -144,24 +158,58 @@ def _handshake(server_secret, client_secret, session=b"S" * 16):
 
 
 def test_handshake_accepts_the_right_secret_and_returns_the_session():
-    assert _handshake(SECRET, SECRET, b"0123456789abcdef") == b"0123456789abcdef"
+    assert _handshake(SECRET, SECRET, b"0123456789abcdef") == (b"0123456789abcdef", None)
 
 
-@pytest.mark.parametrize("client_secret", [OTHER, None])
-def test_handshake_refuses_a_wrong_or_missing_secret(client_secret):
-    with pytest.raises(auth.AuthError, match="wrong or missing secret"):
-        _handshake(SECRET, client_secret)
+def test_handshake_refuses_a_missing_secret():
+    got, client = _handshake(SECRET, None)
+    assert isinstance(got, auth.AuthError) and "wrong or missing secret" in str(got)
+    assert client is None   # without a secret the client cannot check the server
+
+
+def test_a_client_refuses_a_server_that_cannot_prove_the_secret():
+    """Another secret, or none (a process squatting the port): the client hangs up before
+    it sends a MAC, so the server side only ever sees the connection close."""
+    for server_secret in (OTHER, None):
+        got, client = _handshake(server_secret, SECRET)
+        assert isinstance(client, auth.AuthError) and "did not prove" in str(client)
+        assert isinstance(got, auth.AuthError) and "closed" in str(got)
 
 
 def test_handshake_without_a_server_secret_still_reads_the_session():
-    assert _handshake(None, None, b"x" * 16) == b"x" * 16
-    assert _handshake(None, SECRET, b"y" * 16) == b"y" * 16
+    assert _handshake(None, None, b"x" * 16) == (b"x" * 16, None)
 
 
-def test_handshake_mac_is_bound_to_the_nonce():
-    """A recorded answer cannot be replayed: the MAC covers the server's fresh nonce."""
-    s = b"z" * 16
-    assert auth.handshake_mac(SECRET, b"n" * 32, s) != auth.handshake_mac(SECRET, b"m" * 32, s)
+def test_link_macs_are_bound_to_both_nonces_the_side_the_session_and_the_port():
+    """A recorded MAC cannot be replayed on another connection (two fresh nonces), passed off
+    as the other side's, or relayed to a server on another port."""
+    base = ("server", b"n" * 32, b"c" * 32, b"z" * 16, 6000)
+    mac = auth.link_mac(SECRET, *base)
+    for i, other in ((0, "client"), (1, b"m" * 32), (2, b"d" * 32), (3, b"y" * 16), (4, 6001)):
+        changed = list(base)
+        changed[i] = other
+        assert auth.link_mac(SECRET, *changed) != mac, i
+    assert auth.link_mac(None, *base) == bytes(auth.MAC_BYTES)
+
+
+def test_a_squatting_server_gets_no_mac():
+    """What a client with the secret sends to a server without it: a nonce and its session,
+    never a MAC of the secret."""
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    b.settimeout(5)
+    try:
+        a.sendall(b"N" * auth.NONCE_BYTES)           # the squatter's nonce
+        a.sendall(bytes(auth.MAC_BYTES))             # ... and a made-up proof
+        with pytest.raises(auth.AuthError, match="did not prove"):
+            auth.client_handshake(b, SECRET, b"s" * 16)
+        b.close()
+        got = a.recv(4096)
+        rest = a.recv(4096)
+        assert len(got) == auth.NONCE_BYTES + auth.SESSION_BYTES and rest == b""
+    finally:
+        a.close()
+        b.close()
 
 
 def test_handshake_short_answer_is_an_auth_error():
