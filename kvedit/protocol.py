@@ -157,15 +157,18 @@ class Stats(_Msg, tag="stats"):
 
 class WatchKeys(_Msg, tag="watch_keys"):
     """Follow which "kv" keys of `model` (these tp_ranks) are ready (kvedit.client.key_watch).
-    renew=False (re)subscribes: the reply is a KeySnapshot, then the server pushes KeyEvents
-    on this socket as keys become ready or go. renew=True keeps the watch alive (it ends
-    after the server's watch TTL without one) -> WatchAck. `epoch` (the client's subscription
-    number) is echoed in every reply and push, so messages of an earlier subscription are
-    told apart."""
+    renew=False (re)subscribes: the server sends a KeySnapshot in parts, and KeyEvents as keys
+    become ready or go, every message of the subscription numbered by `seq` from 0 (the first
+    part). renew=True keeps the watch alive and acknowledges what arrived: `seen` is the last
+    seq the client applied (-1: none), so the server knows how many bytes it still has queued
+    for this client (docs/protocol.md, "Key watches") -> WatchAck. `epoch` (the client's
+    subscription number) is echoed in every message, so an earlier subscription's are told
+    apart."""
     model: str
     tp_ranks: Annotated[list[int], msgspec.Meta(max_length=MAX_WATCH_RANKS)]
     epoch: int
     renew: bool = False
+    seen: int = -1
 
 
 Request = Union[Hello, Register, Unregister, GetLayout, ListModels, Lookup, PrepareStore,
@@ -245,15 +248,19 @@ class StatsReply(_Msg, tag="stats_reply"):
 
 
 class KeySnapshot(_Msg, tag="key_snapshot"):
-    """WatchKeys' reply: every ready key of the watched model, by tp_rank. Pushes follow."""
+    """One part of a watch's snapshot: ready keys of the watched model, by tp_rank. Part seq 0
+    starts the copy; parts and KeyEvents then come in seq order (events sent while the
+    snapshot is built are applied on top of it); the part with more=False ends it."""
     epoch: int
     keys: dict[int, list[bytes]]
+    seq: int = 0
+    more: bool = False
 
 
 class KeyEvents(_Msg, tag="key_events"):
     """Pushed to a watch: keys that became ready or went (evicted, deleted) since the last
-    push, by tp_rank. seq counts a subscription's pushes from 1; a gap means one was lost
-    (the client's queue was full) and the client subscribes again."""
+    push, by tp_rank. seq numbers the subscription's messages (snapshot parts too); a gap
+    means one was lost (a queue was full) and the client subscribes again."""
     epoch: int
     seq: int
     added: dict[int, list[bytes]] = {}
@@ -261,7 +268,8 @@ class KeyEvents(_Msg, tag="key_events"):
 
 
 class WatchAck(_Msg, tag="watch_ack"):
-    """A renewed watch -> the seq of its last push (-1: no such watch: subscribe again)."""
+    """A renewed watch -> the seq of its last message (-1: no such watch, or the server
+    dropped it: subscribe again). Also pushed, with -1, to a watch the server drops."""
     epoch: int
     seq: int
 

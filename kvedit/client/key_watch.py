@@ -1,16 +1,25 @@
 """A client's copy of which "kv" keys of one model the server holds ready.
 
-Made by `KVClient.watch_keys`; the server side is kvedit.server.key_feed (why it exists, and
-the order it guarantees). The copy is a hint that errs only one way that matters: the
-connector answers "not in the server" from it without asking (`lacks`), and asks the server
-for anything the copy says is there. So the copy must not miss a key the server holds; every
-way it could is turned into "don't trust the copy" (`trusted` False, every lookup asks the
-server) until a fresh snapshot arrives:
-- before the first snapshot, and after a subscription is sent again;
-- a push lost (its seq skips one: the client's receive queue was full and the server dropped
-  it) or a renewal whose seq says one was lost;
-- a renewal the server no longer knows (restarted, or the watch passed its TTL unrenewed);
-- no answer to a subscription or renewal within ANSWER_S (a stalled or vanished server).
+Made by `KVClient.watch_keys`; the server side is kvedit.server.key_feed (why it exists, the
+order it guarantees, and its bounds). The copy is a hint that errs only one way that
+matters: the connector answers "not in the server" from it without asking (`lacks`), and
+asks the server for anything the copy says is there. So the copy must not miss a key the
+server holds; every way it could is turned into "don't trust the copy" (`trusted` False,
+every lookup asks the server) until a fresh snapshot has arrived whole:
+- before the snapshot's last part, and after a subscription is sent again;
+- a message lost (its seq skips one: a queue was full and the server dropped it), or a
+  renewal whose seq says one was lost;
+- a renewal the server no longer knows (restarted, the watch passed its TTL, or the server
+  dropped it because this client fell too far behind: seq -1);
+- no answer to a subscription or renewal within ANSWER_S (a stalled or vanished server;
+  the client then also reads its secret again, in case the server restarted with another);
+- a subscription refused (the server's watch bounds, or the model not registered yet: the
+  connector subscribes before its workers register the model): tried again after a backoff
+  that doubles from RETRY_MIN_S to RETRY_MAX_S.
+The snapshot arrives in parts, and what changes meanwhile arrives between them, all in seq
+order; the copy applies each as it comes. Renewals acknowledge the last seq applied (the
+server sends a watch only so much it has not acknowledged): every RENEW_S, and during a
+snapshot every ACK_BYTES applied.
 
 Single-threaded: `sync()` reads what has arrived without blocking (call it before using the
 copy); the socket is the caller's KVClient's, closed with it.
@@ -18,6 +27,7 @@ copy); the socket is the caller's KVClient's, closed with it.
 from __future__ import annotations
 
 import logging
+import random
 import time
 
 import zmq
@@ -28,23 +38,29 @@ log = logging.getLogger("kvedit.client")
 
 RENEW_S = 1.0          # renew the watch this often (the server ends it after 30 s without)
 ANSWER_S = 5.0         # a subscription or renewal unanswered this long: subscribe again
-RCV_HWM = 100_000      # pushes queued here before the server drops some (then: a new snapshot)
+ACK_BYTES = 1 << 20    # during a snapshot, acknowledge after applying this much
+RETRY_MIN_S, RETRY_MAX_S = 1.0, 60.0   # after a refused subscription
+RCV_HWM = 100_000      # messages queued here before the server drops some (then: resubscribe)
 
 
 class KeyWatch:
-    def __init__(self, client, sock: zmq.Socket, model: str, tp_ranks: list[int],
-                 clock=time.monotonic):
-        sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+    def __init__(self, client, model: str, tp_ranks: list[int], clock=time.monotonic):
         self.client = client     # the KVClient whose socket this is
-        self.sock, self.model, self.ranks, self.clock = sock, model, list(tp_ranks), clock
+        self.model, self.ranks, self.clock = model, list(tp_ranks), clock
+        self.sock = client.open_socket(rcvhwm=RCV_HWM)
+        self._credentials = client.credentials
         self.keys: dict[int, set[bytes]] = {r: set() for r in self.ranks}
         self.trusted = False
-        self.closed = False      # refused by the server (a bound): the copy is never used
+        self.closed = False      # the client was closed: the copy is never used again
+        self.refused: str | None = None   # the last refusal's code, while waiting to retry
         self.epoch = 0
-        self.seq = 0
-        self.renewed_at = 0.0    # when the last renewal went out
+        self.seq = -1            # the last message of this subscription applied
+        self.renewed_at = 0.0    # when the last subscription or renewal went out
         self.acked = True        # its answer came
         self.resyncs = 0         # subscriptions sent again (lost pushes, restarts, stalls)
+        self.retry_at: float | None = None
+        self.backoff = RETRY_MIN_S
+        self._applied = 0        # bytes applied since the last acknowledgement
         self._subscribe()
 
     # ---- use -------------------------------------------------------------------------
@@ -65,62 +81,101 @@ class KeyWatch:
                     frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
+                self._applied += len(frames[-1])
                 self._on(P.reply_decoder.decode(frames[-1].buffer))
-            now = self.clock()
-            if not self.acked and now - self.renewed_at > ANSWER_S:
-                self._resync("no answer within %.0f s" % ANSWER_S)
-            elif self.acked and self.trusted and now - self.renewed_at > RENEW_S:
-                self._send(P.WatchKeys(model=self.model, tp_ranks=self.ranks,
-                                       epoch=self.epoch, renew=True))
-                self.renewed_at, self.acked = now, False
+            self._due(self.clock())
         except zmq.ZMQError as e:   # the client was closed under us
             self.trusted, self.closed = False, True
             log.debug("key watch of %s ended: %s", self.model, e)
 
+    def _due(self, now: float) -> None:
+        if self.retry_at is not None:
+            if now >= self.retry_at:
+                self.retry_at = None
+                self._subscribe()
+            return
+        if not self.acked:
+            if now - self.renewed_at > ANSWER_S:
+                self._resync("no answer within %.0f s" % ANSWER_S)
+        elif self.seq >= 0 and (now - self.renewed_at > RENEW_S
+                                or (not self.trusted and self._applied >= ACK_BYTES)):
+            self._send(P.WatchKeys(model=self.model, tp_ranks=self.ranks, epoch=self.epoch,
+                                   renew=True, seen=self.seq))
+            self.renewed_at, self.acked, self._applied = now, False, 0
+
+    def close(self) -> None:
+        """Stop watching: the socket closes and the server ends the watch."""
+        if not self.closed:
+            self.trusted, self.closed = False, True
+            self.client.close_socket(self.sock)
+
     # ---- messages --------------------------------------------------------------------
     def _on(self, msg) -> None:
-        if isinstance(msg, P.Error):
-            self.trusted, self.closed = False, True
-            log.info("kvedit: the server refused a key watch of %s (%s): %s; lookups ask it",
-                     self.model, msg.code, msg.message)
-            return
+        if isinstance(msg, P.Error):   # only subscriptions can be refused
+            return self._refused(msg)
         if getattr(msg, "epoch", None) != self.epoch:
             return   # an earlier subscription's
+        if isinstance(msg, P.WatchAck):
+            self.acked = True
+            if msg.seq < 0:
+                self._resync("the server does not know this watch (restarted, expired, or "
+                             "dropped as it fell behind)")
+            elif msg.seq != self.seq:
+                # messages are sent before the ack on the same connection: another seq here
+                # means some were dropped
+                self._resync(f"renewal says message {msg.seq}, {self.seq} arrived")
+            return
+        if msg.seq != self.seq + 1:
+            return self._resync(f"message {msg.seq} after {self.seq}: some were lost")
+        self.seq = msg.seq
         if isinstance(msg, P.KeySnapshot):
-            self.keys = {r: set(msg.keys.get(r, ())) for r in self.ranks}
-            self.seq, self.trusted, self.acked = 0, True, True
-            self.renewed_at = self.clock()
+            if msg.seq == 0:   # the first part: the subscription is answered
+                self.keys = {r: set() for r in self.ranks}
+                self.acked, self.refused, self.backoff = True, None, RETRY_MIN_S
+                self.renewed_at = self.clock()
+            for r, ks in msg.keys.items():
+                if r in self.keys:
+                    self.keys[r].update(ks)
+            if not msg.more:
+                self.trusted = True
         elif isinstance(msg, P.KeyEvents):
-            if not self.trusted:
-                return   # before the snapshot: it holds these already
-            if msg.seq != self.seq + 1:
-                return self._resync(f"push {msg.seq} after {self.seq}: some were lost")
-            self.seq = msg.seq
             for r, ks in msg.added.items():
                 if r in self.keys:
                     self.keys[r].update(ks)
             for r, ks in msg.removed.items():
                 if r in self.keys:
                     self.keys[r].difference_update(ks)
-        elif isinstance(msg, P.WatchAck):
-            self.acked = True
-            if msg.seq < 0:
-                self._resync("the server does not know this watch (restarted or expired)")
-            elif msg.seq != self.seq:
-                # pushes are sent before the ack on the same connection: a lower seq here
-                # means some were dropped
-                self._resync(f"renewal says push {msg.seq}, {self.seq} arrived")
+
+    def _refused(self, err: P.Error) -> None:
+        self.trusted, self.acked = False, True
+        if self.refused != err.code:
+            log.info("kvedit: the server refused a key watch of %s (%s): %s; lookups ask it, "
+                     "and the watch is tried again in %.0f s", self.model, err.code,
+                     err.message, self.backoff)
+        self.refused = err.code
+        # jitter: many connectors refused at once do not all come back at once
+        self.retry_at = self.clock() + self.backoff * random.uniform(0.8, 1.2)
+        self.backoff = min(RETRY_MAX_S, 2 * self.backoff)
 
     def _resync(self, why: str) -> None:
         log.debug("kvedit key watch of %s: subscribing again (%s)", self.model, why)
         self.resyncs += 1
+        if not self.acked and self.client.reload_secret() or \
+                self._credentials != self.client.credentials:
+            # the server may have restarted with another secret: a socket made with it
+            self.client.close_socket(self.sock)
+            self.sock = self.client.open_socket(rcvhwm=RCV_HWM)
+            self._credentials = self.client.credentials
         self._subscribe()
 
     def _subscribe(self) -> None:
+        seen, self.seq = self.seq, -1
         self.epoch += 1
-        self.trusted, self.acked = False, False
+        self.trusted, self.acked, self._applied = False, False, 0
         self.renewed_at = self.clock()
-        self._send(P.WatchKeys(model=self.model, tp_ranks=self.ranks, epoch=self.epoch))
+        # `seen`: what arrived of the last subscription, so the server counts it as read
+        self._send(P.WatchKeys(model=self.model, tp_ranks=self.ranks, epoch=self.epoch,
+                               seen=seen))
 
     def _send(self, msg) -> None:
         try:

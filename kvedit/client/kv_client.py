@@ -190,7 +190,7 @@ class KVClient:
     def watch_keys(self, model: str, tp_ranks: list[int]) -> KeyWatch:
         """A copy of which "kv" keys of `model` the server holds ready, kept current by the
         server's pushes (kvedit.client.key_watch): call its `sync()` from one thread."""
-        return KeyWatch(self, self.open_socket(), model, tp_ranks)
+        return KeyWatch(self, model, tp_ranks)
 
     def _drop_sock(self) -> None:
         """After a timeout: a fresh socket, so queued requests are never replayed later."""

@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             ("max_waits_total", "parked lookups of all clients"),
             ("max_parked_keys", "keys of all parked lookups together"),
             ("max_data_conns", "open data-link connections"),
+            ("max_watches", "key watches of all clients"),
+            ("max_watches_per_client", "key watches of one client session"),
             ("max_query_bytes", "bytes of the largest captured-queries object (a store of a "
                                 "bigger one is refused with too_large)"),
             ("max_leases_per_client", "open (or quarantined) read leases of one client "
@@ -100,7 +102,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                       "this long"),
             ("transfer_timeout", "data link: cut a single PUT/GET that takes longer"),
             ("http_head_timeout", "HTTP: close a connection that has not sent a whole request "
-                                  "head this long after it opened or after its last answer")):
+                                  "head this long after it opened or after its last answer"),
+            ("watch_ttl", "key watch: end one not renewed this long, or whose client left "
+                          "what it was sent unacknowledged this long (then its connection "
+                          "is cut)"),
+            ("watch_queue_mb", "key watch: MiB sent to one watch and not acknowledged by its "
+                               "client, at most (a snapshot waits; a push past it drops the "
+                               "watch, whose client subscribes again)"),
+            ("watch_queue_total_mb", "key watch: MiB sent to all watches and not "
+                                     "acknowledged, at most"),
+            ("watch_subscribes_per_min", "key watch: subscriptions one session may make a "
+                                         "minute (a burst of 8)"),
+            ("watch_slice_ms", "key watch: milliseconds of loop time a pass spends building "
+                               "snapshots (they are sent in parts)")):
         g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(_D, name),
                        help=f"seconds: {hlp} (default {getattr(_D, name)})")
     add_l2_arguments(p)
@@ -165,6 +179,8 @@ def config_from_args(args) -> ServerConfig:
              "max_models", "max_model_name", "max_keys_per_request", "max_message_bytes",
              "max_waits_per_client", "max_waits_total", "max_parked_keys", "max_wait_seconds",
              "max_data_conns", "max_query_bytes", "data_idle_timeout", "handshake_timeout",
+             "max_watches", "max_watches_per_client", "watch_ttl", "watch_queue_mb",
+             "watch_queue_total_mb", "watch_subscribes_per_min", "watch_slice_ms",
              "transfer_idle_timeout", "transfer_timeout", "insecure",
              "max_leases_per_client", "max_leases_total", "max_stores_per_client",
              "max_stores_total", "max_leased_keys_per_client", "max_leased_keys_total",

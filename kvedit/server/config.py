@@ -11,6 +11,7 @@ import ipaddress
 from dataclasses import asdict, dataclass
 
 from kvedit.protocol import MAX_KEY_BYTES, MAX_KEYS
+from kvedit.server.key_feed import WatchLimits
 from kvedit.server.quota import QuotaLimits
 
 EVICTION_POLICIES = ("LRU", "FIFO", "ARC", "none")
@@ -75,6 +76,15 @@ class ServerConfig:
     handshake_timeout: float = 5.0    # data link: seconds for the client's first bytes
     transfer_idle_timeout: float = 10.0  # data link: seconds without progress mid-transfer
     transfer_timeout: float = 300.0   # data link: longest single PUT/GET
+    # ---- key watches (key_feed.py) ----
+    max_watches: int = 64               # watches in all (a socket each)
+    max_watches_per_client: int = 4     # watches of one session
+    watch_ttl: float = 30.0             # seconds a watch lives without a renewal, and bytes
+                                        # may wait unacknowledged before its connection is cut
+    watch_queue_mb: float = 4.0         # MiB sent to one watch and not acknowledged, at most
+    watch_queue_total_mb: float = 32.0  # ... to all watches together
+    watch_subscribes_per_min: float = 30.0   # subscriptions of one session (a burst of 8)
+    watch_slice_ms: float = 4.0         # loop time a pass spends building snapshots
     # ---- authentication ----
     secret_file: str = ""             # where the shared secret came from ("" = none / env)
     authenticated: bool = False       # a secret is in use (the secret itself is never here)
@@ -109,6 +119,14 @@ class ServerConfig:
         return self.max_message_bytes or (self.max_keys_per_request * (MAX_KEY_BYTES + 3)
                                           + 64 * 1024)
 
+    def watch_limits(self) -> WatchLimits:
+        return WatchLimits(
+            max_watches=self.max_watches, per_client=self.max_watches_per_client,
+            ttl_s=self.watch_ttl, queued_bytes=int(self.watch_queue_mb * MIB),
+            queued_total=int(self.watch_queue_total_mb * MIB),
+            subscribes_per_min=self.watch_subscribes_per_min,
+            slice_s=self.watch_slice_ms / 1000)
+
     def quota_limits(self) -> QuotaLimits:
         pool = self.pool_bytes
         return QuotaLimits(
@@ -130,7 +148,8 @@ class ServerConfig:
             raise ValueError(f"--eviction {self.eviction_policy!r} is not one of "
                              f"{[p.lower() for p in EVICTION_POLICIES]}")
         for name in ("lease_ttl", "write_ttl", "max_wait_seconds", "data_idle_timeout",
-                     "handshake_timeout", "transfer_idle_timeout", "transfer_timeout"):
+                     "handshake_timeout", "transfer_idle_timeout", "transfer_timeout",
+                     "watch_ttl", "watch_subscribes_per_min", "watch_slice_ms"):
             if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got "
                                  f"{getattr(self, name)}")
@@ -142,7 +161,8 @@ class ServerConfig:
                      "max_data_conns", "max_query_bytes", "max_leases_per_client",
                      "max_leases_total", "max_stores_per_client", "max_stores_total",
                      "max_leased_keys_per_client", "max_leased_keys_total", "http_max_conns",
-                     "http_max_conns_per_peer", "http_max_requests"):
+                     "http_max_conns_per_peer", "http_max_requests", "max_watches",
+                     "max_watches_per_client"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
                                  f"{getattr(self, name)}")
@@ -155,6 +175,10 @@ class ServerConfig:
         if not 0 < self.max_client_pool_fraction <= 1:
             raise ValueError(f"--max-client-pool-fraction is a fraction of the pool in (0, 1], "
                              f"got {self.max_client_pool_fraction}")
+        if not 1 <= self.watch_queue_mb <= self.watch_queue_total_mb:
+            raise ValueError(f"--watch-queue-mb must be at least 1 (a snapshot part must fit) "
+                             f"and at most --watch-queue-total-mb ({self.watch_queue_total_mb}),"
+                             f" got {self.watch_queue_mb}")
         if not self.http_head_timeout > 0:
             raise ValueError(f"--http-head-timeout must be > 0 seconds, got "
                              f"{self.http_head_timeout}")

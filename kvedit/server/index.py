@@ -239,6 +239,19 @@ class Index:
             self._forget(o)
         return len(victims)
 
+    def newest_ready(self, model: str | None = None) -> int | None:
+        """The commit stamp of the newest ready object (of one model); None if none."""
+        return self.pages.newest(model)
+
+    def clear_some(self, model: str | None, upto: int, limit: int) -> tuple[int, bool]:
+        """Delete up to `limit` of the ready objects (of one model) committed at or before
+        stamp `upto` -> (how many, whether any are left): DELETE /cache, a slice at a time."""
+        objs, _ = self.pages.after(model, None, limit)
+        victims = [o for o in objs if o.seq <= upto]
+        for o in victims:
+            self._forget(o)
+        return len(victims), len(victims) == limit
+
     def drop_model(self, model: str, tp_rank: int) -> int:
         """Delete every object of (model, tp_rank) before Unregister; Busy if any is leased
         or being written (nothing is deleted then)."""

@@ -126,6 +126,9 @@ class SortedInts:
     def first(self) -> int | None:
         return self._blocks[0][0] if self._blocks else None
 
+    def last(self) -> int | None:
+        return self._maxes[-1] if self._maxes else None
+
     def after(self, cursor: int | None) -> Iterator[int]:
         """Members greater than `cursor` (all members when None), ascending.
 

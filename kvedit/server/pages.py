@@ -47,6 +47,26 @@ class CommitOrder:
         seqs = self._seqs(model)
         return [self._by_seq[s] for s in seqs.after(None)] if seqs else []
 
+    def newest(self, model: str | None = None) -> int | None:
+        """The commit stamp of the newest ready object (of `model`); None if none."""
+        seqs = self._seqs(model)
+        return seqs.last() if seqs else None
+
+    def after(self, model: str | None, cursor: int | None,
+              limit: int) -> tuple[list[Obj], int | None]:
+        """Up to `limit` ready objects of `model` committed after stamp `cursor` (None: from
+        the oldest), and the stamp to go on from (None when there were none). O(limit): a
+        key watch's snapshot is built from these slices (key_feed.py)."""
+        seqs = self._seqs(model)
+        out: list[Obj] = []
+        if seqs:
+            by_seq = self._by_seq
+            for s in seqs.after(cursor):
+                out.append(by_seq[s])
+                if len(out) == limit:
+                    break
+        return out, (out[-1].seq if out else None)
+
     def page(self, model: str | None, after: int | None, limit: int) -> Page:
         """Up to `limit` ready objects (of `model`) in commit order after cursor `after`."""
         seqs = self._seqs(model)

@@ -12,10 +12,18 @@ ties a descriptor to a routing id. Descriptors are reused by the kernel, so the 
 matters: the monitor is drained after each message is received (the I/O thread queued the
 events of that descriptor before it queued the message) and a message that arrives on a
 descriptor already reported closed marks its sender gone at once.
+
+The same descriptor answers two questions about one socket's connection for the key feed
+(key_feed.py): how many bytes the kernel has delivered to the peer (TCP_INFO: what a client
+claims to have read is believed only that far), and, for a peer that does not read what the
+server queued for it, `cut` shuts the connection down: libzmq then drops the connection and
+frees the messages it still held for that peer (a DEALER reconnects by itself).
 """
 from __future__ import annotations
 
 import logging
+import socket
+import struct
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -24,6 +32,8 @@ log = logging.getLogger("kvedit.server")
 
 SESSION_BYTES = 16
 ROUTING_ID_BYTES = SESSION_BYTES + 4
+_TCP_INFO_BYTES = 232
+_BYTES_ACKED_AT = 120    # struct tcp_info: tcpi_bytes_acked (u64, Linux >= 4.1)
 
 
 def holder_of(ident: bytes) -> bytes:
@@ -38,6 +48,7 @@ class Peers:
         self._ident_fd: dict[bytes, int] = {}
         self._open: set[int] = set()
         self._holder_idents: dict[bytes, set[bytes]] = {}
+        self.closed: list[bytes] = []   # idents whose connection closed (the caller drains)
 
     def seen(self, ident: bytes, frame: zmq.Frame) -> list[bytes]:
         """A message from `ident` arrived on `frame`'s descriptor -> the holders now gone."""
@@ -82,6 +93,7 @@ class Peers:
 
     def _drop_ident(self, ident: bytes) -> list[bytes]:
         holder = holder_of(ident)
+        self.closed.append(ident)
         self._forget_ident(ident)
         if self._holder_idents.get(holder):
             return []
@@ -98,6 +110,54 @@ class Peers:
 
     def connected(self) -> int:
         return len(self._open)
+
+    def take_closed(self) -> list[bytes]:
+        """Idents whose connection closed since the last call."""
+        out, self.closed = self.closed, []
+        return out
+
+    def _fd(self, ident: bytes) -> int | None:
+        fd = self._ident_fd.get(ident)
+        return fd if fd is not None and fd in self._open else None
+
+    def delivered(self, ident: bytes) -> tuple[int, int] | None:
+        """(descriptor, bytes the kernel has delivered to the peer on it) for `ident`'s
+        connection; None when unknown (not TCP, not Linux, gone)."""
+        fd = self._fd(ident)
+        if fd is None:
+            return None
+        try:
+            s = socket.socket(fileno=fd)   # borrowed: detached below, never closed here
+        except OSError:
+            return None
+        try:
+            info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+        except (OSError, AttributeError):
+            return None
+        finally:
+            s.detach()
+        if len(info) < _BYTES_ACKED_AT + 8:
+            return None
+        return fd, struct.unpack_from("=Q", info, _BYTES_ACKED_AT)[0]
+
+    def cut(self, ident: bytes) -> bool:
+        """Shut `ident`'s connection down (libzmq then closes it and frees its queue)."""
+        fd = self._fd(ident)
+        if fd is None:
+            return False
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:
+            return False
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False
+        finally:
+            s.detach()
+        log.info("cut the connection of a client socket that left what the server sent "
+                 "it unread")
+        return True
 
     def close(self) -> None:
         self.monitor.close(linger=0)

@@ -43,6 +43,8 @@ BURST = 256               # messages handled before housekeeping runs again
 FREEZE_MIN_OBJECTS = 50_000  # below this a full GC pass is cheap enough
 FREEZE_GROWTH = 1.1       # freeze again when the index grew by this factor
 KEY_BYTES = 64            # what a parked or leased key costs the heap, about (trim.py)
+CLEAR_SLICE = 512         # objects DELETE /cache deletes per hold of the lock (~5-10 ms)
+CLEAR_PAUSE_S = 0.001     # ... then the loop gets the lock before the next slice
 
 
 class Fail(Exception):
@@ -111,7 +113,10 @@ class Service(L2Methods):
         self.info.protocol = P.PROTOCOL
         self._l2_init(secret)   # second tier (--l2-url): kvedit/server/l2_service.py
         self.info.l2 = self.l2 is not None
-        self.feed = KeyFeed()               # clients' copies of the ready keys (key_feed.py)
+        # clients' copies of the ready keys (key_feed.py)
+        self.feed = KeyFeed(cfg.watch_limits(), send=self._send_bytes,
+                            ready_after=self.index.pages.after,
+                            delivered=self.peers.delivered, cut=self.peers.cut)
         self.index.feed = self.feed
 
     # ---- loop -------------------------------------------------------------------------
@@ -126,7 +131,7 @@ class Service(L2Methods):
             poller.register(self.l2.wake_fd, zmq.POLLIN)
         while not self.stop_requested:
             with self.lock:
-                timeout = self._timeout_ms()
+                timeout = 0 if self.feed.has_work() else self._timeout_ms()
             events = dict(poller.poll(timeout))
             if self.sock in events:
                 for _ in range(BURST):  # drain a burst, then do housekeeping
@@ -138,14 +143,16 @@ class Service(L2Methods):
             if self.l2 is not None and self.l2.wake_fd in events:
                 with self.lock:
                     self._l2_events()
-                    self.feed.flush(self._send)
+                    self.feed.flush()
             try:
                 gone = self.peers.poll()
                 with self.lock:
+                    self._connections_closed()
                     for holder in gone:
                         self._session_gone(holder)
                     self._housekeeping(time.monotonic())
-                    self.feed.flush(self._send)   # what HTTP's threads changed, expiries
+                    self.feed.flush()   # what HTTP's threads changed, expiries
+                    self.feed.work()    # snapshots of key watches, a slice at a time
             except Exception:  # a bug must not take the server (and its data) down
                 log.exception("internal error in housekeeping")
 
@@ -182,6 +189,7 @@ class Service(L2Methods):
         self.feed.expire(now)
         self._freeze_gc()
         self.trim.observe(KEY_BYTES * (self.waiters.keys + self.index.leased_keys())
+                          + self.feed.total
                           + (self.l2.queue_bytes if self.l2 is not None else 0))
 
     def _freeze_gc(self) -> None:
@@ -195,6 +203,11 @@ class Service(L2Methods):
             gc.collect(1)   # young cyclic garbage is not frozen with them (cheap: gens 0-1)
             gc.freeze()
             self._frozen_objects = n
+
+    def _connections_closed(self) -> None:
+        """Sockets whose connection closed: ZMQ dropped what was queued for them."""
+        for ident in self.peers.take_closed():
+            self.feed.disconnected(ident)
 
     def _session_gone(self, holder: bytes) -> None:
         """The holder's last socket disconnected: let go of what only it could use."""
@@ -219,12 +232,13 @@ class Service(L2Methods):
         else:
             rid = frames[1].bytes
             with self.lock:
+                self._connections_closed()   # before a new subscription on a new connection
                 # pushes to key watches leave before any reply: before this request's (a
                 # watch's snapshot starts after them) and after it (a Committed reply never
                 # overtakes the push of its keys)
-                self.feed.flush(self._send)
+                self.feed.flush()
                 out = self._dispatch(ident, rid, frames)
-                self.feed.flush(self._send)
+                self.feed.flush()
         if out is not None:
             self._send(ident, rid, out)
         if gone:
@@ -263,7 +277,12 @@ class Service(L2Methods):
         return P.Error(code=code, message=message)
 
     def _send(self, ident: bytes, rid: bytes, reply) -> None:
-        self.sock.send_multipart([ident, rid, P.encoder.encode(reply)])
+        self._send_bytes(ident, rid, P.encoder.encode(reply))
+
+    def _send_bytes(self, ident: bytes, rid: bytes, body: bytes) -> None:
+        """The one place a message leaves: a key watch's socket counts what it was sent."""
+        self.feed.count(ident, len(rid) + len(body))
+        self.sock.send_multipart([ident, rid, body])
 
     def _handle(self, ident: bytes, rid: bytes, req, data: list[zmq.Frame]):
         if data:
@@ -317,8 +336,12 @@ class Service(L2Methods):
             case P.Delete(model=model, keys=keys, tp_rank=tp, kind=kind):
                 self._layout(model, tp, keys)
                 return P.Count(n=self.index.delete(model, tp, keys, kind))
+            case P.WatchKeys(renew=False, model=model, tp_ranks=ranks):
+                for r in sorted(set(ranks)):
+                    self._layout(model, r)   # unknown_model: a watch of nothing would stay empty
+                return self.feed.watch(ident, holder, rid, req)
             case P.WatchKeys():
-                return self.feed.watch(ident, holder, rid, req, self.index.pages.ready)
+                return self.feed.watch(ident, holder, rid, req)
             case P.Stats():
                 return P.StatsReply(stats=self._snapshot())
         raise Fail("unknown_type", f"unhandled message type {type(req).__name__}")
@@ -524,12 +547,11 @@ class Service(L2Methods):
     def _snapshot(self) -> dict:
         return self.index.snapshot() | {
             "models": len(self.layouts), "waiting_lookups": len(self.waiters),
-            "key_watches": len(self.feed), "key_pushes": self.feed.pushes,
             "parked_keys": self.waiters.keys, "data_conns": self.data.connections(),
             "zmq_conns": self.peers.connected(), "heap_trims": self.trim.trims,
             "transfer_mode": "shm" if self.cfg.shm_name else "socket",
             "uptime_s": round(time.time() - self.started, 3),
-        } | (self.l2.snapshot() if self.l2 is not None else {})
+        } | self.feed.snapshot() | (self.l2.snapshot() if self.l2 is not None else {})
 
     def models(self) -> dict[str, list[ModelLayout]]:
         """The registered layouts by model name (at most --max-models): ListModels, /status."""
@@ -548,9 +570,20 @@ class Service(L2Methods):
             return self.index.page(model, after, limit)
 
     def clear(self, model: str | None) -> int:
-        """DELETE /cache: delete every ready object (of one model) -> how many.
+        """DELETE /cache: delete every object (of one model) ready when it was asked -> how
+        many. In slices of CLEAR_SLICE objects, each under the lock, so the loop runs
+        between them (a quarter of a million objects in one go held it for seconds).
         Raises LookupError for a model that is not registered."""
         with self.lock:
             if model is not None and not any(m == model for m, _ in self.layouts):
                 raise LookupError(f"model {quoted(model)} is not registered")
-            return self.index.clear(model)
+            upto = self.index.newest_ready(model)
+        n = 0
+        while upto is not None:
+            with self.lock:
+                k, more = self.index.clear_some(model, upto, CLEAR_SLICE)
+            n += k
+            if not more:
+                break
+            time.sleep(CLEAR_PAUSE_S)
+        return n

@@ -120,14 +120,20 @@ def test_restarted_server_is_noticed():
     c.close()
 
 
-def test_watch_bounds_and_session_end(server):
+def test_watch_bounds_and_session_end(server, monkeypatch):
+    from kvedit.client import key_watch
+    monkeypatch.setattr(key_watch, "RETRY_MIN_S", 0.3)
     with KVClient(server.url) as c:
         watches = [c.watch_keys("m", [0]) for _ in range(key_feed.MAX_PER_HOLDER)]
         for w in watches:
             assert _synced(w)
         extra = c.watch_keys("m", [0])
-        assert wait_until(lambda: (extra.sync(), extra.closed)[1])
+        assert wait_until(lambda: (extra.sync(), extra.refused == "too_many_waits")[1])
         assert not extra.trusted and not extra.lacks([_keys(1)], 0)
+        assert extra.retry_at is not None and not extra.closed   # it tries again later
+        assert status(server)["key_watches"] == key_feed.MAX_PER_HOLDER
+        watches[0].close()   # a slot frees: the refused watch gets it on a retry
+        assert _synced(extra) and extra.refused is None
         assert status(server)["key_watches"] == key_feed.MAX_PER_HOLDER
     # the session's sockets are gone: so are its watches
     assert wait_until(lambda: status(server)["key_watches"] == 0)
