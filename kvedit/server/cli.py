@@ -64,6 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             ("max_waits_total", "parked lookups of all clients"),
             ("max_parked_keys", "keys of all parked lookups together"),
             ("max_data_conns", "open data-link connections"),
+            ("max_handshakes", "data-link connections that have not authenticated yet (at "
+                               "most half of --max-data-conns; beyond, the oldest "
+                               "unfinished handshake is closed)"),
+            ("max_handshakes_per_peer", "data-link connections in handshake of one peer (a "
+                                        "local user by uid, a remote address; not the "
+                                        "server's own user)"),
             ("max_watches", "key watches of all clients"),
             ("max_watches_per_client", "key watches of one client session"),
             ("max_query_bytes", "bytes of the largest captured-queries object (a store of a "
@@ -89,6 +95,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"fraction of the pool whose slots one client session's leases and "
                         f"pending stores may pin together (default "
                         f"{_D.max_client_pool_fraction})")
+    g.add_argument("--max-client-total-share", type=float, default=_D.max_client_total_share,
+                   help=f"fraction of each total cap (--max-leases-total, --max-stores-total, "
+                        f"--max-leased-keys-total) one client session may hold, whatever its "
+                        f"per-client cap says (default {_D.max_client_total_share})")
     g.add_argument("--fence-gone-sessions", action="store_true",
                    help="quarantine the slots of an expired store/lease even when its client "
                         "session had already disconnected (default: freed at expiry; see "
@@ -179,6 +189,7 @@ def config_from_args(args) -> ServerConfig:
              "max_models", "max_model_name", "max_keys_per_request", "max_message_bytes",
              "max_waits_per_client", "max_waits_total", "max_parked_keys", "max_wait_seconds",
              "max_data_conns", "max_query_bytes", "data_idle_timeout", "handshake_timeout",
+             "max_handshakes", "max_handshakes_per_peer", "max_client_total_share",
              "max_watches", "max_watches_per_client", "watch_ttl", "watch_queue_mb",
              "watch_queue_total_mb", "watch_subscribes_per_min", "watch_slice_ms",
              "transfer_idle_timeout", "transfer_timeout", "insecure",

@@ -55,6 +55,10 @@ class ServerConfig:
     max_parked_keys: int = 1 << 20    # keys of all parked lookups together (their memory)
     max_wait_seconds: float = 600.0   # longest Lookup.wait_timeout
     max_data_conns: int = 256         # open data-link connections (a thread each)
+    max_handshakes: int = 32          # ... of them not authenticated yet (handshakes.py; at
+                                      # most half of max_data_conns)
+    max_handshakes_per_peer: int = 8  # ... per peer (a local user by uid, else an address;
+                                      # not the server's own user)
     max_query_bytes: int = 256 * MIB  # largest captured-queries object (kind "queries")
     # ---- what one client session may hold (quota.py): counts, and bytes as pool fractions ----
     max_leases_per_client: int = 4096
@@ -65,6 +69,8 @@ class ServerConfig:
     max_leased_keys_total: int = 1 << 21
     max_client_pool_fraction: float = 0.75  # of the pool: slot bytes one session's leases
                                             # and pending stores pin together
+    max_client_total_share: float = 0.125   # of each total cap (leases, stores, leased keys):
+                                            # what one session may hold of it at most
     fence_gone_sessions: bool = False  # quarantine also what a disconnected session held
     # ---- HTTP (http.py) ----
     http_max_conns: int = 256           # open connections; beyond, the oldest idle one goes
@@ -73,7 +79,7 @@ class ServerConfig:
                                         # requests with the right bearer token)
     http_head_timeout: float = 3.0      # seconds for a whole request head
     data_idle_timeout: float = 60.0   # data link: seconds without a request before closing
-    handshake_timeout: float = 5.0    # data link: seconds for the client's first bytes
+    handshake_timeout: float = 2.0    # data link: seconds for the whole handshake
     transfer_idle_timeout: float = 10.0  # data link: seconds without progress mid-transfer
     transfer_timeout: float = 300.0   # data link: longest single PUT/GET
     # ---- key watches (key_feed.py) ----
@@ -119,6 +125,21 @@ class ServerConfig:
         return self.max_message_bytes or (self.max_keys_per_request * (MAX_KEY_BYTES + 3)
                                           + 64 * 1024)
 
+    @property
+    def l2_queue_bytes(self) -> int:
+        """The write-behind queue's bound: --l2-write-queue-mb, or (0) an eighth of the pool
+        within 16 MiB..1 GiB (a queue of copies of evicted chunks behind a Redis that is
+        down grew the server by ~1 GiB with a fixed 1 GiB default, whatever the pool)."""
+        if self.l2_write_queue_mb:
+            return int(self.l2_write_queue_mb * MIB)
+        return min(GIB, max(16 * MIB, self.pool_bytes // 8))
+
+    @property
+    def handshakes_total(self) -> int:
+        """Data-link connections in handshake at once: --max-handshakes, at most half of
+        --max-data-conns (the other half is always left to authenticated clients)."""
+        return max(1, min(self.max_handshakes, self.max_data_conns // 2))
+
     def watch_limits(self) -> WatchLimits:
         return WatchLimits(
             max_watches=self.max_watches, per_client=self.max_watches_per_client,
@@ -129,10 +150,17 @@ class ServerConfig:
 
     def quota_limits(self) -> QuotaLimits:
         pool = self.pool_bytes
+
+        def share(per_client: int, total: int) -> int:   # one session: a share of the total
+            return max(1, min(per_client, int(total * self.max_client_total_share)))
+
         return QuotaLimits(
-            leases_per_client=self.max_leases_per_client, leases_total=self.max_leases_total,
-            stores_per_client=self.max_stores_per_client, stores_total=self.max_stores_total,
-            lease_keys_per_client=self.max_leased_keys_per_client,
+            leases_per_client=share(self.max_leases_per_client, self.max_leases_total),
+            leases_total=self.max_leases_total,
+            stores_per_client=share(self.max_stores_per_client, self.max_stores_total),
+            stores_total=self.max_stores_total,
+            lease_keys_per_client=share(self.max_leased_keys_per_client,
+                                        self.max_leased_keys_total),
             lease_keys_total=self.max_leased_keys_total,
             # 1: no share at all (the pool itself bounds a session), not "at most the pool"
             bytes_per_client=(int(pool * self.max_client_pool_fraction)
@@ -161,8 +189,8 @@ class ServerConfig:
                      "max_data_conns", "max_query_bytes", "max_leases_per_client",
                      "max_leases_total", "max_stores_per_client", "max_stores_total",
                      "max_leased_keys_per_client", "max_leased_keys_total", "http_max_conns",
-                     "http_max_conns_per_peer", "http_max_requests", "max_watches",
-                     "max_watches_per_client"):
+                     "http_max_conns_per_peer", "http_max_requests", "max_handshakes",
+                     "max_handshakes_per_peer", "max_watches", "max_watches_per_client"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
                                  f"{getattr(self, name)}")
@@ -175,6 +203,9 @@ class ServerConfig:
         if not 0 < self.max_client_pool_fraction <= 1:
             raise ValueError(f"--max-client-pool-fraction is a fraction of the pool in (0, 1], "
                              f"got {self.max_client_pool_fraction}")
+        if not 0 < self.max_client_total_share <= 1:
+            raise ValueError(f"--max-client-total-share is a fraction of each total cap in "
+                             f"(0, 1], got {self.max_client_total_share}")
         if not 1 <= self.watch_queue_mb <= self.watch_queue_total_mb:
             raise ValueError(f"--watch-queue-mb must be at least 1 (a snapshot part must fit) "
                              f"and at most --watch-queue-total-mb ({self.watch_queue_total_mb}),"
@@ -226,6 +257,11 @@ class ServerConfig:
                                "quarantine_seconds": self.quarantine_seconds,
                                "message_bytes": self.message_bytes,
                                "client_pool_bytes": q.bytes_per_client,
+                               "l2_queue_bytes": self.l2_queue_bytes,
+                               "handshakes_total": self.handshakes_total,
+                               "client_caps": {"leases": q.leases_per_client,
+                                               "stores": q.stores_per_client,
+                                               "lease_keys": q.lease_keys_per_client},
                                "l2_url": redacted(self.l2_url)}
 
 

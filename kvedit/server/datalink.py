@@ -11,7 +11,10 @@ the loop created, and the service's begin_put/begin_get hand out its slots only 
 session that holds it (checked against the handshake). Framing: kvedit.wire.
 
 Every wait has a bound, so a stalled or hostile peer cannot pin a thread or a slot:
-- at most `max_data_conns` connections (beyond: an error reply instead of the nonce, close);
+- at most `max_data_conns` connections (beyond: an error reply instead of the nonce, close),
+  and of them at most `max_handshakes` (`max_handshakes_per_peer` per peer) that have not
+  authenticated yet (handshakes.py): a stranger without the secret never holds what
+  authenticated clients need;
 - the handshake must arrive within `handshake_timeout`, and a request header within
   `data_idle_timeout` of the previous request: total deadlines (a reaper thread shuts the
   socket down), so dripping one byte at a time does not extend them;
@@ -32,6 +35,7 @@ import threading
 import time
 
 from kvedit import auth
+from kvedit.server.handshakes import Handshakes
 from kvedit.wire import FAILED, GET, MAGIC, OK, PUT, REPLY, REQUEST, recv_exact, tune
 
 log = logging.getLogger("kvedit.server")
@@ -50,6 +54,7 @@ class DataLink:
         self._lock = threading.Lock()   # guards _conns (accept thread vs connection threads)
         self._closing = False
         self._deadlines: dict[socket.socket, float] = {}   # armed waits (under _lock)
+        self.handshakes = Handshakes(cfg.handshakes_total, cfg.max_handshakes_per_peer)
         self.thread = threading.Thread(target=self._accept, name="kvedit-data", daemon=True)
         self._reaper = threading.Thread(target=self._reap, name="kvedit-data-reaper",
                                         daemon=True)
@@ -105,10 +110,12 @@ class DataLink:
                 continue
             try:
                 tune(conn)
+                self.handshakes.admit(conn)   # may push out an older, unfinished handshake
                 threading.Thread(target=self._serve, args=(conn,), name="kvedit-data-conn",
                                  daemon=True).start()
             except (OSError, RuntimeError) as e:  # peer reset at once / no thread to be had
                 log.warning("data connection dropped at accept: %s", e)
+                self.handshakes.done(conn)
                 with self._lock:
                     self._conns.discard(conn)
                 conn.close()
@@ -130,7 +137,10 @@ class DataLink:
         try:
             self._arm(conn, cfg.handshake_timeout)
             try:
-                session = auth.server_handshake(conn, self.secret)
+                try:
+                    session = auth.server_handshake(conn, self.secret)
+                finally:
+                    self.handshakes.done(conn)
             except (auth.AuthError, OSError) as e:
                 with self._lock:
                     late = conn not in self._deadlines  # the reaper shut it down

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import socket
 import threading
 
@@ -178,17 +179,20 @@ class _Gate:
     peer (or of all): one with no request being served, i.e. a head not yet complete or a
     keep-alive between requests. So connections held open without a request cannot lock
     anyone out, whoever holds them; only when every connection has a request in flight is the
-    newcomer refused (503, closed)."""
+    newcomer refused (503, closed). The server's own user (who can read its secret anyway)
+    is never refused: its liveness probe is answered whatever others hold."""
 
-    def __init__(self, max_conns: int, per_peer: int):
+    def __init__(self, max_conns: int, per_peer: int, own_uid: int | None = None):
         self.max_conns, self.per_peer = max_conns, per_peer
+        self.own: PeerKey = ("uid", os.getuid() if own_uid is None else own_uid)
         self.open: dict[_Protocol, PeerKey] = {}     # in the order they opened
         self.count: dict[PeerKey, int] = {}
 
     def admit(self, conn: _Protocol, peer: PeerKey) -> bool:
-        if self.count.get(peer, 0) >= self.per_peer and not self._evict(peer):
+        mine = peer == self.own
+        if self.count.get(peer, 0) >= self.per_peer and not self._evict(peer) and not mine:
             return False
-        if len(self.open) >= self.max_conns and not self._evict(None):
+        if len(self.open) >= self.max_conns and not self._evict(None) and not mine:
             return False
         self.open[conn] = peer
         self.count[peer] = self.count.get(peer, 0) + 1

@@ -69,8 +69,11 @@ def test_a_lease_flood_of_one_key_does_not_grow_the_server():
 
 
 def test_lease_and_store_counts_are_capped_per_session_and_in_total():
+    # a per-session cap of 30 beside a total of 50: no share of the total (the share, one
+    # session at most an eighth of it, is tests/server/test_preauth.py's)
     flags = ["--max-leases-per-client", "30", "--max-leases-total", "50",
-             "--max-stores-per-client", "20", "--max-leased-keys-per-client", "100"]
+             "--max-stores-per-client", "20", "--max-leased-keys-per-client", "100",
+             "--max-client-total-share", "1"]
     with start_server(0.02, extra_args=flags) as s, KVClient(s.url) as c:
         c.register("m", SMALL)
         ks = [key(i, "caps") for i in range(4)]
