@@ -167,8 +167,9 @@ def add_l2_arguments(p: argparse.ArgumentParser) -> None:
                    help="write chunks behind when committed (default; other servers see them "
                         "at once) or only when L1 evicts them")
     g.add_argument("--l2-write-queue-mb", type=float, default=_D.l2_write_queue_mb,
-                   help=f"bound of the write-behind backlog in MiB; beyond it the oldest writes "
-                        f"are dropped and counted (default {_D.l2_write_queue_mb:g})")
+                   help="bound of the write-behind backlog in MiB; beyond it the oldest writes "
+                        "are dropped and counted (default 0: an eighth of the pool, at least "
+                        "16 MiB and at most 1 GiB)")
     g.add_argument("--l2-lookup-wait", type=float, default=_D.l2_lookup_wait,
                    help=f"seconds a lookup without wait_timeout waits for chunks promoted from "
                         f"Redis (0: answer from L1 and promote in the background; default "

@@ -100,7 +100,8 @@ class ServerConfig:
     l2_prefix: str = "kvedit"         # first part of every Redis key
     l2_ttl: float = 0.0               # seconds a chunk lives in Redis (EX); 0 = no expiry
     l2_write_on: str = "commit"       # write behind on commit (default) or on eviction from L1
-    l2_write_queue_mb: float = 1024.0  # write-behind backlog bound (MiB); oldest dropped beyond
+    l2_write_queue_mb: float = 0.0    # write-behind backlog bound (MiB), oldest dropped beyond;
+                                      # 0: an eighth of the pool, 16 MiB to 1 GiB
     l2_lookup_wait: float = 1.0       # longest a no-wait lookup waits for promotion from L2
     l2_timeout: float = 5.0           # Redis socket timeout (seconds) before it counts as down
     l2_mac: bool = False              # records carry an HMAC of the secret (a Redis writer
@@ -233,8 +234,9 @@ class ServerConfig:
         if self.l2_write_on not in L2_WRITE_ON:
             raise ValueError(f"--l2-write-on {self.l2_write_on!r} is not one of "
                              f"{list(L2_WRITE_ON)}")
-        if not self.l2_write_queue_mb > 0:
-            raise ValueError(f"--l2-write-queue-mb must be > 0, got {self.l2_write_queue_mb}")
+        if not self.l2_write_queue_mb >= 0:
+            raise ValueError(f"--l2-write-queue-mb must be > 0 (or 0: an eighth of the pool), "
+                             f"got {self.l2_write_queue_mb}")
         for name in ("l2_ttl", "l2_lookup_wait"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 seconds, got "

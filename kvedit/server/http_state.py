@@ -91,7 +91,7 @@ def _l2(s: Service, snap: dict) -> dict:
     c = s.cfg
     return {"url": redacted(c.l2_url), "up": bool(snap["l2_up"]), "write_on": c.l2_write_on,
             "queue": {"depth": snap["l2_queue_depth"], "bytes": snap["l2_queue_bytes"],
-                      "max_bytes": int(c.l2_write_queue_mb * (1 << 20))},
+                      "max_bytes": c.l2_queue_bytes},
             **{k: snap["l2_" + k] for k in ("probes", "hits", "misses", "corrupt", "writes",
                                             "write_dropped", "write_skipped", "errors",
                                             "outages")},

@@ -33,7 +33,7 @@ class L2Methods:
             return
         self.l2 = L2Tier(self, cfg.l2_url, prefix=cfg.l2_prefix, ttl=cfg.l2_ttl,
                          timeout=cfg.l2_timeout,
-                         max_queue_bytes=int(cfg.l2_write_queue_mb * (1 << 20)),
+                         max_queue_bytes=cfg.l2_queue_bytes,
                          write_on=cfg.l2_write_on,
                          mac_key=auth.l2_mac_key(secret) if cfg.l2_mac and secret else None)
         self.index.on_evict = self._l2_evicted

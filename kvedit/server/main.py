@@ -83,7 +83,7 @@ def serve(cfg: ServerConfig, secret: bytes | None = None) -> int:
     if cfg.l2_url:
         log.info("second tier: %s, write-behind on %s (queue bound %g MiB), TTL %s, lookups "
                  "wait up to %g s for promotion", redacted(cfg.l2_url), cfg.l2_write_on,
-                 cfg.l2_write_queue_mb, f"{cfg.l2_ttl:g} s" if cfg.l2_ttl else "none",
+                 cfg.l2_queue_bytes / 2**20, f"{cfg.l2_ttl:g} s" if cfg.l2_ttl else "none",
                  cfg.l2_lookup_wait)
     for note in arena.notes:
         log.info("note: %s", note)

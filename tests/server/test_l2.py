@@ -410,9 +410,22 @@ def test_status_metrics_and_config(redis_srv):
         assert "hunter2" not in s.log()
 
 
+def test_the_write_behind_queue_is_bounded_by_the_pool_by_default(redis_srv):
+    """Without --l2-write-queue-mb the bound is an eighth of the pool (16 MiB to 1 GiB): a
+    fixed 1 GiB let copies of evicted chunks behind a restarting Redis grow the server by ~1
+    GiB whatever its pool. Its bytes are in /metrics."""
+    for pool_gb, bound in ((0.25, 32 << 20), (0.01, 16 << 20)):
+        with l2_server(redis_srv.url, pool_gb) as s:
+            assert status(s)["l2"]["queue"]["max_bytes"] == bound
+            with urllib.request.urlopen(s.http_url + "/config", timeout=10) as r:
+                assert json.load(r)["l2_queue_bytes"] == bound
+            with urllib.request.urlopen(s.http_url + "/metrics", timeout=10) as r:
+                assert "\nkvedit_l2_queue_bytes 0.0\n" in r.read().decode()
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--l2-url", "http://127.0.0.1:1"], "--l2-url"),
-    (["--l2-url", "redis://127.0.0.1:1", "--l2-write-queue-mb", "0"], "--l2-write-queue-mb"),
+    (["--l2-url", "redis://127.0.0.1:1", "--l2-write-queue-mb", "-1"], "--l2-write-queue-mb"),
     (["--l2-url", "redis://127.0.0.1:1", "--l2-prefix", "a:b"], "--l2-prefix"),
     (["--l2-url", "redis://127.0.0.1:1", "--l2-ttl", "0.5"], "--l2-ttl"),
     (["--l2-url", "redis://127.0.0.1:1", "--l2-write-on", "never"], "--l2-write-on"),
