@@ -43,10 +43,11 @@ def engines(*, server_url: str | None = None, server_http_url: str | None = None
             served_model_name: str = TINY_SERVED, dtype: str = "bfloat16",
             kv_tokens: int | None = None, max_model_len: int = 4096, chunk_size: int = 256,
             l1_size_gb: float = 1.0, vllm_args: tuple[str, ...] | list[str] = (), log=print,
-            connector_config: dict | None = None):
+            connector_config: dict | None = None, vllm_env: dict | None = None):
     """Yield Engines, starting a kvedit server and/or vLLM when no URL is given; everything
     started here is stopped on exit, also on error or Ctrl-C. `vllm_args` go to the vLLM we
-    start as they are (e.g. `--load-format dummy` for random weights at any size on a GPU);
+    start as they are (e.g. `--load-format dummy` for random weights at any size on a GPU),
+    `vllm_env` into its environment;
     `connector_config`: more kv_connector_extra_config keys (e.g. {"in_engine": True})."""
     if vllm_url and not server_url:
         raise ValueError("an existing vLLM (--vllm-url) needs the kvedit server its connector "
@@ -73,7 +74,7 @@ def engines(*, server_url: str | None = None, server_http_url: str | None = None
         vp = stack.enter_context(start_vllm(
             model_dir, server=(url, http_url), served_model_name=served_model_name, dtype=dtype,
             max_model_len=max_model_len, chunk_size=chunk_size,
-            extra_args=[*extra, *vllm_args], connector_config=connector_config))
+            extra_args=[*extra, *vllm_args], connector_config=connector_config, env=vllm_env))
         groups = (vp.pid,) + ((server.proc.pid,) if not server_url else ())
         yield Engines(url, http_url, vp.base_url, served_model_name, kv_tokens, vp.log_path,
                       groups)

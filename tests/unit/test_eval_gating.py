@@ -184,3 +184,21 @@ def test_kvedit_against_kvpress_is_judged_on_the_samples_kvpress_answered():
     # 4/5 each on the five samples kvpress answered: not the 10/10 kvedit has on all ten
     assert a["ratios"]["0.5"]["kvedit"] == ["SnapKV", 0.8]
     assert a["ratios"]["0.5"]["kvpress"][:2] == ["SnapKVPress", 0.8] and a["ok"]
+
+
+def test_groups_split_until_each_fits_what_the_server_can_be_given(tiny_model, tmp_path):
+    from kvedit.harness.eval.run import EvalConfig, _Run
+    from kvedit.harness.eval.tokenizer import load
+
+    cfg = EvalConfig(model=str(tiny_model), tasks=["passkey", "docqa"], lengths=[1024],
+                     samples=2, seeds=[0, 1], policies=["keydiff"], ratios=[0.5],
+                     deadline_s=100.0)
+    run = _Run(cfg, tiny_model, load(tiny_model), lambda *a: None, 0.0, tmp_path)
+    assert [len(g) for g in run.groups] == [4, 4]   # a round: 2 seeds x 2 tasks
+    one = run._need(run.groups[0][:1])
+    assert run._need(run.groups[0]) == pytest.approx(4 * one, rel=0.05)
+    split = run._fit(run.groups, 2.5 * one)
+    assert [len(g) for g in split] == [2, 2, 2, 2]
+    assert [s for g in split for s in g] == [s for g in run.groups for s in g]  # same order
+    assert run._fit(run.groups, None) == run.groups
+    assert [len(g) for g in run._fit(run.groups, 0.5 * one)] == [1] * 8  # never below one

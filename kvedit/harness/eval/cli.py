@@ -28,7 +28,8 @@ def register(sub) -> None:
     p = sub.add_parser("eval", help="accuracy vs KV compression per policy, and decode gain",
                        description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2",
-                   help="smollm2 (built by `kvedit model smollm2`), tiny, or a model dir")
+                   help="smollm2 or qwen2.5-coder-1.5b (built by `kvedit model NAME`), tiny, "
+                        "or a model dir")
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
                    help="comma-separated kvedit.harness.eval.tasks.TASKS (default %(default)s)")
     p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)),

