@@ -154,7 +154,9 @@ def _haystack(tok: ChatTokenizer, spec: Spec, rng: random.Random,
     hay: list[list[int]] = []
     total = 0
     while total < room:
-        batch = [make(rng) for _ in range(max(8, min(256, (room - total) // 8)))]
+        # as many pieces as the room left holds at the mean piece so far (+10%)
+        per = total / len(hay) if hay else 8
+        batch = [make(rng) for _ in range(max(8, min(256, int((room - total) / per * 1.1))))]
         for text, enc in zip(batch, tok.encode_batch(batch)):
             texts.append(text)
             hay.append(enc)
