@@ -12,7 +12,8 @@ every lookup asks the server) until a fresh snapshot has arrived whole:
 - a renewal the server no longer knows (restarted, the watch passed its TTL, or the server
   dropped it because this client fell too far behind: seq -1);
 - no answer to a subscription or renewal within ANSWER_S (a stalled or vanished server;
-  the client then also reads its secret again, in case the server restarted with another);
+  the client then also reads its secret again, in case the server restarted with another),
+  or the client heard from a restarted server (a new instance) since it subscribed;
 - a subscription refused (the server's watch bounds, or the model not registered yet: the
   connector subscribes before its workers register the model): tried again after a backoff
   that doubles from RETRY_MIN_S to RETRY_MAX_S.
@@ -37,7 +38,7 @@ from kvedit import protocol as P
 log = logging.getLogger("kvedit.client")
 
 RENEW_S = 1.0          # renew the watch this often (the server ends it after 30 s without)
-ANSWER_S = 5.0         # a subscription or renewal unanswered this long: subscribe again
+ANSWER_S = 2.0         # a subscription or renewal unanswered this long: subscribe again
 ACK_BYTES = 1 << 20    # during a snapshot, acknowledge after applying this much
 RETRY_MIN_S, RETRY_MAX_S = 1.0, 60.0   # after a refused subscription
 RCV_HWM = 100_000      # messages queued here before the server drops some (then: resubscribe)
@@ -54,6 +55,7 @@ class KeyWatch:
         self.closed = False      # the client was closed: the copy is never used again
         self.refused: str | None = None   # the last refusal's code, while waiting to retry
         self.epoch = 0
+        self.instance = client.instance   # the server the subscription went to
         self.seq = -1            # the last message of this subscription applied
         self.renewed_at = 0.0    # when the last subscription or renewal went out
         self.acked = True        # its answer came
@@ -89,6 +91,8 @@ class KeyWatch:
             log.debug("key watch of %s ended: %s", self.model, e)
 
     def _due(self, now: float) -> None:
+        if self.client.instance != self.instance and self.retry_at is None:
+            return self._resync("the server restarted")
         if self.retry_at is not None:
             if now >= self.retry_at:
                 self.retry_at = None
@@ -102,6 +106,27 @@ class KeyWatch:
             self._send(P.WatchKeys(model=self.model, tp_ranks=self.ranks, epoch=self.epoch,
                                    renew=True, seen=self.seq))
             self.renewed_at, self.acked, self._applied = now, False, 0
+
+    def catch_up(self, timeout: float = ANSWER_S) -> bool:
+        """Renew now and read until the server answers: the copy then holds every change the
+        server pushed before that answer (or is untrusted). False: no answer in time. For
+        a caller that must know the copy is as new as something it just learned from the
+        server (a lookup), not for the connector's hot path."""
+        end = self.clock() + timeout
+        sent = False
+        while self.clock() < end and not self.closed:
+            self.sync()
+            if not self.trusted or self.retry_at is not None:
+                return True
+            if self.acked:
+                if sent:
+                    return True
+                self._send(P.WatchKeys(model=self.model, tp_ranks=self.ranks,
+                                       epoch=self.epoch, renew=True, seen=self.seq))
+                self.renewed_at, self.acked, self._applied = self.clock(), False, 0
+                sent = True
+            self.sock.poll(10)
+        return False
 
     def close(self) -> None:
         """Stop watching: the socket closes and the server ends the watch."""
@@ -170,6 +195,7 @@ class KeyWatch:
 
     def _subscribe(self) -> None:
         seen, self.seq = self.seq, -1
+        self.instance = self.client.instance
         self.epoch += 1
         self.trusted, self.acked, self._applied = False, False, 0
         self.renewed_at = self.clock()

@@ -30,6 +30,7 @@ import time
 import numpy as np
 import torch
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kvedit import auth
 from kvedit import protocol as P
@@ -142,6 +143,14 @@ class KVClient:
                 raise KVError("closed", "KVClient is closed")
             s = self._local.sock = self.open_socket()
             self._local.credentials = self.credentials
+            # the connection's end, seen at once: a request sent just before a server stopped
+            # is never answered, and waiting for it blocked the next call for a whole timeout
+            mon = self._local.mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            with self._lock:
+                self._sockets.append(mon)
+            self._local.poller = zmq.Poller()
+            self._local.poller.register(s, zmq.POLLIN)
+            self._local.poller.register(mon, zmq.POLLIN)
         return s
 
     def open_socket(self, rcvhwm: int | None = None) -> zmq.Socket:
@@ -194,8 +203,9 @@ class KVClient:
 
     def _drop_sock(self) -> None:
         """After a timeout: a fresh socket, so queued requests are never replayed later."""
-        s = self._local.sock
-        self._local.sock = None
+        s, mon = self._local.sock, self._local.mon
+        self._local.sock = self._local.mon = self._local.poller = None
+        self.close_socket(mon)
         self.close_socket(s)
 
     def _limits(self, msg) -> None:
@@ -218,12 +228,24 @@ class KVClient:
             raise KVError("too_large", f"{type(msg).__name__} is {len(body)} bytes; the server "
                                        f"takes messages of at most {cap} bytes: split it")
         sock = self._sock()
+        mon, poller = self._local.mon, self._local.poller
+        _disconnected(mon)   # an end before this request is not about it
         rid = next(self._rids).to_bytes(8, "little")
         sock.send_multipart([rid, body])
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(max(1, int(left * 1000))):
+            events = dict(poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
+            if sock not in events and mon in events and _disconnected(mon):
+                self._drop_sock()
+                if self.reload_secret():
+                    return self._call(msg, timeout)
+                raise ServerUnavailable("timeout", f"the connection to the kvedit server at "
+                                                   f"{self.url} closed before it answered "
+                                                   f"{type(msg).__name__} (it stopped or "
+                                                   f"restarted; the request may or may not "
+                                                   f"have been carried out)")
+            if sock not in events and not (mon in events and left > 0):
                 self._drop_sock()
                 if self.reload_secret():   # a restarted server with another secret
                     return self._call(msg, timeout)
@@ -235,6 +257,8 @@ class KVClient:
                 raise ServerUnavailable("timeout", f"no reply from the kvedit server at "
                                                    f"{self.url} within {timeout or self.timeout}"
                                                    f" s to {type(msg).__name__}{hint}")
+            if sock not in events:
+                continue
             frames = sock.recv_multipart(copy=False)
             if frames[0].bytes == rid:  # else: the late reply of an earlier, timed-out call
                 break
@@ -259,6 +283,11 @@ class KVClient:
         """"shm" or "socket": which transport connect chose (for reports; callers never
         need to switch on it)."""
         return self._transport.mode if self._transport is not None else "closed"
+
+    @property
+    def instance(self) -> int:
+        """The instance id of the server last heard from (a new one: it restarted)."""
+        return self._info.instance if self._info is not None else 0
 
     @property
     def max_keys(self) -> int:
@@ -452,3 +481,14 @@ class KVClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _disconnected(mon: zmq.Socket) -> bool:
+    """Drain a socket monitor's events -> whether one was a disconnection."""
+    seen = False
+    while True:
+        try:
+            frames = mon.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return seen
+        seen |= parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED
