@@ -128,15 +128,17 @@ class AccuracyRun:
                             start=self.reconstruction.start)
             info.update(reconstruct_s=r.duration, reconstruct_tokens=r.input_tokens,
                         reconstruct_cached_tokens=r.cached_tokens)
-        dec = batch.decode(greedy(self.max_tokens - 1))
+        asks, where = None, []
+        if self.reuse:
+            contexts = [(s.prompt_ids[:len(s.prompt_ids) - len(s.questions[0].tail)], salt)
+                        if s.questions else None for s, salt in zip(self.samples, self.salts)]
+            asks, where = self._asks(contexts)
+        dec = self._decode(batch, greedy(self.max_tokens - 1), asks)
         self._held = batch  # keeps the original chunks referenced for the policies
         chunk = self.ctx.chunk_size
         records = [self._record(s, st.output_token_ids, Cell(None, 0.0), 1.0)
                    for s, st in zip(self.samples, batch)]
-        if self.reuse:
-            contexts = [(s.prompt_ids[:len(s.prompt_ids) - len(s.questions[0].tail)], salt)
-                        if s.questions else None for s, salt in zip(self.samples, self.salts)]
-            records += self._questions(contexts, Cell(None, 0.0), [1.0] * len(self.samples))
+        records += self._answers(asks, where, Cell(None, 0.0), [1.0] * len(self.samples))
         stored = sum(editable(s, chunk) for s in self.samples)
         self.baseline_outputs = [r["output"] for r in records[:len(self.samples)]]
         return records, {**info, "decode_s": dec.duration, "stored_tokens": stored,
@@ -159,14 +161,14 @@ class AccuracyRun:
             region = editable(s, chunk)
             tail = len(s.prompt_ids) - region  # the question: never edited
             kept.append((len(st.tokens) + len(st.suffix) - tail) / region)
-        questions = self._questions(self._contexts(batch), cell, kept) if self.reuse else []
-        dec = batch.decode(greedy(self.max_tokens))
+        asks, where = self._asks(self._contexts(batch)) if self.reuse else (None, [])
+        dec = self._decode(batch, greedy(self.max_tokens), asks)
         records = [self._record(s, st.output_token_ids, cell, k)
                    for s, st, k in zip(self.samples, batch, kept)]
         if isinstance(policy, NoOp) and getattr(self, "baseline_outputs", None):
             for r, base in zip(records, self.baseline_outputs):
                 r["same_as_baseline"] = r["output"] == base
-        records += questions
+        records += self._answers(asks, where, cell, kept)
         self._release(batch)
         context = sum(editable(s, chunk) for s in self.samples)
         return records, {
@@ -182,10 +184,11 @@ class AccuracyRun:
         return [(st.prompt[: len(st.prompt) - len(s.questions[0].tail)], st.cache_salt)
                 if s.questions else None for s, st in zip(self.samples, batch)]
 
-    def _questions(self, contexts, cell: Cell, kept: list[float]) -> list[dict]:
-        """The further questions of multi-question samples, each a request of its sample's
-        context + the question's tail under the context's salt: it loads the context's
-        (edited or original) chunks from the kvedit server."""
+    def _asks(self, contexts):
+        """The further questions of multi-question samples as one batch (not sent yet): each
+        a request of its sample's context + the question's tail under the context's salt,
+        so it loads the context's (edited or original) chunks from the kvedit server.
+        Returns (the batch or None, [(sample index, question index)])."""
         import kvedit
 
         asks, where = kvedit.BatchedStream(progress=self.progress,
@@ -196,9 +199,29 @@ class AccuracyRun:
                 asks.add(kvedit.create_request(self.ctx, self.completion, context + list(q.tail),
                                                cache_salt=salt, name=f"{self._name(s)}/q{j}"))
                 where.append((i, j))
-        if not where:
+        return (asks if where else None), where
+
+    def _decode(self, batch, params: dict, asks):
+        """Decode `batch` and the further questions `asks` at once: one wave of requests on
+        the engine instead of two (a GPU batches them; the edited chunks load once into its
+        prefix cache for both). Returns the main batch's decode Metrics."""
+        if asks is None:
+            return batch.decode(params)
+        import asyncio
+
+        from kvedit.sdk.loop import run_sync
+
+        async def both():
+            dec, _ = await asyncio.gather(batch.adecode(params),
+                                          asks.adecode(greedy(self.max_tokens)))
+            return dec
+
+        return run_sync(both())
+
+    def _answers(self, asks, where, cell: Cell, kept: list[float]) -> list[dict]:
+        """The further questions' records (and their chunks released)."""
+        if asks is None:
             return []
-        asks.decode(greedy(self.max_tokens))
         out = [self._record(self.samples[i], st.output_token_ids, cell, kept[i], j)
                for (i, j), st in zip(where, asks)]
         self._release(asks)
