@@ -8,14 +8,19 @@ TTL and a reader past its lease TTL, data-link GET and PUT transfers that stall 
 oversized requests, a restart of the L2 Redis, and idle periods longer than the data link's
 idle timeout; one server restart early and, in runs of several cycles, one half-way. All run
 long: a client sending a small Hello every ~10 ms (the control loop's latency) and, at a low
-rate, the attacks of an outside red-team run: a lease flood of one key x the key limit, a
-session pinning all the pool it may, unfinished HTTP heads beside /health probes and
-half-closed requests, and records planted in the L2 Redis without the secret. The server's
-RSS is sampled throughout. After every client has stopped and the TTLs have passed, the
-server's /status must show no lease and, once the cache is deleted, no slot in use. Then a
-scaling phase: the latency of a small request while /metrics (and /status, /cache pages) are
-scraped with 1M objects in the index (4 KiB chunks, lazy pool, never written), beside the
-same request with nobody scraping.
+rate, the attacks of outside red-team runs: a lease flood of one key x the key limit, a
+session pinning all the pool it may, unfinished HTTP heads and churned connections beside
+/health probes and half-closed requests, records planted in the L2 Redis without the secret,
+a key watch re-subscribed and never read, and a stranger holding data-link handshakes; a
+connector-style key watch checks every miss it answers. The server runs with the secret it
+made itself (the default): its restarts reuse it, and every client finds it in the runtime
+directory. The server's RSS and its queues (L2 write-behind, key watches) are sampled
+throughout. After every client has stopped and the TTLs have passed, the server's /status
+must show no lease and, once the cache is deleted, no slot in use; its memory is measured
+once the L2 queue has drained. Then a scaling phase: the latency of a small request while
+/metrics (and /status, /cache pages) are scraped with 1M objects in the index (4 KiB chunks,
+lazy pool, never written), beside the same request with nobody scraping; and the key-watch
+phase on that server (kvedit/bench/soak_watch.py).
 Everything is bounded in time and count and stops every process it started.
 """
 from __future__ import annotations
@@ -32,7 +37,9 @@ import time
 from pathlib import Path
 
 TARGETS = {"torn_reads": 0, "leaked_slots": 0, "leaked_leases": 0, "unexpected_errors": 0,
-           "hello_p99_ms": 50.0, "rss_growth_mb": 50.0, "scale_lookup_p99_ms": 50.0}
+           "hello_p99_ms": 50.0, "rss_growth_mb": 50.0, "scale_lookup_p99_ms": 50.0,
+           "watch_attack_rss_growth_mb": 64.0, "watch_attack_hello_p99_ms": 50.0,
+           "watched_delete_hello_max_ms": 50.0, "watch_loop_cpu_max_ms": 50.0}
 RESTART_GRACE_S = 3.0   # errors this long after a restart belong to the restart
 CLIENT_TIMEOUT_S = 5.0  # ... and those of calls sent up to this long before it
 CYCLE_S = 600.0         # a long run repeats the timeline of events every this many seconds
@@ -61,6 +68,15 @@ def register(bsub) -> None:
                    help="objects in the index for the scaling phase (0: skip it)")
     p.add_argument("--scale-seconds", type=float, default=180.0,
                    help="time budget to fill the index for the scaling phase")
+    p.add_argument("--no-watch-phase", dest="watch_phase", action="store_false",
+                   help="skip the key-watch phase on the scaling phase's server")
+    p.add_argument("--watch-objects", type=int, default=262_144,
+                   help="objects of the model 64 watches follow and DELETE /cache removes in "
+                        "the key-watch phase (default 262144)")
+    p.add_argument("--restart-vllm", action="store_true",
+                   help="instead: restart the server (default secret) under a running vLLM "
+                        "with the connector and an SDK client, and time their return "
+                        "(kvedit/bench/soak_restart.py; starts vLLM: a minute or two)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print only the JSON object")
     p.set_defaults(func=run)
@@ -71,8 +87,8 @@ class _Procs:
 
     A child imports, prints one "ready" line, then waits for its "go" line (see soak_procs)."""
 
-    def __init__(self, logdir: Path, base: dict):
-        self.logdir, self.base = logdir, base
+    def __init__(self, logdir: Path, base: dict, env: dict | None = None):
+        self.logdir, self.base, self.env = logdir, base, env
         self.running: list[tuple[str, subprocess.Popen]] = []
         self.results: dict[str, list[dict]] = {}
         self.logs: dict[int, Path] = {}   # pid -> its stderr
@@ -82,9 +98,9 @@ class _Procs:
         self.n += 1
         path = self.logdir / f"{role}-{self.n}.log"
         with open(path, "wb") as err:
-            p = subprocess.Popen([sys.executable, "-m", "kvedit.bench.soak_procs", role,
+            p = subprocess.Popen([sys.executable, "-m", _module(role), role,
                                   json.dumps(self.base | cfg)], stdout=subprocess.PIPE,
-                                 stderr=err, stdin=subprocess.PIPE)
+                                 stderr=err, stdin=subprocess.PIPE, env=self.env)
         self.logs[p.pid] = path
         self.running.append((role, p))
         return p
@@ -140,6 +156,22 @@ class _Procs:
         self.running = []
 
 
+def _module(role: str) -> str:
+    """The module whose `main` runs a child role."""
+    from kvedit.bench.soak_attacks import ROLES
+    return "kvedit.bench.soak_attacks" if role in ROLES else "kvedit.bench.soak_procs"
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    from kvedit.bench.soak_procs import pct
+    return pct(xs, q)
+
+
+def thin(points: list, n: int) -> list:
+    from kvedit.bench.soak_procs import thin
+    return thin(points, n)
+
+
 def _victim(procs: _Procs, p: subprocess.Popen, rng: random.Random, shm: bool, what: str,
             deadline: float) -> str:
     """Let a ready victim take a lease or prepare a store, and SIGKILL it while it holds."""
@@ -167,13 +199,6 @@ def _rss_mb(pid: int, field: str = "own") -> float:
     return fields.get(field, 0.0)
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
-
-
 # One cycle of the mixed phase, as fractions of the cycle; a run has max(1, run / CYCLE_S)
 # cycles. The server restarts early in the first cycle (and half-way through a run of
 # several), so the hostile events after it are on the server instance whose leaks and memory
@@ -183,7 +208,7 @@ EVENTS = sorted([(0.30, "stall get"), (0.35, "oversized"), (0.45, "stall put"),
 IDLE_AT = (0.40, 0.75)   # workers pause for the data idle timeout + 1 s here, each cycle
 VICTIM_KINDS = [(True, "store"), (False, "store"), (True, "lease"), (False, "lease"),
                 (True, "storing"), (False, "storing")]   # (shared memory?, what it holds)
-ATTACKERS = ("leaseflood", "poolpin", "httpflood")
+ATTACKERS = ("leaseflood", "poolpin", "httpflood", "watchflood", "handshakes", "watcher")
 # what the attackers may be answered; each must also meet its `must` at least once
 ATTACK_OK = {
     "leaseflood": {"Leased", "over_quota", "unknown_model", "no_reply"},
@@ -194,19 +219,23 @@ ATTACK_OK = {
                 "retrieve:over_quota", "retrieve:unknown_model", "retrieve:no_reply"},
     "httpflood": {"health:200", "half_closed_status:200"},
     "l2poison": {"planted"},
+    "watchflood": {"subscribed", "send_blocked"},
+    "handshakes": {"opened", "closed_by_server", "refused"},
+    # "miss_wrong" (the copy said "not there" for a key the server held) is never allowed
+    "watcher": {"untrusted", "says_there", "miss_right", "miss_caught_up", "catch_up_slow"},
 }
 ATTACK_MUST = {"leaseflood": "over_quota", "poolpin": "over_quota", "httpflood": "health:200",
-               "l2poison": "planted"}
+               "l2poison": "planted", "watchflood": "subscribed", "handshakes": "opened",
+               "watcher": "miss_right"}
 
 
 class _MixedRun:
     """The mixed phase: one server (and its L2 Redis), client processes, the timeline, the
     RSS sampler, then the leak check."""
 
-    def __init__(self, args, secret_file: str, logdir: Path):
+    def __init__(self, args, rundir: Path, logdir: Path):
         from kvedit.bench.soak_procs import LAYOUT
         from kvedit.launch.redis import RedisProcess, redis_server_path
-        from kvedit.launch.server import start_server
         self.args, self.ttl = args, args.ttl
         self.run_s = args.hours * 3600 if args.hours is not None else args.minutes * 60
         self.cycles = max(1, round(self.run_s / CYCLE_S))
@@ -219,11 +248,14 @@ class _MixedRun:
             self.redis = RedisProcess()
         t = str(args.ttl)
         l2 = ["--l2-url", self.redis.url, "--l2-mac"] if self.redis is not None else []
+        # every process of the run finds the server's own secret in this runtime directory
+        from kvedit.bench.soak_restart import env_with_rundir, made_secret_server
+        self.env = env_with_rundir(rundir)
         try:
-            self.srv = start_server(args.pool_mb / 1024, extra_args=[
+            self.srv = made_secret_server(args.pool_mb / 1024, self.env, [
                 "--lease-ttl", t, "--write-ttl", t, "--quarantine-ttl", str(2 * args.ttl),
                 "--transfer-idle-timeout", "2", "--transfer-timeout", "20",
-                "--data-idle-timeout", str(self.data_idle), "--secret-file", secret_file,
+                "--data-idle-timeout", str(self.data_idle),
                 # the attackers meet their caps within seconds; the stalled GET (12 MiB, more
                 # than the kernel buffers) still fits beside the pool pinner's half
                 "--max-leases-per-client", "32", "--max-client-pool-fraction", "0.5", *l2])
@@ -231,10 +263,12 @@ class _MixedRun:
             if self.redis is not None:
                 self.redis.stop()
             raise
-        self.base = {"url": self.srv.url, "secret_file": secret_file, "keys": args.keys,
-                     "ttl": args.ttl, "timeout": CLIENT_TIMEOUT_S}
-        self.procs = _Procs(logdir, self.base)
-        self.secret_file = secret_file
+        self.secret_file = str(rundir / "kvedit" / f"{self.srv.port}.secret")
+        self.base = {"url": self.srv.url, "keys": args.keys, "ttl": args.ttl,
+                     "timeout": CLIENT_TIMEOUT_S, "data_port": self.srv.data_port}
+        self.procs = _Procs(logdir, self.base, self.env)
+        self.queues: list[list[float]] = []   # [t, L2 write-behind MiB, key-watch MiB]
+        self.server_stops_s: list[float] = []   # how long each restart's stop took
         self.victims: list[str] = []
         self.restarts: list[tuple[float, float]] = []   # server and Redis
         self.rss_base: tuple[float, float] | None = None
@@ -257,7 +291,8 @@ class _MixedRun:
                 "victims": self.victims[:24], "victim_count": len(self.victims),
                 "restarts": [{"began_s": round(a - self.t0, 3), "seconds": round(b - a, 3)}
                              for a, b in self.restarts],
-                "rss_samples_mb": _thin(self.rss, 300),
+                "server_stops_s": self.server_stops_s,
+                "rss_samples_mb": thin(self.rss, 300),
                 "started_at": round(self.t0, 3)}
         finally:
             self._sampling.set()
@@ -267,11 +302,20 @@ class _MixedRun:
                 self.redis.stop()
 
     def _sample_rss(self) -> None:
+        import httpx
+
+        from kvedit import auth
         while not self._sampling.wait(RSS_EVERY_S):
+            t = round(time.time() - self.t0, 1)
             try:
-                self.rss.append([round(time.time() - self.t0, 1), round(_rss_mb(self.srv.pid), 1)])
-            except (AttributeError, OSError):   # restarting
-                pass
+                self.rss.append([t, round(_rss_mb(self.srv.pid), 1)])
+                headers = auth.bearer_header(auth.load_secret(None, self.secret_file))
+                c = httpx.get(self.srv.http_url + "/status", headers=headers,
+                              timeout=5).json()["counters"]
+                self.queues.append([t, round(c.get("l2_queue_bytes", 0) / 2**20, 2),
+                                    round(c["key_watch_queued_bytes"] / 2**20, 2)])
+            except (AttributeError, OSError, KeyError, ValueError, httpx.HTTPError):
+                pass   # restarting
 
     def _start_clients(self) -> None:
         procs, rng, run_s = self.procs, self.rng, self.run_s
@@ -301,7 +345,8 @@ class _MixedRun:
         for p in self.steady:
             procs.go(p, deadline=self.deadline, idle_windows=idle)
         for p in attackers:
-            procs.go(p, deadline=self.deadline, http=[self.srv.host, self.srv.http_port])
+            procs.go(p, deadline=self.deadline, http=[self.srv.host, self.srv.http_port],
+                     keys=self.args.keys)
 
     def _timeline(self, c: int) -> None:
         cycle = self.run_s / self.cycles
@@ -314,7 +359,7 @@ class _MixedRun:
                 self._victim()
             elif what.startswith("stall"):
                 self._one_shot("stall", what=what.split()[1], stall_seconds=8.0,
-                               data_port=_data_port(self.srv, self.base),
+                               data_port=self.srv.data_port,
                                seed=self.rng.randrange(1 << 30),
                                stall_chunks=min(192, self.pool_chunks * 3 // 4))
             elif what == "oversized":
@@ -327,7 +372,9 @@ class _MixedRun:
                 self.restarts.append((r0, time.time()))
             elif what == "restart":
                 r0 = time.time()
-                self.srv.restart()
+                self.srv.stop()
+                self.server_stops_s.append(round(time.time() - r0, 2))
+                self.srv.restart()   # the same ports and flags; the made secret is reused
                 self.restarts.append((r0, time.time()))
                 time.sleep(min(5.0, cycle * 0.05))
                 self.rss_base = (_rss_mb(self.srv.pid), _rss_mb(self.srv.pid, "RssAnon"),
@@ -374,6 +421,13 @@ class _MixedRun:
             l2_after = st.get("l2")
             http.delete("/cache").raise_for_status()
             after = http.get("/status").json()
+            drain_end = time.monotonic() + 60   # growth is measured once L2 has caught up
+            while after.get("l2") and after["l2"]["queue"]["depth"] and \
+                    time.monotonic() < drain_end:
+                time.sleep(0.5)
+                after = http.get("/status").json()
+            queue_at_end = (after.get("l2") or {}).get("queue", {}).get("bytes", 0)
+            time.sleep(2 * RSS_EVERY_S)   # a trim after the burst (trim.py) has had its turn
             rss_end = (_rss_mb(self.srv.pid), _rss_mb(self.srv.pid, "RssAnon"),
                        _rss_mb(self.srv.pid, "VmRSS"))
             rss_base = self.rss_base or rss_end
@@ -393,37 +447,27 @@ class _MixedRun:
             "rss_growth_mb": round(rss_end[0] - rss_base[0], 1),     # VmRSS - RssShmem
             "anon_rss_growth_mb": round(rss_end[1] - rss_base[1], 1),
             "vmrss_growth_mb": round(rss_end[2] - rss_base[2], 1),   # with pool pages
-            "http_keepalive_p50_ms": _pct(keepalive, 0.5),
-            "http_keepalive_p99_ms": _pct(keepalive, 0.99),
+            "http_keepalive_p50_ms": pct(keepalive, 0.5),
+            "http_keepalive_p99_ms": pct(keepalive, 0.99),
             "l2_status": l2_after,
+            # what the growth was measured beside, and what the queues reached meanwhile
+            "l2_queue_bytes_at_rss_end": queue_at_end,
+            "l2_queue_peak_mb": max((q[1] for q in self.queues), default=None),
+            "key_watch_queue_peak_mb": max((q[2] for q in self.queues), default=None),
+            "queue_samples_mb": thin(self.queues, 150),
+            "key_watch_counters": {k: after["counters"].get(k) for k in (
+                "key_watch_drops", "key_watch_cuts", "key_snapshot_parts", "key_pushes")},
         }
 
 
-def mixed_phase(args, secret_file: str, logdir: Path) -> dict:
-    run = _MixedRun(args, secret_file, logdir)
+def mixed_phase(args, rundir: Path, logdir: Path) -> dict:
+    run = _MixedRun(args, rundir, logdir)
     out = run.run()
     return out | {"server_exit_code": run.server_exit_code}
 
 
-def _thin(points: list, n: int) -> list:
-    """At most about n of `points`, evenly spaced, the last one kept."""
-    if len(points) <= n:
-        return points
-    step = len(points) / n
-    return [points[int(i * step)] for i in range(n)] + [points[-1]]
-
-
 def _quarantined(st: dict) -> bool:
     return any(v for k, v in st.get("counters", {}).items() if k.startswith("quarantine"))
-
-
-def _data_port(srv, base: dict) -> int:
-    from kvedit import protocol as P
-    from kvedit.bench.soak_procs import RawPeer
-    peer = RawPeer(base | {"url": srv.url})
-    info = peer.call(P.Hello())
-    peer.close()
-    return info.data_port
 
 
 def _summarize(results: dict, restarts: list[tuple[float, float]]) -> dict:
@@ -473,7 +517,10 @@ def _summarize(results: dict, restarts: list[tuple[float, float]]) -> dict:
             unexpected += sum(odd.values()) + missed
             if odd or missed:
                 examples.append([role, {"odd": odd, "missing": ATTACK_MUST[role] if missed
-                                        else None}])
+                                        else None,
+                                        "when": {k: r["when"].get(k, [])[:5] for k in odd},
+                                        "restarts": [[round(a, 3), round(b, 3)]
+                                                     for a, b in restarts]}])
             attacks[role] = r["counts"]
     for bad in ("crashed", "overran"):
         unexpected += len(results.get(bad, []))
@@ -496,8 +543,8 @@ def _summarize(results: dict, restarts: list[tuple[float, float]]) -> dict:
             "stale_reads_refused_by_fence": stale, "late_writer_reader": late,
             "stalls": stalls[:6], "oversized": overs[:3], "attacks": attacks,
             "hello_count": len(hello), "hello_failures": len(fails),
-            "hello_p50_ms": _pct(hello, 0.5), "hello_p99_ms": _pct(hello, 0.99),
-            "hello_max_ms": _pct(hello, 1.0)}
+            "hello_p50_ms": pct(hello, 0.5), "hello_p99_ms": pct(hello, 0.99),
+            "hello_max_ms": pct(hello, 1.0)}
 
 
 def scaling_phase(args, secret_file: str) -> dict:
@@ -513,6 +560,8 @@ def scaling_phase(args, secret_file: str) -> dict:
     n = args.scale_objects
     pool_gb = (n * tiny.chunk_bytes * 1.02 + (64 << 20)) / 2**30
     out: dict = {"objects_asked": n, "chunk_bytes": tiny.chunk_bytes}
+    from kvedit.bench import soak_watch
+    pool_gb += (args.watch_objects + 10 * 8192) * tiny.chunk_bytes * 1.02 / 2**30
     with start_server(pool_gb, lazy=True, extra_args=["--secret-file", secret_file]) as srv, \
             KVClient(srv.url, secret_file=secret_file, timeout=120) as c:
         c.register("scale", tiny)
@@ -525,6 +574,26 @@ def scaling_phase(args, secret_file: str) -> dict:
         out |= {"objects": filled, "fill_s": round(time.monotonic() - t0, 1)}
         out |= _probe(srv, secret_file)
         out["server_rss_mb"] = round(_rss_mb(srv.pid), 1)
+        if args.watch_phase:
+            out["watch"] = _watch_phase(srv, c, secret_file, args.watch_objects)
+    return out
+
+
+def _watch_phase(srv, client, secret_file: str, objects: int) -> dict:
+    import httpx
+
+    from kvedit import auth
+    from kvedit.bench import soak_watch
+    secret = auth.load_secret(None, secret_file)
+
+    def rss() -> float:
+        return _rss_mb(srv.pid)
+
+    out = {"attacker": soak_watch.watch_attack(srv, rss, secret, "scale")}
+    with httpx.Client(base_url=srv.http_url, headers=auth.bearer_header(secret),
+                      timeout=600) as http:
+        out["delete"] = soak_watch.watched_delete(srv, client, secret, rss, http, objects)
+    out["loop_cpu"] = soak_watch.loop_costs(objects)   # load-proof: thread CPU time
     return out
 
 
@@ -572,19 +641,21 @@ def _probe(srv, secret_file: str, idle_s: float = 5.0, busy_s: float = 10.0) -> 
     peer.close()
     http.close()
     return {"ready_in_status": ready, "lookups": len(busy),
-            "scale_lookup_p50_ms": _pct(busy, 0.5), "scale_lookup_p99_ms": _pct(busy, 0.99),
-            "scale_lookup_max_ms": _pct(busy, 1.0),
-            "idle_lookup_p50_ms": _pct(idle, 0.5), "idle_lookup_p99_ms": _pct(idle, 0.99),
-            "idle_lookup_max_ms": _pct(idle, 1.0),
-            "scrapes": {p: {"n": len(v), "p50_ms": _pct(v, 0.5), "max_ms": _pct(v, 1.0)}
+            "scale_lookup_p50_ms": pct(busy, 0.5), "scale_lookup_p99_ms": pct(busy, 0.99),
+            "scale_lookup_max_ms": pct(busy, 1.0),
+            "idle_lookup_p50_ms": pct(idle, 0.5), "idle_lookup_p99_ms": pct(idle, 0.99),
+            "idle_lookup_max_ms": pct(idle, 1.0),
+            "scrapes": {p: {"n": len(v), "p50_ms": pct(v, 0.5), "max_ms": pct(v, 1.0)}
                         for p, v in scrapes.items()}}
 
 
 def measure(args) -> dict:
     from kvedit import auth
     with tempfile.TemporaryDirectory(prefix="kvedit-soak-") as tmp:
-        secret_file = str(Path(tmp) / "secret")
+        secret_file = str(Path(tmp) / "secret")   # the scaling phase's server
         auth.generate_secret(secret_file)
+        rundir = Path(tmp) / "run"                # the mixed phase's server makes its own
+        rundir.mkdir(mode=0o700)
         logdir = Path(tmp) / "logs"
         logdir.mkdir()
         t0 = time.time()
@@ -592,11 +663,20 @@ def measure(args) -> dict:
         res = {"minutes": minutes, "shm_clients": args.shm_clients,
                "socket_clients": args.socket_clients, "pool_mb": args.pool_mb,
                "working_set_mb": args.keys * 64 // 1024, "ttl_s": args.ttl}
-        res |= mixed_phase(args, secret_file, logdir)
+        res |= mixed_phase(args, rundir, logdir)
         if args.scale_objects:
             res["scaling"] = scaling_phase(args, secret_file)
         res["wall_s"] = round(time.time() - t0, 1)
-    got = res | {"scale_lookup_p99_ms": res.get("scaling", {}).get("scale_lookup_p99_ms")}
+    watch = res.get("scaling", {}).get("watch", {})
+    got = res | {"scale_lookup_p99_ms": res.get("scaling", {}).get("scale_lookup_p99_ms"),
+                 "watch_attack_rss_growth_mb": watch.get("attacker", {}).get(
+                     "rss_peak_growth_mb"),
+                 "watch_attack_hello_p99_ms": watch.get("attacker", {}).get(
+                     "hello_beside_attacker", {}).get("p99_ms"),
+                 "watched_delete_hello_max_ms": watch.get("delete", {}).get(
+                     "hello_during_delete", {}).get("max_ms"),
+                 "watch_loop_cpu_max_ms": max((v for k, v in watch.get("loop_cpu", {}).items()
+                                               if k.endswith("_ms")), default=None)}
     res["targets"] = TARGETS
     res["targets_not_measured"] = [k for k in TARGETS if got.get(k) is None]
     res["targets_missed"] = [k for k, v in TARGETS.items()
@@ -605,6 +685,10 @@ def measure(args) -> dict:
 
 
 def run(args) -> int:
-    res = measure(args)
+    if args.restart_vllm:
+        from kvedit.bench.soak_restart import restart_under_vllm
+        res = restart_under_vllm()
+    else:
+        res = measure(args)
     print(json.dumps(res) if args.json else json.dumps(res, indent=2))
     return 0

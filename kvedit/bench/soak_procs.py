@@ -16,9 +16,13 @@ Roles:
             over_quota, and nothing else)
   poolpin   prepares stores until refused (over_quota), commits and leases them, again and
             again: one session pinning all it may of the pool
-  httpflood unfinished HTTP request heads topped up, /health probed (every probe answered),
-            half-closed /status requests (answered)
+  httpflood unfinished HTTP request heads topped up, connections churned (a whole request,
+            closed at once), /health probed (every probe answered), half-closed /status
+            requests (answered)
   l2poison  plants chunk records without the secret in the L2 Redis (never promoted)
+  watchflood, handshakes, watcher: kvedit/bench/soak_attacks.py (its own entry point)
+The secret: the `secret_file` given, else (a server that made its own) the file of the
+server's port in the runtime directory, read again after a restart (kvedit.auth).
 Each chunk's bytes derive from its key (`expected`), so any reader can verify any chunk.
 """
 from __future__ import annotations
@@ -62,6 +66,21 @@ def chunk(k: bytes):
 
 def intact(k: bytes, t) -> bool:
     return np.array_equal(t.reshape(-1).numpy(), expected(k))
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
+
+
+def thin(points: list, n: int) -> list:
+    """At most about n of `points`, evenly spaced, the last one kept."""
+    if len(points) <= n:
+        return points
+    step = len(points) / n
+    return [points[int(i * step)] for i in range(n)] + [points[-1]]
 
 
 class Tally:
@@ -250,7 +269,7 @@ class RawPeer:
     def __init__(self, cfg: dict):
         self.ctx = zmq.Context()
         self.session = secrets.token_bytes(auth.SESSION_BYTES)
-        self.secret = auth.load_secret(None, cfg.get("secret_file"))
+        self.secret = auth.SecretSource(None, cfg.get("secret_file"), url=cfg["url"]).read()
         self.url = cfg["url"]
         self.sock = None
         self.rid = 0
@@ -479,10 +498,17 @@ def poolpin(cfg: dict) -> dict:
 def httpflood(cfg: dict) -> dict:
     """Unfinished request heads (70, topped up), /health probes, half-closed requests."""
     host, port = cfg["http"]
-    headers = auth.bearer_header(auth.load_secret(None, cfg.get("secret_file")))
+    headers = auth.bearer_header(auth.SecretSource(None, cfg.get("secret_file"),
+                                                   url=cfg["url"]).read())
     codes, held = Codes(), []
     last_half = 0.0
     for _ in _paced(cfg, 2.0):
+        for _ in range(20):   # churned: a whole request, then gone at once
+            try:
+                with socket.create_connection((host, port), timeout=2) as c:
+                    c.sendall(b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n")
+            except OSError:
+                break
         held = [c for c in held if c.fileno() != -1]
         while len(held) < 70:
             try:
@@ -547,14 +573,14 @@ ROLES = {"worker": worker, "laggard": laggard, "victim": victim, "pinger": pinge
          "stall": stall, "oversized": oversized, "leaseflood": leaseflood,
          "poolpin": poolpin, "httpflood": httpflood, "l2poison": l2poison}
 
-def main(role: str, cfg: dict) -> None:
+def main(role: str, cfg: dict, roles: dict = ROLES) -> None:
     if role in ("worker", "laggard", "victim"):   # the KVClient: torch, seconds to import
         import kvedit.client  # noqa: F401
     print(json.dumps({"ready": role}), flush=True)
     go = sys.stdin.readline()
     if not go:   # the parent is gone
         return
-    print(json.dumps(ROLES[role](cfg | json.loads(go))), flush=True)
+    print(json.dumps(roles[role](cfg | json.loads(go))), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import pytest
 def test_short_soak_keeps_every_invariant():
     cmd = [sys.executable, "-m", "kvedit.cli", "bench", "soak", "--minutes", "0.3",
            "--shm-clients", "1", "--socket-clients", "1", "--scale-objects", "20000",
-           "--scale-seconds", "60", "--json"]
+           "--scale-seconds", "60", "--watch-objects", "16384", "--json"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=os.environ)
     assert done.returncode == 0, done.stderr[-3000:]
     res = json.loads(done.stdout)
@@ -41,6 +41,11 @@ def test_short_soak_keeps_every_invariant():
     assert res["attacks"]["leaseflood"].get("over_quota", 0) >= 1, detail
     assert res["attacks"]["poolpin"].get("over_quota", 0) >= 1, detail
     assert res["attacks"]["httpflood"].get("health:200", 0) >= 5, detail
+    assert res["attacks"]["watchflood"].get("subscribed", 0) >= 5, detail
+    assert res["attacks"]["handshakes"].get("opened", 0) >= 100, detail
+    assert res["attacks"]["watcher"].get("miss_wrong", 0) == 0, detail   # also unexpected
+    # the restarts reused the secret the server made: every client went on by itself
+    assert all(w["ops"] > 300 for w in res["per_worker"]), res["per_worker"]
     assert all(w["idle_periods"] >= 1 for w in res["per_worker"]), res["per_worker"]
     assert len(res["rss_samples_mb"]) >= 5
     assert res["hello_count"] > 100 and res["hello_p99_ms"] is not None
@@ -48,3 +53,8 @@ def test_short_soak_keeps_every_invariant():
     assert res["scaling"]["lookups"] > 50
     assert all(v["n"] >= 3 for v in res["scaling"]["scrapes"].values()), res["scaling"]
     assert res["http_keepalive_p50_ms"] is not None
+    assert res["l2_queue_bytes_at_rss_end"] == 0 or not res["l2"]   # measured after draining
+    watch = res["scaling"]["watch"]
+    assert watch["attacker"]["subscriptions_sent"] > 50
+    assert watch["attacker"]["rss_peak_growth_mb"] < 64, watch["attacker"]
+    assert watch["delete"]["synced"] and watch["delete"]["deleted"] == 16384 + 10 * 8192

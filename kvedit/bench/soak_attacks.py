@@ -1,0 +1,152 @@
+"""More child roles of `kvedit bench soak`, run as `python -m kvedit.bench.soak_attacks ROLE
+'<json config>'` with kvedit.bench.soak_procs's contract (ready line, go line, one JSON line
+at the end): the key-watch and pre-authentication attackers, and a watcher that checks its
+copy of the keys against the server.
+
+  watchflood  re-subscribes a key watch twice a second and never reads (its queue holds one
+              message, its kernel buffer 4 KiB), with renewals claiming it read everything:
+              the server must keep what it queues for it bounded (RSS) and the loop quick
+              (the pinger's Hello)
+  handshakes  keeps 48 data-link connections in their handshake, never answering, topped up
+              every second (a stranger without the secret, more than the server lets wait):
+              no socket-mode client may get `busy`
+  watcher     a connector's key watch: every miss its copy answers is checked against the
+              server; a key the server held ready while the copy, caught up past that lookup
+              (KeyWatch.catch_up), still said "not there" is a wrong answer (the copy may only
+              err towards "there")
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import sys
+import time
+
+import zmq
+
+from kvedit import auth
+from kvedit import protocol as P
+from kvedit.bench.soak_procs import MODEL, Codes, _client, _paced, key, main
+
+
+def _secret(cfg: dict) -> bytes | None:
+    return auth.SecretSource(None, cfg.get("secret_file"), url=cfg["url"]).read()
+
+
+def _deaf(cfg: dict) -> zmq.Socket:
+    s = zmq.Context().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVHWM, 1)
+    s.setsockopt(zmq.RCVBUF, 4096)
+    s.setsockopt(zmq.ROUTING_ID, os.urandom(16) + bytes(4))
+    secret = _secret(cfg)
+    if secret is not None:
+        auth.curve_client(s, secret)
+    s.connect(cfg["url"])
+    return s
+
+
+def watchflood(cfg: dict) -> dict:
+    codes, s, epoch = Codes(), _deaf(cfg), 0
+    try:
+        for _ in _paced(cfg, 2.0):
+            epoch += 1
+            try:
+                s.send_multipart([b"w", P.encoder.encode(P.WatchKeys(
+                    model=MODEL, tp_ranks=[0], epoch=epoch))], zmq.NOBLOCK)
+                for seen in range(0, 64, 8):   # claims: "read all of it"
+                    s.send_multipart([b"w", P.encoder.encode(P.WatchKeys(
+                        model=MODEL, tp_ranks=[0], epoch=epoch, renew=True, seen=seen))],
+                        zmq.NOBLOCK)
+                codes.add("subscribed")
+            except zmq.Again:   # its own queue is full: the server is not reading it either
+                codes.add("send_blocked")
+    finally:
+        ctx = s.context
+        s.close(linger=0)
+        ctx.term()
+    return codes.result()
+
+
+def handshakes(cfg: dict) -> dict:
+    codes, held = Codes(), []
+    host = cfg["url"].rsplit("://", 1)[-1].rsplit(":", 1)[0]
+    while time.time() < cfg["deadline"]:
+        alive = []
+        for c in held:
+            try:
+                if c.recv(4096) == b"":   # the nonce is read and thrown away
+                    c.close()
+                    codes.add("closed_by_server")
+                    continue
+            except BlockingIOError:
+                pass
+            except OSError:
+                c.close()
+                codes.add("closed_by_server")
+                continue
+            alive.append(c)
+        held = alive
+        while len(held) < 48 and time.time() < cfg["deadline"]:
+            try:
+                c = socket.create_connection((host, cfg["data_port"]), timeout=1)
+                c.setblocking(False)
+                held.append(c)
+                codes.add("opened")
+            except OSError:   # a restart under way
+                codes.add("refused")
+                break
+        time.sleep(1.0)
+    for c in held:
+        c.close()
+    return codes.result()
+
+
+def watcher(cfg: dict) -> dict:
+    rng, codes = random.Random(cfg["seed"]), Codes()
+    c = w = None
+    for _ in _paced(cfg, 20.0):
+        try:
+            if c is None:
+                c = _client(cfg, True)
+                w = c.watch_keys(MODEL, [0])
+            w.sync()
+            if not w.trusted:
+                codes.add("untrusted")
+                continue
+            k = key(rng.randrange(cfg["keys"]))
+            if not w.lacks([[k]], 0):   # the connector pins it (and so hears of a restart)
+                lease, _ = c.pin(MODEL, [k])
+                c.unpin(lease)
+                codes.add("says_there")
+                continue
+            if c.lookup(MODEL, [k]) == 0:
+                codes.add("miss_right")
+                continue
+            # the push about it left before the lookup's answer: a renewal answered after the
+            # lookup is behind it on the watch's connection
+            if not w.catch_up(5.0):
+                codes.add("catch_up_slow")
+            elif w.trusted and w.lacks([[k]], 0):
+                codes.add("miss_wrong")
+            else:
+                codes.add("miss_caught_up")
+        except Exception as e:   # noqa: BLE001 - a restart: counted, then a fresh client
+            codes.add(f"error:{getattr(e, 'code', type(e).__name__)}")
+            if c is not None:
+                c.close()
+            c = w = None
+            time.sleep(0.2)
+    if c is not None:
+        c.close()
+    return codes.result()
+
+
+ROLES = {"watchflood": watchflood, "handshakes": handshakes, "watcher": watcher}
+
+if __name__ == "__main__":
+    if sys.argv[1] == "watcher":   # the KVClient: torch, seconds to import before "ready"
+        import kvedit.client  # noqa: F401
+    main(sys.argv[1], json.loads(sys.argv[2]), ROLES)
