@@ -91,6 +91,7 @@ def test_clients_read_a_changed_secret_again_and_reconnect(rundir):  # noqa: F81
         s.stop()
 
 
+@pytest.mark.slow   # two more server starts; the fast tier has the clients' side above
 @pytest.mark.parametrize("changed", [False, True], ids=["same-secret", "new-secret"])
 def test_the_connector_link_reconnects_by_itself(rundir, changed):  # noqa: F811
     """kvedit.vllm.link as the connector runs it (secret from the runtime directory): after a
@@ -159,6 +160,7 @@ def test_l2_mac_records_stay_valid_across_a_restart(rundir, redis_srv):  # noqa:
         s.stop()
 
 
+@pytest.mark.slow   # three server starts
 def test_a_secret_file_with_another_mode_is_not_reused(rundir):  # noqa: F811
     s = plain_server()
     try:

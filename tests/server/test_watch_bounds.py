@@ -166,6 +166,7 @@ def test_a_big_snapshot_comes_in_parts_and_is_complete(big):
         w.close()
 
 
+@pytest.mark.slow   # 80 stores of 1,024 keys and two snapshots
 def test_a_watch_that_falls_behind_is_dropped_told_and_resubscribes():
     """A watcher that stops syncing while another client stores: past the window the server
     drops its watch and says so; when it syncs again it subscribes anew and its copy is the
@@ -186,7 +187,7 @@ def test_a_watch_that_falls_behind_is_dropped_told_and_resubscribes():
 
 
 @pytest.mark.slow   # a real-time wait past the watch TTL
-def test_bytes_left_unread_past_the_ttl_cut_the_connection(big):
+def test_bytes_left_unread_past_the_ttl_cut_the_connection():
     with start_server(0.1, extra_args=FLAGS + ["--watch-ttl", "2"]) as s:
         with KVClient(s.url) as c:
             _fill(c, 20_000)
