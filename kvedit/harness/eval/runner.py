@@ -161,7 +161,9 @@ class AccuracyRun:
             region = editable(s, chunk)
             tail = len(s.prompt_ids) - region  # the question: never edited
             kept.append((len(st.tokens) + len(st.suffix) - tail) / region)
-        asks, where = self._asks(self._contexts(batch)) if self.reuse else (None, [])
+        # The no-op edit is judged on the main answers alone (against the baseline's).
+        ask = self.reuse and not isinstance(policy, NoOp)
+        asks, where = self._asks(self._contexts(batch)) if ask else (None, [])
         dec = self._decode(batch, greedy(self.max_tokens), asks)
         records = [self._record(s, st.output_token_ids, cell, k)
                    for s, st, k in zip(self.samples, batch, kept)]
