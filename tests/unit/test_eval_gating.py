@@ -202,3 +202,16 @@ def test_groups_split_until_each_fits_what_the_server_can_be_given(tiny_model, t
     assert [s for g in split for s in g] == [s for g in run.groups for s in g]  # same order
     assert run._fit(run.groups, None) == run.groups
     assert [len(g) for g in run._fit(run.groups, 0.5 * one)] == [1] * 8  # never below one
+
+
+def test_the_side_by_side_chart_draws_a_policy_that_answered_nothing(tmp_path):
+    # The H200 run of 2026-12-04 crashed here: Wilson's lower bound at 0 correct comes back
+    # as 1e-17, so y - low is negative and matplotlib refuses the error bar.
+    from kvedit.harness.eval.report import side_by_side_chart
+    from kvedit.harness.eval.stats import wilson
+
+    zero, full = wilson(0, 14), wilson(14, 14)
+    rows = [{"policy": "SnapKV", "ratio": 0.75, "kvpress": 0.0, "kvpress_ci": list(zero),
+             "kvedit": 1.0, "kvedit_ci": list(full)}]
+    path = side_by_side_chart(rows, tmp_path / "c.png", "bfloat16")
+    assert path.stat().st_size > 0

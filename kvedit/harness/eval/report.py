@@ -135,8 +135,9 @@ def side_by_side(results: list[dict], reference: dict) -> list[dict]:
     return out
 
 
-def side_by_side_chart(rows: list[dict], path: Path) -> Path:
-    """Bars per policy and ratio: kvedit's and kvpress's accuracy with 95% intervals."""
+def side_by_side_chart(rows: list[dict], path: Path, precision: str = "float32") -> Path:
+    """Bars per policy and ratio: kvedit's and kvpress's accuracy with 95% intervals
+    (`precision`: kvpress's, as its arm reports it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,10 +147,13 @@ def side_by_side_chart(rows: list[dict], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(rows) + 2), 4.4), dpi=120)
     xs = range(len(rows))
     for off, key, label in ((-0.2, "kvedit", "kvedit (vLLM, bf16)"),
-                            (0.2, "kvpress", "kvpress (transformers, fp32)")):
+                            (0.2, "kvpress", f"kvpress (transformers, {precision})")):
         ys = [r[key] for r in rows]
         ci = [r[f"{key}_ci"] or (y, y) for r, y in zip(rows, ys)]
-        err = [[y - c[0] for y, c in zip(ys, ci)], [c[1] - y for y, c in zip(ys, ci)]]
+        # Wilson bounds at 0 or 1 come back a rounding error past the point (1e-17):
+        # matplotlib refuses a negative error bar, so clamp.
+        err = [[max(0.0, y - c[0]) for y, c in zip(ys, ci)],
+               [max(0.0, c[1] - y) for y, c in zip(ys, ci)]]
         ax.bar([x + off for x in xs], ys, 0.4, yerr=err, capsize=2, label=label, alpha=0.85)
     ax.set_xticks(list(xs), [f"{r['policy']}\n{r['ratio']:g}" for r in rows], fontsize=7)
     ax.set_ylabel("accuracy (95% Wilson intervals)")

@@ -110,6 +110,7 @@ class _Run:
 
         self.cfg, self.model_dir, self.tok, self.log, self.t0 = cfg, model_dir, tok, log, t0
         self.out = out
+        self.dtype = engine_dtype()  # before _fit, which sizes groups by it
         self.samples = [s for seed in cfg.seeds
                         for s in suite(tok, cfg.tasks, cfg.lengths, cfg.samples, seed=seed)]
         self.sink = header_sink(self.samples, cfg.keep_header)
@@ -136,7 +137,6 @@ class _Run:
         self.timings: dict = {}
         self.reference_result = self.reference_records = None
         self.edit_device = _edit_device(cfg.edit_device)
-        self.dtype = engine_dtype()
 
     def _need(self, group: list) -> float:
         """Bytes of L1 a group needs: its original chunks (held while the group runs) and
@@ -457,8 +457,10 @@ class _Run:
                                    f"{','.join(map(str, self.cfg.seeds))})")
         if result["reference"] is not None:
             _jsonl(out / "kvpress_samples.jsonl", self.reference_records)
-            charts.append(report.side_by_side_chart(result["reference"]["side_by_side"],
-                                                    out / "kvedit_vs_kvpress.png"))
+            ref = result["reference"]
+            charts.append(report.side_by_side_chart(ref["side_by_side"],
+                                                    out / "kvedit_vs_kvpress.png",
+                                                    ref.get("precision", "float32")))
         (out / "table.md").write_text(report.markdown(base, results) if results else "")
         self.log("\n" + report.table(base, results))
         self.log("\n" + gating.table(result["gated"]))
