@@ -16,8 +16,8 @@ in alternation so machine noise hits both sides of each ratio alike):
   together, on the vLLM with the connector storing every chunk / on a vLLM started without
   it (rounds in ABBA order). Target >= 0.9.
 - prefill_with_query_capture_vs_without: the same prefill throughput on the connector's vLLM
-  with every request asking for its last --query-window queries (kv_transfer_params
-  {"kvedit_capture_queries": W}) / without asking (pairs in alternating order). Target
+  with every request asking for its last --query-window queries (the capture field of its
+  kv_transfer_params, kvedit.request_params) / without asking (pairs in alternating order). Target
   >= 0.95; two pairs per round, ABBA; the pair ratios are listed too. On a loaded machine
   they scatter widely, so two less noise-prone views come with it: best vs best throughput
   (the least disturbed batch of each arm) and the same ratio in CPU seconds of vLLM's
@@ -45,7 +45,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kvedit.harness.vocab import greedy
-from kvedit.query_contract import ask
+from kvedit.request_params import RequestAsks
 
 
 def register(bsub) -> None:
@@ -326,7 +326,7 @@ def _complete(vp, prompt: list[int], capture: int = 0) -> tuple[float, dict]:
     """One max_tokens=1 request; `capture` > 0 asks for its last `capture` queries."""
     body = {"model": vp.model, "prompt": prompt, **greedy(1)}
     if capture:
-        body["kv_transfer_params"] = ask(None, capture)   # kvedit.query_contract
+        body["kv_transfer_params"] = RequestAsks(capture=capture).to_params()
     t0 = time.perf_counter()
     r = post_json(vp.base_url + "/v1/completions", body)
     return time.perf_counter() - t0, r["usage"]

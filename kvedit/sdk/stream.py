@@ -21,13 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvedit.budget import KEY as BUDGET_KEY
 from kvedit.budget import EngineBudget
 from kvedit.query_contract import check_window
+from kvedit.request_params import RequestAsks, with_asks
+from kvedit.sdk import queries as Q
 from kvedit.sdk.contracts import check_token_ids, takes_salt
 from kvedit.sdk.context import Context
-from kvedit.sdk import queries as Q
-from kvedit.vllm.admission import STORE_ASK
 from kvedit.sdk.errors import CompletionError, KVEditError
 
 
@@ -116,21 +115,13 @@ class Stream:
         capture_queries=W: ask vLLM to capture the queries of the prompt's last W tokens."""
         params = sampling_params if max_tokens is None else with_max_tokens(sampling_params,
                                                                             max_tokens)
-        try:   # the edit reads this request's chunks next: stored as computed, whatever the
-            params = Q.with_transfer_param(params, STORE_ASK, "eager")   # connector's mode
-        except TypeError:   # params that cannot carry it: the connector's mode decides
-            pass
-        if capture_queries:
-            try:
-                params = Q.with_capture(params, capture_queries)
-            except TypeError as e:
-                raise CompletionError(self, str(e)) from None
-        if self.budget is not None:
-            try:
-                params = Q.with_transfer_param(params, BUDGET_KEY, self.budget.to_params()[
-                    BUDGET_KEY], "an in-engine budget")
-            except TypeError as e:
-                raise CompletionError(self, str(e)) from None
+        # the edit reads this request's chunks next: stored as computed, whatever the
+        # connector's store mode (params that cannot carry it: the mode decides)
+        asks = RequestAsks(store_eager=True, capture=capture_queries, budget=self.budget)
+        try:
+            params = with_asks(params, asks)
+        except TypeError as e:
+            raise CompletionError(self, str(e)) from None
         limit = get_max_tokens(params)
         if self.released:
             raise CompletionError(self, "the stream was released (arelease); create a new one")

@@ -40,9 +40,6 @@ logger = logging.getLogger("vllm.kvedit")
 
 StoreMode = Literal["eager", "evict", "reuse"]
 STORE_MODES: tuple[str, ...] = ("eager", "evict", "reuse")
-# kv_transfer_params key a request sets to "eager" to have its chunks stored as computed in
-# any mode (the SDK does: its edits read them next). One definition for both sides.
-STORE_ASK = "kvedit_store"
 
 
 @dataclass(slots=True)

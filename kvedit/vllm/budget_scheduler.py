@@ -49,7 +49,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from kvedit.budget import BudgetError, EngineBudget, from_params
+from kvedit.budget import EngineBudget
+from kvedit.request_params import RequestAsks
 from kvedit.vllm.budget_plan import BudgetStep, Compaction, Restore, Stash
 
 logger = logging.getLogger("vllm.kvedit")
@@ -208,12 +209,11 @@ class BudgetScheduler:
             scheduler.schedule = schedule
 
     # ---- requests -------------------------------------------------------------------------
-    def add(self, request) -> None:
+    def add(self, request, asks: RequestAsks) -> None:
         """A new request: remember its budget, or refuse it (finished with an error)."""
-        try:
-            budget = from_params(getattr(request, "kv_transfer_params", None))
-        except BudgetError as e:
-            return self._refuse(request, str(e))
+        if asks.budget_error:
+            return self._refuse(request, asks.budget_error)
+        budget = asks.budget
         if budget is None:
             return
         if self.unavailable:

@@ -1,11 +1,9 @@
 """Scheduler side of query capture: which requests ask, and which tokens of their window
 each step computes (sent to the workers as paged slots).
 
-A request asks with kv_transfer_params {CAPTURE_FIELD: W} (kvedit.query_contract, which the
-SDK imports too; vLLM 0.26 to 0.33 read `Request.kv_transfer_params` from
-`SamplingParams.extra_args["kv_transfer_params"]`; the OpenAI API's top-level body field
-`kv_transfer_params` lands there). Its window is the last
-min(W, prompt length) prompt tokens. Every window token must be *computed* for its query to
+A request asks with the capture field of its kv_transfer_params (kvedit.request_params, which
+the SDK writes and the scheduler side reads once, handing this planner what was asked). Its
+window is the last min(W, prompt length) prompt tokens. Every window token must be *computed* for its query to
 exist, so an asking request never reads vLLM's own prefix cache (a cached block may hold
 window tokens of an earlier identical prompt): the connector sets `skip_reading_prefix_cache`
 when it arrives. The tokens before its window it may load from the kvedit server, whose
@@ -22,7 +20,8 @@ import time
 from dataclasses import dataclass
 
 from kvedit.keys import namespace, query_key
-from kvedit.query_contract import CaptureRows, requested_window
+from kvedit.query_contract import CaptureRows
+from kvedit.request_params import RequestAsks
 from kvedit.vllm.metadata import KVEditMetadata, QueryRun
 
 logger = logging.getLogger("vllm.kvedit")
@@ -55,12 +54,11 @@ class WindowPlanner:
         self.drops: list[str] = []
         self._last_warn = -1e9
 
-    def add(self, request) -> None:
+    def add(self, request, asks: RequestAsks) -> None:
         """A new request: remember its window if it asks for one."""
-        try:
-            w = requested_window(getattr(request, "kv_transfer_params", None))
-        except ValueError as e:
-            return self._refuse(request, str(e))
+        if asks.capture_error:
+            return self._refuse(request, asks.capture_error)
+        w = asks.capture
         if not w:
             return
         if self.unavailable:

@@ -19,7 +19,8 @@ from kvedit.client.key_watch import KeyWatch
 from kvedit.keys import chunk_keys, namespace
 from kvedit.layout import ModelLayout
 from kvedit.query_contract import QueryShape
-from kvedit.vllm.admission import STORE_ASK, Admission, Deferred
+from kvedit.request_params import read_asks
+from kvedit.vllm.admission import Admission, Deferred
 from kvedit.vllm.budget_scheduler import NOT_MINE, BudgetScheduler
 from kvedit.vllm.inflight import InFlightKeys
 from kvedit.vllm.link import ServerLink
@@ -44,7 +45,7 @@ class _Req:
     waiting_since: float | None = None   # first lookup answered "not yet" (in-flight store)
     done: int = 0                        # tokens whose KV is computed once planned steps ran
     sighted: int = 0                     # chunks counted as seen (store mode "reuse")
-    eager: bool = False                  # kv_transfer_params asked for every chunk stored
+    eager: bool = False                  # it asked for every chunk stored (request_params)
 
 
 class SchedulerSide:
@@ -66,7 +67,6 @@ class SchedulerSide:
         self.reqs: dict[str, _Req] = {}
         self.queries = self._window_planner(vllm_config, settings, block_size)
         self.budget = _budget_scheduler(vllm_config, settings, block_size)
-        self.new_request_hook = False  # vLLM calls on_new_request (0.26 to 0.33 do)
         # Workers that commit stores in the background: wait for keys still in flight.
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
         self.inflight: InFlightKeys | None = None
@@ -129,9 +129,15 @@ class SchedulerSide:
             self.budget.bind(manager, scheduler)
 
     def on_new_request(self, request) -> None:
-        self.new_request_hook = True
-        self.budget.add(request)
-        self.queries.add(request)
+        self._arrived(request)
+
+    def _arrived(self, request) -> _Req:
+        """A new request: what its kv_transfer_params ask, read once (kvedit.request_params)."""
+        asks = read_asks(getattr(request, "kv_transfer_params", None))
+        st = self.reqs[request.request_id] = _Req(request, eager=asks.store_eager)
+        self.budget.add(request, asks)
+        self.queries.add(request, asks)
+        return st
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int | None:
         """Tokens beyond `num_computed_tokens` the server holds, or None ("ask again next
@@ -140,12 +146,9 @@ class SchedulerSide:
             return self._matched_tokens(request, num_computed_tokens)
 
     def _matched_tokens(self, request, num_computed_tokens: int) -> int | None:
-        if not self.new_request_hook and request.request_id not in self.reqs:
-            self.budget.add(request)
-            self.queries.add(request)  # a vLLM without on_new_request: at least say no
         st = self.reqs.get(request.request_id)
-        if st is None:
-            st = self.reqs[request.request_id] = _Req(request, eager=self._asks_eager(request))
+        if st is None:   # a vLLM without on_new_request: read its asks now
+            st = self._arrived(request)
         st.held, st.load = num_computed_tokens, None
         restored = self.budget.matched_tokens(request, num_computed_tokens)
         if restored != NOT_MINE:  # refused (None), or a stash written back on resume
@@ -219,12 +222,6 @@ class SchedulerSide:
         except Exception as e:  # an unreachable server is a miss, never an error
             self.link.failed(e)
             return None
-
-    def _asks_eager(self, request) -> bool:
-        """Whether the request's kv_transfer_params ask for every chunk stored as computed
-        ({"kvedit_store": "eager"}: the SDK's prefill does, its edit reads them next)."""
-        params = getattr(request, "kv_transfer_params", None) or {}
-        return isinstance(params, dict) and params.get(STORE_ASK) == "eager"
 
     def _store_in_flight(self, st: _Req, keys: list[list[bytes]], first: int, stop: int) -> bool:
         """Whether chunk `stop` (the first one the server lacks) is still being stored."""

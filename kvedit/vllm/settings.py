@@ -54,9 +54,9 @@ class ConnectorSettings:
     max_capture_bytes: int = 1 << 30
     # Which computed chunks are stored, and when (admission.py; docs/connector.md):
     # "eager" every chunk as it is computed, "evict" only when vLLM is about to evict its
-    # blocks, "reuse" on the second sight of its prefix. A request's kv_transfer_params
-    # {"kvedit_store": "eager"} stores its chunks as computed whatever the mode (the SDK's
-    # prefill asks: its edit reads them next).
+    # blocks, "reuse" on the second sight of its prefix. A request whose kv_transfer_params
+    # ask for eager stores (kvedit.request_params) has its chunks stored as computed whatever
+    # the mode (the SDK's requests ask: its edits read them next).
     store: StoreMode = "evict"
     # A lookup's hits stay leased until loaded (pins.py): at most pin_max_chunks chunks at
     # once (0: no pins), each pin at most pin_ttl_s (and a quarter of the lease TTL).

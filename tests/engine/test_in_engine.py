@@ -31,6 +31,7 @@ import torch
 
 import kvedit
 from kvedit.budget import EngineBudget
+from kvedit.request_params import RequestAsks
 from kvedit.edits import POLICIES, KeyDiff, KeyNorm, RandomDrop, StreamingLLM
 from kvedit.layout import ModelLayout
 from tests.fixtures_vllm import CHUNK
@@ -65,7 +66,7 @@ def greedy(vp, prompt, n, budget: EngineBudget | None = None, salt=None) -> tupl
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
             "logprobs": 1, "cache_salt": salt or uuid.uuid4().hex}
     if budget is not None:
-        body["kv_transfer_params"] = budget.to_params()
+        body["kv_transfer_params"] = RequestAsks(budget=budget).to_params()
     r = post(vp, body)
     assert "choices" in r, r
     lp = r["choices"][0]["logprobs"]
@@ -259,7 +260,8 @@ def test_a_bad_budget_is_refused_without_touching_other_requests(engine):
     assert refused.get("status") == 500, refused
     log = engine.log_path.read_text()
     assert re.search(r"refused \(finished with an error\): it asks for an in-engine budget, "
-                     r"but kvedit_budget.policy 'snapkv' scores with captured queries", log)
+                     r"but kv_transfer_params\['kvedit_budget'\]: EngineBudget.policy 'snapkv' "
+                     r"scores with captured queries", log)
 
 
 def test_many_requests_compact_in_one_step_each_as_if_alone(engine):

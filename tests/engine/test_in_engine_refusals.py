@@ -16,11 +16,12 @@ import re
 import pytest
 
 from kvedit.budget import EngineBudget
+from kvedit.request_params import RequestAsks
 from tests.engine.test_in_engine import MODEL, prompt_of
 from tests.fixtures_vllm import CHUNK
 
 
-BUDGET = EngineBudget(256, 64, "key_norm").to_params()
+BUDGET = RequestAsks(budget=EngineBudget(256, 64, "key_norm")).to_params()
 
 
 def post(vp, model: str, body: dict) -> dict:

@@ -16,7 +16,7 @@ from kvedit.vllm.query_capture import (
     capture_unavailable,
     check_capture_version,
 )
-from kvedit.query_contract import requested_window
+from kvedit.request_params import CAPTURE_FIELD, read_asks
 from kvedit.vllm.query_window import WindowPlanner
 from kvedit.vllm.settings import ConnectorSettings
 
@@ -46,18 +46,18 @@ def test_other_vllm_versions_are_refused_with_a_clear_message(monkeypatch):
 def test_bad_settings_and_bad_windows_name_what_was_expected():
     with pytest.raises(ValueError, match=r"query_capture 'yes'; expected one of \['auto', "):
         ConnectorSettings.from_extra({"query_capture": "yes"})
-    assert requested_window(None) == requested_window({}) == 0
-    assert requested_window({"kvedit_capture_queries": 0}) == 0
-    assert requested_window({"kvedit_capture_queries": 64, "other": 1}) == 64
+    assert read_asks(None).capture == read_asks({}).capture == 0
+    assert read_asks({CAPTURE_FIELD: 0}).capture == 0
+    assert read_asks({CAPTURE_FIELD: 64, "other": 1}).capture == 64
     for bad in (-1, 4097, 1.5, "64", True, [64]):
-        with pytest.raises(ValueError, match=r"expected an integer number of prompt tokens "
-                                             r"in \[1, 4096\]"):
-            requested_window({"kvedit_capture_queries": bad})
+        asks = read_asks({CAPTURE_FIELD: bad})
+        assert asks.capture == 0
+        assert "expected an integer number of prompt tokens in [1, 4096]" in asks.capture_error
 
 
 def _request(req_id: str, n: int, w):
     return SimpleNamespace(request_id=req_id, prompt_token_ids=list(range(10, 10 + n)),
-                           cache_salt=None, kv_transfer_params={"kvedit_capture_queries": w},
+                           cache_salt=None, kv_transfer_params={CAPTURE_FIELD: w},
                            skip_reading_prefix_cache=False)
 
 
@@ -68,7 +68,7 @@ def test_planner_slots_bound_and_refusals(caplog):
     planner = WindowPlanner("m", block_size=4, row_bytes=row, max_bytes=100 * row)
     a, b, bad = _request("a", 10, 6), _request("b", 95, 95), _request("c", 10, 5000)
     for r in (a, b, bad):
-        planner.add(r)
+        planner.add(r, read_asks(r.kv_transfer_params))
     assert a.skip_reading_prefix_cache and planner.asks("a")
     assert not planner.asks("b")  # 95 rows would pass the 100-row bound with a's 6 in flight
     assert not bad.skip_reading_prefix_cache and not planner.asks("c")
