@@ -36,6 +36,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
+from kvedit.vllm import hooks
+
 logger = logging.getLogger("vllm.kvedit")
 
 StoreMode = Literal["eager", "evict", "reuse"]
@@ -103,14 +105,15 @@ class Admission:
             return
         self.pool = pool
         self._table = getattr(pool, "cached_block_hash_to_block", None)
-        take = pool.get_new_blocks   # whatever is there (an instance attribute shadows it)
 
-        def get_new_blocks(num_blocks: int):
-            if self.deferred and num_blocks > 0:
-                self._taking(num_blocks)
-            return take(num_blocks)
+        def wrap(take):
+            def get_new_blocks(num_blocks: int):
+                if self.deferred and num_blocks > 0:
+                    self._taking(num_blocks)
+                return take(num_blocks)
+            return get_new_blocks
 
-        pool.get_new_blocks = get_new_blocks
+        hooks.shadow(pool, "get_new_blocks", "BlockPool.get_new_blocks", wrap)
 
     @property
     def defers(self) -> bool:

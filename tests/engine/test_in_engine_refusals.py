@@ -87,7 +87,7 @@ def test_parallel_engines_refuse_budgets_with_the_reason(tiny_model, kw, why):
 
 
 def test_an_unchecked_vllm_is_refused_at_start_naming_version_and_setting(monkeypatch):
-    from kvedit.vllm.connector import ALLOW_ANY_VLLM_ENV, check_in_engine_version
+    from kvedit.vllm.hooks import ALLOW_ANY_VLLM_ENV, check_in_engine_version
 
     monkeypatch.delenv(ALLOW_ANY_VLLM_ENV, raising=False)
     check_in_engine_version("0.32.0")

@@ -9,14 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvedit.vllm.metadata import KVEditMetadata
-from kvedit.vllm.query_capture import (
-    STATS,
-    QueryCapture,
-    capture_unavailable,
-    check_capture_version,
-)
 from kvedit.request_params import CAPTURE_FIELD, read_asks
+from kvedit.vllm.hooks import check_capture_version
+from kvedit.vllm.metadata import KVEditMetadata
+from kvedit.vllm.query_capture import STATS, QueryCapture, capture_unavailable
 from kvedit.vllm.query_window import WindowPlanner
 from kvedit.vllm.settings import ConnectorSettings
 

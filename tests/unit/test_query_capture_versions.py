@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvedit.vllm.hooks import SUPPORTED_CAPTURE_VLLM
 from kvedit.vllm.metadata import QueryRun
 from kvedit.vllm.query_capture import (
     STATS,
-    SUPPORTED_CAPTURE_VLLM,
     QueryCapture,
     _check_impl,
     capture_unavailable,
