@@ -26,7 +26,7 @@ in alternation so machine noise hits both sides of each ratio alike):
 Each ratio is the median over pairs measured back to back (noise from other work on a
 shared machine then hits both sides of a pair alike).
 `--paged`: only the copies (GB/s), on CUDA when there is a GPU: paged gather/scatter, and
-the connector's own store/load code (kvedit.vllm.copier.PagedCopier) through a real kvedit server,
+the connector's own store/load code (kvedit.vllm.transfer.copier.PagedCopier) through a real kvedit server,
 with the pinned host copy of the same bytes as the baseline and a breakdown (server round
 trips without copies, gathers alone).
 On a GPU: `--model DIR --dtype bfloat16 --vllm-arg=--load-format --vllm-arg=dummy` runs
@@ -110,7 +110,7 @@ def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
     """
     import torch
 
-    from kvedit.vllm.gpu_memory import pin_host
+    from kvedit.vllm.transfer.gpu_memory import pin_host
     from kvedit.vllm.paged import PagedKV
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -200,7 +200,7 @@ def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
 
 def _through_server(paged, block_ids: list[int], shape, chunk: int, n: int, sync,
                     nbytes: int, reps: int = 5, async_store: bool = True) -> dict:
-    """The connector's own store and load code (kvedit.vllm.copier.PagedCopier, what
+    """The connector's own store and load code (kvedit.vllm.transfer.copier.PagedCopier, what
     wait_for_save and start_load_kv run) through a real kvedit server: paged -> its shared
     memory (prepare_store / commit) and back (retrieve / release), fresh keys each time.
     A store is timed until committed (the background thread flushed).
@@ -215,8 +215,8 @@ def _through_server(paged, block_ids: list[int], shape, chunk: int, n: int, sync
     from kvedit.client import KVClient
     from kvedit.layout import ModelLayout
     from kvedit.launch.server import start_server
-    from kvedit.vllm.metadata import ChunkRun
-    from kvedit.vllm.copier import PagedCopier
+    from kvedit.vllm.transfer.plan import ChunkRun
+    from kvedit.vllm.transfer.copier import PagedCopier
 
     layout = ModelLayout(num_layers=shape[1], num_kv_heads=paged.num_heads,
                          head_dim=paged.head_dim, dtype="bfloat16", chunk_size=chunk)
@@ -376,7 +376,7 @@ def vllm_bench(tokens: int, n_prompts: int, rounds: int, *, model: str | None = 
     from kvedit.launch.vllm import kv_transfer_config, start_vllm
     from kvedit.keys import request_keys
     from kvedit.launch.server import start_server
-    from kvedit.vllm.copier_stats import load_lines
+    from kvedit.vllm.transfer.copier_stats import load_lines
 
     model_dir = model or default_tiny_model()
     rng = random.Random(0)

@@ -25,8 +25,8 @@ from kvedit.budget import EngineBudget
 from kvedit.query_contract import check_window
 from kvedit.request_params import RequestAsks, with_asks
 from kvedit.sdk import queries as Q
-from kvedit.sdk.contracts import check_token_ids, takes_salt
 from kvedit.sdk.context import Context
+from kvedit.sdk.contracts import check_token_ids, takes_salt
 from kvedit.sdk.errors import CompletionError, KVEditError
 
 

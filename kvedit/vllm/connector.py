@@ -38,7 +38,7 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
         check_vllm_version(vllm.__version__)
         super().__init__(vllm_config, role, kv_cache_config)
         settings = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
-        if settings.in_engine:
+        if settings.budgets.in_engine:
             check_in_engine_version(vllm.__version__)
         block_size = vllm_config.cache_config.block_size
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
@@ -82,8 +82,8 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
     def handle_preemptions(self, kv_connector_metadata) -> None:
         # vLLM calls this with the step's metadata before it applies the scheduler's output:
         # where in-engine budgets move KV and rewrite block lists.
-        if self.worker is not None and getattr(kv_connector_metadata, "budget", None):
-            self.worker.run_budget(kv_connector_metadata.budget)
+        if self.worker is not None and getattr(kv_connector_metadata, "budgets", None):
+            self.worker.run_budgets(kv_connector_metadata.budgets)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -125,7 +125,7 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler.bind_pool(gpu_block_pool)
         sched = find_caller(lambda obj: getattr(obj, "connector", None) is self)
         manager = getattr(sched, "kv_cache_manager", None)
-        if self.scheduler.settings.in_engine and getattr(manager, "block_pool", None) \
+        if self.scheduler.settings.budgets.in_engine and getattr(manager, "block_pool", None) \
                 is not gpu_block_pool:
             raise RuntimeError("kvedit in-engine budgets: could not find vLLM's scheduler "
                                "and its KVCacheManager above bind_gpu_block_pool")

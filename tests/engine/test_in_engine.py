@@ -31,9 +31,9 @@ import torch
 
 import kvedit
 from kvedit.budget import EngineBudget
-from kvedit.request_params import RequestAsks
 from kvedit.edits import POLICIES, KeyDiff, KeyNorm, RandomDrop, StreamingLLM
 from kvedit.layout import ModelLayout
+from kvedit.request_params import RequestAsks
 from tests.fixtures_vllm import CHUNK
 from tests.hf_reference import decode_over_kept
 

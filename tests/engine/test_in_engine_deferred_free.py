@@ -107,7 +107,7 @@ def drive(sched, reqs) -> dict:
 
     for r in reqs:
         sched.add_request(r)
-    budgets = sched.connector.scheduler.budget
+    budgets = sched.connector.scheduler.budgets
     stm = sched.kv_cache_manager.coordinator.single_type_managers[0]
     pool = sched.kv_cache_manager.block_pool
     pending = collections.deque()
@@ -166,7 +166,7 @@ def test_block_pressure_compacts_early_rather_than_preempting(tiny_model, unguar
     # a 3rd), 7 x 2 blocks = the whole pool: a request growing into its 3rd block finds none
     # free. With deferred frees the blocks a compaction releases wait for the step in flight,
     # so only a request whose kept blocks are its own (compacted before) compacts early.
-    from kvedit.vllm.budget_scheduler import BudgetScheduler
+    from kvedit.vllm.budget.scheduler import BudgetScheduler
 
     budget = RequestAsks(budget=EngineBudget(33, 16, "streaming_llm",
                                              {"granularity": "token"})).to_params()

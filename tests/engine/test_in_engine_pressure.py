@@ -26,8 +26,8 @@ import uuid
 import pytest
 
 from kvedit.budget import EngineBudget
-from kvedit.request_params import RequestAsks
 from kvedit.edits import StreamingLLM
+from kvedit.request_params import RequestAsks
 from tests.engine.test_in_engine import MODEL, greedy, host_path, prompt_of, stats
 from tests.fixtures_vllm import CHUNK
 

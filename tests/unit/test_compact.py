@@ -1,4 +1,4 @@
-"""In-engine compaction's data movement (kvedit.vllm.compact) on a synthetic paged cache in
+"""In-engine compaction's data movement (kvedit.vllm.budget.compact) on a synthetic paged cache in
 vLLM's CPU layout, and the budget contract (kvedit.budget).
 
 References: a per-token loop over the kept slots (per head), keys re-rotated with one
@@ -17,7 +17,7 @@ from kvedit.budget import BudgetError, EngineBudget, from_policy
 from kvedit.edits import KeyNorm, RandomDrop, StreamingLLM, rerotate
 from kvedit.layout import ModelLayout, RopeParams
 from kvedit.request_params import BUDGET_FIELD, RequestAsks, read_asks
-from kvedit.vllm import compact
+from kvedit.vllm.budget import compact
 from kvedit.vllm.paged import PagedKV
 
 L, H, HD, BS = 3, 2, 16, 16

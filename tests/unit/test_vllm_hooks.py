@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from kvedit.vllm import hooks
-from kvedit.vllm.budget_queries import RecentQueries
-from kvedit.vllm.metadata import QueryRun
-from kvedit.vllm.query_capture import QueryCapture
+from kvedit.vllm.budget.recent import RecentQueries
+from kvedit.vllm.capture.plan import QueryRun
+from kvedit.vllm.capture.worker import QueryCapture
 from kvedit.vllm.worker_side import WorkerSide
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,7 +104,7 @@ def test_a_raising_forward_leaves_no_hook_behind():
             impls[0].forward(layers[0], q, q, q, None, None)
         impls[0].fail = False
         worker = WorkerSide.__new__(WorkerSide)   # end_step reads these two only
-        worker.capture, worker.budget = capture, SimpleNamespace(recent=recent)
+        worker.capture, worker.budgets = capture, SimpleNamespace(recent=recent)
         if first is recent:
             recent.disarm()
         worker.end_step()

@@ -30,9 +30,10 @@ import numpy as np
 import torch
 
 from kvedit.layout import ModelLayout
-from kvedit.vllm import compact, hooks
-from kvedit.vllm.budget_plan import BudgetStep, Compaction
-from kvedit.vllm.budget_queries import RecentQueries
+from kvedit.vllm import hooks
+from kvedit.vllm.budget import compact
+from kvedit.vllm.budget.plan import BudgetStep, Compaction
+from kvedit.vllm.budget.recent import RecentQueries
 from kvedit.vllm.paged import PagedKV
 
 logger = logging.getLogger("vllm.kvedit")

@@ -3,16 +3,17 @@
 vLLM gives connectors no access to queries. Every attention layer's op
 (`unified_attention_with_output`, vLLM 0.26 to 0.33 alike) ends in
 `layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata, ...)` with `query`
-shaped [tokens, heads, head_dim] after q_norm and RoPE; that op runs eagerly on every backend
-(it is where vLLM's compiled graphs are split, so piecewise CUDA graphs run it outside the
-graph), so a Python hook there sees every prefill step on CPU and CUDA alike. On a step that
-has something to capture, `arm` shadows each layer's `impl.forward` (through hooks.py, which
-owns every such shadowing) with a layer that copies the wanted rows (one `index_select` per
-layer into one staging tensor) and then calls what lies under it; `finish` removes it. On every other step vLLM's code runs
-untouched: no wrapper, no check, no copy (`STATS.gathers` counts the copies, so a test can
-prove it). A step replayed as a full CUDA graph never calls the hook: its windows are dropped
-(never stored with holes), and `arm` says so up front when the step's forward context says
-it (or, as vLLM's V2 runner does for such steps, binds the metadata without one).
+shaped [tokens, heads, head_dim] after q_norm and RoPE; that op runs eagerly on every
+backend (it is where vLLM's compiled graphs are split, so piecewise CUDA graphs run it
+outside the graph), so a Python hook there sees every prefill step on CPU and CUDA alike. On
+a step that has something to capture, `arm` shadows each layer's `impl.forward` (through
+hooks.py, which owns every such shadowing) with a layer that copies the wanted rows (one
+`index_select` per layer into one staging tensor) and then calls what lies under it;
+`finish` removes it. On every other step vLLM's code runs untouched: no wrapper, no check,
+no copy (`STATS.gathers` counts the copies, so a test can prove it). A step replayed as a
+full CUDA graph never calls the hook: its windows are dropped (never stored with holes), and
+`arm` says so up front when the step's forward context says it (or, as vLLM's V2 runner does
+for such steps, binds the metadata without one).
 
 Which rows: the scheduler side sends the paged *slots* of the wanted tokens; their rows in
 this step's batch are where those slots sit in the forward context's slot mapping (found
@@ -29,31 +30,11 @@ import numpy as np
 import torch
 
 from kvedit.vllm import hooks
-from kvedit.vllm.hooks import capture_span, capture_supported, check_capture_version
-from kvedit.vllm.metadata import QueryRun
+from kvedit.vllm.capture.plan import QueryRun
 
 logger = logging.getLogger("vllm.kvedit")
 
 IMPL_FORWARD_PARAMS = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata")
-
-
-def graph_blocker(vllm_config, decodes: bool = False) -> str | None:
-    """Why CUDA graphs keep the hook from seeing the steps it needs, or None: prefill steps
-    (query capture) replayed as full graphs under cudagraph_mode FULL, or, with `decodes`
-    (the in-engine budgets' recent queries), decode steps under any mode with full graphs
-    (vLLM's default FULL_AND_PIECEWISE replays decode-only batches as full graphs)."""
-    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
-    if mode is None or not hasattr(mode, "has_full_cudagraphs"):
-        return None
-    if decodes and mode.has_full_cudagraphs():
-        what = "decode steps"
-    elif mode.mixed_mode().name == "FULL":
-        what = "prefill steps"
-    else:
-        return None
-    return (f"vLLM runs {what} as full CUDA graphs (cudagraph_mode {mode.name}), which run "
-            "no Python between layers; start vLLM with --compilation-config "
-            "'{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager")
 
 
 @dataclass(slots=True)
@@ -251,23 +232,6 @@ def _check_impl(name: str, impl) -> None:
     if not hasattr(impl, "__dict__"):
         raise RuntimeError(f"kvedit query capture: {type(impl).__name__} has no instance "
                            "dict, so its forward cannot be hooked per step")
-
-
-def capture_unavailable(mode: str, version: str, vllm_config=None,
-                        decodes: bool = False) -> str | None:
-    """Why query capture is off in this process (None: it is on). Mode "on" on an
-    unsupported vLLM, or with prefill steps in full CUDA graphs, raises instead. `decodes`:
-    asked for the in-engine budgets, which need decode steps too (graph_blocker)."""
-    if mode == "off":
-        return 'query_capture is "off" in kv_connector_extra_config'
-    if not capture_supported(version):
-        if mode == "on":
-            check_capture_version(version)
-        return f"query capture does not support vLLM {version} (supported: {capture_span()})"
-    why = graph_blocker(vllm_config, decodes)
-    if why and mode == "on" and graph_blocker(vllm_config) is not None:
-        raise RuntimeError(f"kvedit query capture: {why}")
-    return why
 
 
 def current_forward_context():

@@ -1,7 +1,7 @@
 """Recent queries for query-aware in-engine budgets (SnapKV, TOVA): per request, the post-RoPE
 queries of its last W computed tokens, kept on the device in a ring [L, W, Hq*D].
 
-The same runtime hook as query capture (`query_capture.py`): on a step where such a request
+The same runtime hook as query capture (`capture/worker.py`): on a step where such a request
 is in the batch, each attention layer's `impl.forward` is shadowed (through hooks.py) by a
 layer that copies the request's rows of `query` (one index_select per layer into one staging
 tensor) and calls what lies under it (vLLM's method, or query capture's own layer when both
@@ -10,7 +10,7 @@ Steps without such a request are untouched. Which rows: the request's last
 min(W, scheduled) tokens of the step, found from the batch's query start offsets. Decode
 steps must run attention eagerly for this (enforce_eager or piecewise CUDA graphs): the
 scheduler side refuses query-aware budgets where vLLM replays them as full CUDA graphs
-(`query_capture.graph_blocker`).
+(`capture/support.py`, graph_blocker).
 """
 from __future__ import annotations
 

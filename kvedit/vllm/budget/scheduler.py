@@ -22,7 +22,7 @@ block list, and the list holds only cdiv(resident, block_size) blocks. So:
   later request could hit it) is taken out of the prefix cache by vLLM's own eviction and
   written in place (`cached_kept_blocks` "uncache", the default), or copied like a shared
   one ("copy": later requests keep hitting it, at one more block per kept block). The
-  workers move the data before the step's forward (`budget_worker.py`); every read of the
+  workers move the data before the step's forward (`worker.py`); every read of the
   step precedes every write, so blocks freed here may be handed to another request in the
   same step.
 - Under block pressure a budgeted request compacts up to one round early rather than vLLM
@@ -53,7 +53,7 @@ from typing import Callable
 from kvedit.budget import EngineBudget
 from kvedit.request_params import RequestAsks
 from kvedit.vllm import hooks
-from kvedit.vllm.budget_plan import BudgetStep, Compaction, Restore, Stash
+from kvedit.vllm.budget.plan import BudgetStep, Compaction, Restore, Stash
 
 logger = logging.getLogger("vllm.kvedit")
 
