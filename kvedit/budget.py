@@ -2,10 +2,11 @@
 budget, compacted in place (docs/in-engine.md).
 
 One module, imported by both sides of the wire: the SDK writes it
-(`create_request(..., budget=EngineBudget(...))`), the connector's scheduler side rebuilds and
-validates it when the request arrives and hands the parsed value to the workers. On the wire
-it is the `to_dict()` of an EngineBudget under the budget field of a request's
-`kv_transfer_params` (kvedit.request_params writes and reads it):
+(`create_request(..., budget=EngineBudget(...))`, or `BatchedStream.run` given one where an
+edit fn goes: `EngineBudget.from_policy(KeyNorm(), 768, 128)`), the connector's scheduler
+side rebuilds and validates it when the request arrives and hands the parsed value to the
+workers. On the wire it is the `to_dict()` of an EngineBudget under the budget field of a
+request's `kv_transfer_params` (kvedit.request_params writes and reads it):
 
     {"tokens": 768, "every": 128, "policy": "key_norm", "args": {}, "protect": 16,
      "positions": "compact", "per_head": false, "queries": 0}
@@ -36,7 +37,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from kvedit.edits import POLICIES
+from kvedit.edits.spec import POLICIES, PolicySpec, from_spec, to_spec
 
 Positions = Literal["compact", "logical"]
 FIELDS = ("tokens", "every", "policy", "args", "protect", "positions", "per_head", "queries")
@@ -66,6 +67,21 @@ class EngineBudget:
         """Tokens kept by each compaction."""
         return self.tokens - self.every
 
+    @classmethod
+    def from_policy(cls, policy, tokens: int, every: int, *, positions: Positions = "compact",
+                    protect: int | None = None, queries: int = 0) -> EngineBudget:
+        """The budget that scores with `policy` (a kvedit.edits policy object, in its
+        plain-data form: kvedit.edits.spec): per_head carries over, and protect_last when
+        set (`protect` overrides it; neither: the budget's default protect)."""
+        try:
+            spec = to_spec(policy, leave_out=("ratio", "per_head", "protect_last"))
+        except ValueError as e:
+            raise BudgetError(f"an in-engine budget scores with a kvedit.edits policy by "
+                              f"name; {e}") from None
+        return cls(tokens, every, spec.name, spec.args,
+                   (policy.protect_last or None) if protect is None else protect, positions,
+                   policy.per_head, queries)
+
     def to_dict(self) -> dict:
         """The budget as plain data (what a request carries; `from_dict` reads it back)."""
         return dataclasses.asdict(self)
@@ -84,10 +100,9 @@ class EngineBudget:
 
     def policy_object(self):
         """The DropPolicy this budget scores with (a new object)."""
-        kw = {"granularity": "token", **self.args, "per_head": self.per_head,
-              "protect_last": self.protect}
+        spec = PolicySpec(self.policy, {"granularity": "token", **self.args})
         try:
-            return POLICIES[self.policy](**kw)
+            return from_spec(spec, per_head=self.per_head, protect_last=self.protect)
         except (TypeError, ValueError) as e:
             raise BudgetError(f"EngineBudget.args {self.args!r} for policy {self.policy!r}: "
                               f"{e}") from None
@@ -137,21 +152,3 @@ class EngineBudget:
         if self.positions == "logical" and self.policy == "leverage":
             raise BudgetError(f"EngineBudget: policy 'leverage' un-rotates keys assuming token "
                               "i sits at position i, which only positions 'compact' keeps true")
-
-
-def from_policy(policy, tokens: int, every: int, *, positions: Positions = "compact",
-                protect: int | None = None, queries: int = 0) -> EngineBudget:
-    """The budget that scores with `policy` (a kvedit.edits DropPolicy of a POLICIES class):
-    its fields other than ratio become `args`; per_head carries over, and protect_last when
-    set (`protect` overrides it; neither: the budget's default protect)."""
-    names = [n for n, cls in POLICIES.items() if type(policy) is cls]
-    if not names:
-        raise BudgetError(f"an in-engine budget scores with a kvedit.edits policy by name; "
-                          f"{type(policy).__name__} is not one of "
-                          f"{sorted(c.__name__ for c in POLICIES.values())}")
-    args = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)
-            if f.name not in ("ratio", "per_head", "protect_last")
-            and (getattr(policy, f.name) != f.default or f.name == "granularity")}
-    return EngineBudget(tokens, every, names[0], args,
-                        (policy.protect_last or None) if protect is None else protect, positions,
-                        policy.per_head, queries)

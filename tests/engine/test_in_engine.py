@@ -190,9 +190,9 @@ def test_run_in_engine_keeps_every_stream_within_its_budget(engine, kv_server):
         comp = kvedit.openai_completion(engine.base_url, MODEL)
         batch = kvedit.BatchedStream([kvedit.create_request(ctx, comp, p, cache_salt="run")
                                       for p in prompts], progress=False)
-        m = batch.run({"max_tokens": 1}, StreamingLLM(sink=4, granularity="token"),
-                      {"max_tokens": 300, "temperature": 0, "ignore_eos": True},
-                      every=128, budget=384, in_engine=True, release=True)
+        budget = EngineBudget.from_policy(StreamingLLM(sink=4, granularity="token"), 384, 128)
+        m = batch.run({"max_tokens": 1}, budget,
+                      {"max_tokens": 300, "temperature": 0, "ignore_eos": True}, release=True)
         outs = [list(s.output_token_ids) for s in batch]
     assert m.output_tokens == 4 * 301 and [len(o) for o in outs] == [301] * 4
     for p, o in zip(prompts, outs):  # one request per stream: the same as sending it by hand

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from kvedit.budget import BudgetError, EngineBudget, from_policy
+from kvedit.budget import BudgetError, EngineBudget
 from kvedit.edits import KeyNorm, RandomDrop, StreamingLLM, rerotate
 from kvedit.layout import ModelLayout, RopeParams
 from kvedit.request_params import BUDGET_FIELD, RequestAsks, read_asks
@@ -112,9 +112,9 @@ def test_the_newest_tokens_are_protected_by_default():
     assert b.protect == 64 and EngineBudget.from_dict(b.to_dict()).protect == 64
     assert EngineBudget(512, 64, "snapkv", protect=None, queries=96).protect == 96
     assert EngineBudget(100, 64, "key_norm").protect == 36   # keep = 36
-    assert from_policy(KeyNorm(), 512, 64).protect == 64
-    assert from_policy(KeyNorm(protect_last=8), 512, 64).protect == 8
-    assert from_policy(KeyNorm(), 512, 64, protect=0).protect == 0
+    assert EngineBudget.from_policy(KeyNorm(), 512, 64).protect == 64
+    assert EngineBudget.from_policy(KeyNorm(protect_last=8), 512, 64).protect == 8
+    assert EngineBudget.from_policy(KeyNorm(), 512, 64, protect=0).protect == 0
     T = 512
     kv = torch.ones(2, 2, T, 128)
     kv[0, :, -100:] *= 10                                    # the newest keys: largest norms
@@ -135,9 +135,10 @@ def test_budget_contract_round_trips_and_names_what_is_wrong():
     pol = b.policy_object()
     assert isinstance(pol, KeyNorm) and pol.per_head and pol.protect_last == 16
     assert b.keep == 640
-    assert from_policy(StreamingLLM(sink=8, per_head=True), 512, 64).args == \
+    assert EngineBudget.from_policy(StreamingLLM(sink=8, per_head=True), 512, 64).args == \
         {"granularity": "chunk", "sink": 8}
-    assert from_policy(RandomDrop(seed=3, granularity="token"), 512, 64).policy == "random"
+    assert EngineBudget.from_policy(RandomDrop(seed=3, granularity="token"), 512,
+                                    64).policy == "random"
     cases = [
         ({"tokens": 100, "every": 100}, "leaves 0 tokens per compaction"),
         ({"tokens": 0}, r"tokens is 0; expected a positive integer"),
@@ -159,4 +160,4 @@ def test_budget_contract_round_trips_and_names_what_is_wrong():
     with pytest.raises(BudgetError, match="expected an object"):
         EngineBudget.from_dict(512)
     with pytest.raises(BudgetError, match="not one of"):
-        from_policy(object(), 512, 64)
+        EngineBudget.from_policy(object(), 512, 64)

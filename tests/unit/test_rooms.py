@@ -8,7 +8,9 @@ and inside functions).
 - `server/` imports no `client/`, `sdk/` or `vllm/`: the store knows none of its users (what
   both ends of its wire share is top level: `protocol`, `wire`, `auth`).
 - `edits/` imports nothing of kvedit but `layout`: edit functions are pure torch over a
-  layout, usable without a server, an engine or the SDK.
+  layout, usable without a server, an engine or the SDK; and `sdk/` imports nothing of
+  `edits/`: the SDK names no policy family (a policy serializes itself, kvedit.edits.spec,
+  and a budget's edit is fitted through the `Fits` protocol of sdk/contracts.py).
 - No library room imports tooling (`harness/`, `bench/`, `launch/`, the `kvedit` command):
   a library never depends on what only tests, benchmarks and the CLI use.
 The last test plants one breach of each rule and checks that it is caught.
@@ -39,6 +41,7 @@ def room(module: str) -> str:
 # (room, rooms it must not import, why)
 RULES = [
     ("sdk", {"vllm"}, "sdk and vllm meet only in shared top-level contracts"),
+    ("sdk", {"edits"}, "the SDK names no policy family"),
     ("vllm", {"sdk"}, "sdk and vllm meet only in shared top-level contracts"),
     ("server", {"client", "sdk", "vllm"}, "the server knows none of its users"),
     ("edits", {r for r in (*FOLDERS, "cli", "top") if r != "edits"},
@@ -70,6 +73,7 @@ def test_each_rule_catches_a_planted_breach():
     graph = _graph()
     planted = {
         "kvedit.sdk.stream": "kvedit.vllm.settings",
+        "kvedit.sdk.driver": "kvedit.edits.base",
         "kvedit.vllm.scheduler_side": "kvedit.sdk.stream",
         "kvedit.server.service": "kvedit.client.kv_client",
         "kvedit.edits.base": "kvedit.budget",
