@@ -13,11 +13,15 @@ and inside functions).
   and a budget's edit is fitted through the `Fits` protocol of sdk/contracts.py).
 - No library room imports tooling (`harness/`, `bench/`, `launch/`, the `kvedit` command):
   a library never depends on what only tests, benchmarks and the CLI use.
-The last test plants one breach of each rule and checks that it is caught.
+A test plants one breach of each rule and checks that it is caught; the last one holds vllm/
+to its shape: a core of at most 12 modules, the concerns in sub-rooms that never call the
+core's two sides.
 """
 from __future__ import annotations
 
-from tests.unit.test_imports import _all_imports
+from functools import cache
+
+from tests.unit.test_imports import MODULES, _all_imports
 
 FOLDERS = ("sdk", "vllm", "server", "client", "edits", "compat", "harness", "bench", "launch")
 TOOLING = {"harness", "bench", "launch", "cli"}
@@ -61,8 +65,9 @@ def breaches(graph: dict[str, set[str]]) -> list[str]:
     return out
 
 
-def _graph() -> dict[str, set[str]]:
-    return {m: {t for _, t in edges} for m, edges in _all_imports().items()}
+@cache
+def _graph() -> dict[str, frozenset[str]]:
+    return {m: frozenset(t for _, t in edges) for m, edges in _all_imports().items()}
 
 
 def test_the_rooms_keep_their_rules():
@@ -90,3 +95,18 @@ def test_each_rule_catches_a_planted_breach():
     assert breaches({"kvedit.edits.base": {"kvedit.layout"},
                      "kvedit.sdk.stream": {"kvedit.request_params", "kvedit.client.kv_client"},
                      "kvedit.bench.long": {"kvedit.sdk.batch", "kvedit.vllm.connector"}}) == []
+
+
+def test_the_vllm_core_stays_a_core():
+    """vllm/ holds the connector core (at most 12 modules directly); each concern is a
+    sub-room of its own (transfer/, capture/, budget/), which the core calls and which never
+    call the core's two sides."""
+    core = [m for m in _graph() if m.startswith("kvedit.vllm.") and m.count(".") == 2
+            and MODULES[m].name != "__init__.py"]
+    assert len(core) + 1 <= 12, sorted(core)   # + the package's __init__
+    subs = {m.split(".")[2] for m in _graph()
+            if m.count(".") == 3 and m.startswith("kvedit.vllm.")}
+    assert subs == {"transfer", "capture", "budget"}
+    sides = {"kvedit.vllm.connector", "kvedit.vllm.scheduler_side", "kvedit.vllm.worker_side"}
+    assert [(m, t) for m, ts in _graph().items() for t in ts
+            if m.count(".") == 3 and m.startswith("kvedit.vllm.") and t in sides] == []
