@@ -18,7 +18,7 @@ _API = {
     "Metrics": "kvedit.sdk.metrics",
     "openai_completion": "kvedit.sdk.openai", "TokenEvent": "kvedit.sdk.openai",
     "ModelLayout": "kvedit.layout", "RopeParams": "kvedit.layout",
-    "EngineBudget": "kvedit.budget",
+    "EngineBudget": "kvedit.budget", "HostBudget": "kvedit.sdk.driver",
     "KVEditError": "kvedit.sdk.errors", "ConnectError": "kvedit.sdk.errors",
     "StreamError": "kvedit.sdk.errors", "ModifyError": "kvedit.sdk.errors",
     "CompletionError": "kvedit.sdk.errors", "BatchError": "kvedit.sdk.errors",

@@ -1,15 +1,15 @@
-"""The in-engine budget request contract: what a request puts in its `kv_transfer_params`
-to have vLLM keep its KV within a budget, compacting it in place (docs/in-engine.md).
+"""The in-engine budget contract: what a request asks of vLLM to have its KV kept within a
+budget, compacted in place (docs/in-engine.md).
 
 One module, imported by both sides of the wire: the SDK writes it
-(`create_request(..., budget=EngineBudget(...))`), the connector's scheduler side parses and
-validates it when the request arrives and hands the parsed value to the workers. An OpenAI
-client sends it as the body field `kv_transfer_params`; offline `LLM` users put the same dict
-under `SamplingParams(extra_args={"kv_transfer_params": {...}})`:
+(`create_request(..., budget=EngineBudget(...))`, or `BatchedStream.run` given one where an
+edit fn goes: `EngineBudget.from_policy(KeyNorm(), 768, 128)`), the connector's scheduler
+side rebuilds and validates it when the request arrives and hands the parsed value to the
+workers. On the wire it is the `to_dict()` of an EngineBudget under the budget field of a
+request's `kv_transfer_params` (kvedit.request_params writes and reads it):
 
-    {"kvedit_budget": {"tokens": 768, "every": 128, "policy": "key_norm",
-                       "args": {}, "protect": 16, "positions": "compact", "per_head": false,
-                       "queries": 0}}
+    {"tokens": 768, "every": 128, "policy": "key_norm", "args": {}, "protect": 16,
+     "positions": "compact", "per_head": false, "queries": 0}
 
 - tokens: the most KV tokens the engine holds for the request once its prompt is computed
   (the prompt itself is computed whole, however long).
@@ -21,9 +21,7 @@ under `SamplingParams(extra_args={"kv_transfer_params": {...}})`:
 - protect: the most recent tokens always kept (in every head). Default: `every` (and at least
   `queries`), at most what a compaction keeps: a token is not dropped before `every` newer
   ones follow it. 0 lets a policy that scores by content drop the newest tokens, which cuts
-  a generation's local context: on SmolLM2's count task KeyNorm kept inside vLLM completed 2
-  of 16 counts with 0 and 12 of 16 with 64, where the host path completed 13
-  (docs/in-engine.md, "Protecting the newest tokens").
+  a generation's local context (docs/in-engine.md, "Protecting the newest tokens").
 - positions: "compact" re-rotates kept keys to contiguous positions and numbers new tokens
   after them (what the host path's edit does); "logical" leaves RoPE alone and new tokens at
   their true positions.
@@ -39,9 +37,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from kvedit.edits import POLICIES
+from kvedit.edits.spec import POLICIES, PolicySpec, from_spec, to_spec
 
-KEY = "kvedit_budget"
 Positions = Literal["compact", "logical"]
 FIELDS = ("tokens", "every", "policy", "args", "protect", "positions", "per_head", "queries")
 MAX_QUERIES = 4096
@@ -70,23 +67,50 @@ class EngineBudget:
         """Tokens kept by each compaction."""
         return self.tokens - self.every
 
-    def to_params(self) -> dict:
-        """The kv_transfer_params entry that asks for this budget."""
-        return {KEY: dataclasses.asdict(self)}
+    @classmethod
+    def from_policy(cls, policy, tokens: int, every: int, *, positions: Positions = "compact",
+                    protect: int | None = None, queries: int = 0) -> EngineBudget:
+        """The budget that scores with `policy` (a kvedit.edits policy object, in its
+        plain-data form: kvedit.edits.spec): per_head carries over, and protect_last when
+        set (`protect` overrides it; neither: the budget's default protect)."""
+        try:
+            spec = to_spec(policy, leave_out=("ratio", "per_head", "protect_last"))
+        except ValueError as e:
+            raise BudgetError(f"an in-engine budget scores with a kvedit.edits policy by "
+                              f"name; {e}") from None
+        return cls(tokens, every, spec.name, spec.args,
+                   (policy.protect_last or None) if protect is None else protect, positions,
+                   policy.per_head, queries)
+
+    def to_dict(self) -> dict:
+        """The budget as plain data (what a request carries; `from_dict` reads it back)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw) -> EngineBudget:
+        """The budget `raw` describes; BudgetError naming the field and what was expected."""
+        if not isinstance(raw, dict):
+            raise BudgetError(f"the budget is {raw!r}; expected an object with fields "
+                              f"{list(FIELDS)} (tokens required)")
+        unknown = sorted(set(raw) - set(FIELDS))
+        if unknown or "tokens" not in raw:
+            raise BudgetError(f"unknown fields {unknown}, or no 'tokens'; expected fields "
+                              f"{list(FIELDS)} (tokens required)")
+        return cls(**raw)
 
     def policy_object(self):
         """The DropPolicy this budget scores with (a new object)."""
-        kw = {"granularity": "token", **self.args, "per_head": self.per_head,
-              "protect_last": self.protect}
+        spec = PolicySpec(self.policy, {"granularity": "token", **self.args})
         try:
-            return POLICIES[self.policy](**kw)
+            return from_spec(spec, per_head=self.per_head, protect_last=self.protect)
         except (TypeError, ValueError) as e:
-            raise BudgetError(f"{KEY}.args {self.args!r} for policy {self.policy!r}: {e}") \
-                from None
+            raise BudgetError(f"EngineBudget.args {self.args!r} for policy {self.policy!r}: "
+                              f"{e}") from None
 
     def _check(self) -> None:
         def bad(name: str, expected: str):
-            return BudgetError(f"{KEY}.{name} is {getattr(self, name)!r}; expected {expected}")
+            return BudgetError(f"EngineBudget.{name} is {getattr(self, name)!r}; expected "
+                               f"{expected}")
 
         for name in ("tokens", "every"):
             v = getattr(self, name)
@@ -99,7 +123,7 @@ class EngineBudget:
                 or self.protect < 0:
             raise bad("protect", "an integer number of recent tokens >= 0")
         if self.keep < max(1, self.protect):
-            raise BudgetError(f"{KEY}: tokens {self.tokens} - every {self.every} leaves "
+            raise BudgetError(f"EngineBudget: tokens {self.tokens} - every {self.every} leaves "
                               f"{self.keep} tokens per compaction; it must keep at least 1 and "
                               f"the {self.protect} protected ones (raise tokens or lower every)")
         if self.positions not in get_args(Positions):
@@ -117,48 +141,14 @@ class EngineBudget:
             raise bad("queries", f"a number of recent tokens in [0, {MAX_QUERIES}]")
         pol = self.policy_object()
         if pol.needs_queries and not q:
-            raise BudgetError(f"{KEY}.policy {self.policy!r} scores with captured queries: "
-                              "set queries to the number of recent tokens whose queries it "
-                              "scores with (e.g. 32), and protect to at least that")
+            raise BudgetError(f"EngineBudget.policy {self.policy!r} scores with captured "
+                              "queries: set queries to the number of recent tokens whose "
+                              "queries it scores with (e.g. 32), and protect to at least that")
         if q and not pol.needs_queries:
             raise bad("queries", f"0 for policy {self.policy!r}, which scores without queries")
         if q > self.protect:
-            raise BudgetError(f"{KEY}: protect {self.protect} must be >= queries {q} (the "
+            raise BudgetError(f"EngineBudget: protect {self.protect} must be >= queries {q} (the "
                               "tokens whose queries score the others stay resident)")
         if self.positions == "logical" and self.policy == "leverage":
-            raise BudgetError(f"{KEY}: policy 'leverage' un-rotates keys assuming token i sits "
-                              "at position i, which only positions 'compact' keeps true")
-
-
-def from_policy(policy, tokens: int, every: int, *, positions: Positions = "compact",
-                protect: int | None = None, queries: int = 0) -> EngineBudget:
-    """The budget that scores with `policy` (a kvedit.edits DropPolicy of a POLICIES class):
-    its fields other than ratio become `args`; per_head carries over, and protect_last when
-    set (`protect` overrides it; neither: the budget's default protect)."""
-    names = [n for n, cls in POLICIES.items() if type(policy) is cls]
-    if not names:
-        raise BudgetError(f"an in-engine budget scores with a kvedit.edits policy by name; "
-                          f"{type(policy).__name__} is not one of "
-                          f"{sorted(c.__name__ for c in POLICIES.values())}")
-    args = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)
-            if f.name not in ("ratio", "per_head", "protect_last")
-            and (getattr(policy, f.name) != f.default or f.name == "granularity")}
-    return EngineBudget(tokens, every, names[0], args,
-                        (policy.protect_last or None) if protect is None else protect, positions,
-                        policy.per_head, queries)
-
-
-def from_params(params) -> EngineBudget | None:
-    """The budget a request's kv_transfer_params ask for (None: none). BudgetError naming the
-    field and what was expected when the value is bad."""
-    if not isinstance(params, dict) or params.get(KEY) is None:
-        return None
-    raw = params[KEY]
-    if not isinstance(raw, dict):
-        raise BudgetError(f"kv_transfer_params[{KEY!r}] is {raw!r}; expected an object with "
-                          f"fields {list(FIELDS)} (tokens required)")
-    unknown = sorted(set(raw) - set(FIELDS))
-    if unknown or "tokens" not in raw:
-        raise BudgetError(f"kv_transfer_params[{KEY!r}]: unknown fields {unknown}, or no "
-                          f"'tokens'; expected fields {list(FIELDS)} (tokens required)")
-    return EngineBudget(**raw)
+            raise BudgetError(f"EngineBudget: policy 'leverage' un-rotates keys assuming token "
+                              "i sits at position i, which only positions 'compact' keeps true")

@@ -1,15 +1,14 @@
 """The query-capture contract, shared by both sides of the wire.
 
 A request asks vLLM (through the kvedit connector) to keep the post-RoPE queries of its last
-W prompt tokens by carrying `kv_transfer_params = {CAPTURE_FIELD: W}`; the connector stores
-them in the kvedit server as one object per tensor-parallel rank, and the SDK reads them back
-for an edit function. Both sides import this module, so the field's name, the bound on W, how
-W is checked and what the stored object looks like are written once:
+W prompt tokens (the capture field of its kv_transfer_params: kvedit.request_params); the
+connector stores them in the kvedit server as one object per tensor-parallel rank, and the
+SDK reads them back for an edit function. Both sides import this module, so the bound on W,
+how the SDK's setting is checked and what the stored object looks like are written once:
 
-- `CAPTURE_FIELD`, `MAX_WINDOW`: the field inside kv_transfer_params and the largest W;
-- `check_window` (the SDK's setting: None, 0 = off, or 1..MAX_WINDOW) and `requested_window`
-  (the engine reading a request: 0 when it does not ask, ValueError when it asks wrongly);
-- `ask`: kv_transfer_params with the field set, the caller's other entries kept;
+- `MAX_WINDOW`, `is_window`: the largest W and the check of a W (a request's, read by
+  kvedit.request_params);
+- `check_window`: the SDK's setting (None, 0 = off, or 1..MAX_WINDOW);
 - `CaptureRows`: which prompt rows a window holds (the last min(W, prompt length));
 - `QueryShape`: the stored object, `[num_layers, rows, num_q_heads * head_dim]` C-contiguous
   in the model dtype, from the rank's registered `ModelLayout` (which says `num_q_heads`), so
@@ -17,16 +16,15 @@ W is checked and what the stored object looks like are written once:
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvedit.layout import DTYPE_SIZES, ModelLayout
 
-CAPTURE_FIELD = "kvedit_capture_queries"   # the key inside a request's kv_transfer_params
 MAX_WINDOW = 4096                          # the most prompt tokens one request may ask for
 
 
-def _is_window(w, low: int) -> bool:
+def is_window(w, low: int = 1) -> bool:
+    """Whether `w` is a window: an int (not a bool) in [low, MAX_WINDOW]."""
     return not isinstance(w, bool) and isinstance(w, int) and low <= w <= MAX_WINDOW
 
 
@@ -35,29 +33,10 @@ def check_window(window, what: str) -> int | None:
     ValueError naming `what` otherwise."""
     if window is None:
         return None
-    if not _is_window(window, 0):
+    if not is_window(window, 0):
         raise ValueError(f"{what} must be a number of prompt tokens in 1..{MAX_WINDOW} (0 or "
                          f"None = off), got {window!r}")
     return window
-
-
-def requested_window(kv_transfer_params) -> int:
-    """The W a request's kv_transfer_params ask for; 0 when it does not ask. ValueError
-    naming the field and the expected values when the value is bad."""
-    if not isinstance(kv_transfer_params, Mapping) \
-            or kv_transfer_params.get(CAPTURE_FIELD) in (None, 0):
-        return 0
-    w = kv_transfer_params[CAPTURE_FIELD]
-    if not _is_window(w, 1):
-        raise ValueError(f"kv_transfer_params[{CAPTURE_FIELD!r}] is {w!r}; expected an "
-                         f"integer number of prompt tokens in [1, {MAX_WINDOW}] (0 or absent: "
-                         "no capture)")
-    return w
-
-
-def ask(kv_transfer_params: Mapping | None, window: int) -> dict:
-    """kv_transfer_params asking for `window` queries (the other entries kept)."""
-    return {**(kv_transfer_params or {}), CAPTURE_FIELD: window}
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,7 +51,7 @@ def _flood(side) -> None:
 
 
 def _lookup_maybe_unpinned(self, request, num_computed_tokens: int):
-    self.pins.max_chunks = 0 if _mode() == "flood-nopin" else self.settings.pin_max_chunks
+    self.pins.max_chunks = 0 if _mode() == "flood-nopin" else self.settings.transfer.pin_max_chunks
     return _lookup(self, request, num_computed_tokens)
 
 

@@ -13,8 +13,8 @@ import os
 import time
 from pathlib import Path
 
-from kvedit.vllm import copier
 from kvedit.vllm.connector import KVEditConnector
+from kvedit.vllm.transfer import copier
 
 DELAY_FILE_ENV = "KVEDIT_TEST_COMMIT_DELAY_FILE"
 _finish = copier.PagedCopier._finish

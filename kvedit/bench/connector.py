@@ -16,8 +16,8 @@ in alternation so machine noise hits both sides of each ratio alike):
   together, on the vLLM with the connector storing every chunk / on a vLLM started without
   it (rounds in ABBA order). Target >= 0.9.
 - prefill_with_query_capture_vs_without: the same prefill throughput on the connector's vLLM
-  with every request asking for its last --query-window queries (kv_transfer_params
-  {"kvedit_capture_queries": W}) / without asking (pairs in alternating order). Target
+  with every request asking for its last --query-window queries (the capture field of its
+  kv_transfer_params, kvedit.request_params) / without asking (pairs in alternating order). Target
   >= 0.95; two pairs per round, ABBA; the pair ratios are listed too. On a loaded machine
   they scatter widely, so two less noise-prone views come with it: best vs best throughput
   (the least disturbed batch of each arm) and the same ratio in CPU seconds of vLLM's
@@ -26,7 +26,7 @@ in alternation so machine noise hits both sides of each ratio alike):
 Each ratio is the median over pairs measured back to back (noise from other work on a
 shared machine then hits both sides of a pair alike).
 `--paged`: only the copies (GB/s), on CUDA when there is a GPU: paged gather/scatter, and
-the connector's own store/load code (kvedit.vllm.copier.PagedCopier) through a real kvedit server,
+the connector's own store/load code (kvedit.vllm.transfer.copier.PagedCopier) through a real kvedit server,
 with the pinned host copy of the same bytes as the baseline and a breakdown (server round
 trips without copies, gathers alone).
 On a GPU: `--model DIR --dtype bfloat16 --vllm-arg=--load-format --vllm-arg=dummy` runs
@@ -45,7 +45,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kvedit.harness.vocab import greedy
-from kvedit.query_contract import ask
+from kvedit.request_params import RequestAsks
 
 
 def register(bsub) -> None:
@@ -110,7 +110,7 @@ def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
     """
     import torch
 
-    from kvedit.vllm.gpu_memory import pin_host
+    from kvedit.vllm.transfer.gpu_memory import pin_host
     from kvedit.vllm.paged import PagedKV
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -200,7 +200,7 @@ def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
 
 def _through_server(paged, block_ids: list[int], shape, chunk: int, n: int, sync,
                     nbytes: int, reps: int = 5, async_store: bool = True) -> dict:
-    """The connector's own store and load code (kvedit.vllm.copier.PagedCopier, what
+    """The connector's own store and load code (kvedit.vllm.transfer.copier.PagedCopier, what
     wait_for_save and start_load_kv run) through a real kvedit server: paged -> its shared
     memory (prepare_store / commit) and back (retrieve / release), fresh keys each time.
     A store is timed until committed (the background thread flushed).
@@ -215,8 +215,8 @@ def _through_server(paged, block_ids: list[int], shape, chunk: int, n: int, sync
     from kvedit.client import KVClient
     from kvedit.layout import ModelLayout
     from kvedit.launch.server import start_server
-    from kvedit.vllm.metadata import ChunkRun
-    from kvedit.vllm.copier import PagedCopier
+    from kvedit.vllm.transfer.plan import ChunkRun
+    from kvedit.vllm.transfer.copier import PagedCopier
 
     layout = ModelLayout(num_layers=shape[1], num_kv_heads=paged.num_heads,
                          head_dim=paged.head_dim, dtype="bfloat16", chunk_size=chunk)
@@ -326,7 +326,7 @@ def _complete(vp, prompt: list[int], capture: int = 0) -> tuple[float, dict]:
     """One max_tokens=1 request; `capture` > 0 asks for its last `capture` queries."""
     body = {"model": vp.model, "prompt": prompt, **greedy(1)}
     if capture:
-        body["kv_transfer_params"] = ask(None, capture)   # kvedit.query_contract
+        body["kv_transfer_params"] = RequestAsks(capture=capture).to_params()
     t0 = time.perf_counter()
     r = post_json(vp.base_url + "/v1/completions", body)
     return time.perf_counter() - t0, r["usage"]
@@ -376,7 +376,7 @@ def vllm_bench(tokens: int, n_prompts: int, rounds: int, *, model: str | None = 
     from kvedit.launch.vllm import kv_transfer_config, start_vllm
     from kvedit.keys import request_keys
     from kvedit.launch.server import start_server
-    from kvedit.vllm.copier_stats import load_lines
+    from kvedit.vllm.transfer.copier_stats import load_lines
 
     model_dir = model or default_tiny_model()
     rng = random.Random(0)

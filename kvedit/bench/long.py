@@ -5,7 +5,7 @@ blocks, so N streams that each generate O tokens do not fit at once. Two arms on
 prompts, greedy with ignore_eos (both decode N·O tokens):
 - baseline: prefill, then one decode request of O tokens per stream (vLLM preempts and
   recomputes as the sequences outgrow its KV);
-- budget: `BatchedStream.run(..., every=K, budget=B)`: decode rounds of K tokens, and a
+- budget: `BatchedStream.run(..., HostBudget(B, K, policy), ...)`: decode rounds of K tokens, and a
   StreamingLLM (sink + recent window) or KeyNorm edit whenever the next round would make a
   stream hold more than B tokens (kvedit.sdk.driver).
 
@@ -162,8 +162,9 @@ def _arm(ctx, completion, prompts, args, eng, *, budget: bool, progress: bool) -
     before, cpu0 = vllm_counters(eng.vllm_url), cpu_seconds(eng.pids)
     t0 = time.perf_counter()
     if budget:
-        m = batch.run(_sampling(1), _policy(args.policy), _sampling(args.max_tokens),
-                      every=args.every, budget=args.budget)
+        m = batch.run(_sampling(1), kvedit.HostBudget(args.budget, args.every,
+                                                      _policy(args.policy)),
+                      _sampling(args.max_tokens))
         edits = m.parts["modify"]
         extra = {"edit_rounds": m.edit_rounds, "edit_busy_s": edits.duration,
                  "edit_fn_s": edits.fn_s, "edit_store_s": edits.store_s,
@@ -266,9 +267,9 @@ def _speed(args, log) -> dict:
             warm = kvedit.BatchedStream([kvedit.create_request(ctx, completion, prompts[0],
                                                                cache_salt="warm")],
                                         progress=False)
-            warm.run(_sampling(1), _policy(args.policy), _sampling(2 * args.every),
-                     every=args.every, budget=max(b, p + args.every + 3 * args.chunk_size),
-                     release=True)
+            warm.run(_sampling(1), kvedit.HostBudget(
+                max(b, p + args.every + 3 * args.chunk_size), args.every, _policy(args.policy)),
+                     _sampling(2 * args.every), release=True)
             log(f"baseline: N={n} P={p} O={o}, KV capacity {cap} tokens ...")
             base, base_batch = _arm(ctx, completion, prompts, args, eng, budget=False,
                                     progress=not args.json)

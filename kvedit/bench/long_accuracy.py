@@ -6,10 +6,10 @@ Arms, each on fresh streams of the same samples (greedy, stopping at EOS or max_
 - rounds: the budgeted driver's decode rounds of K tokens with no edit (budget unlimited):
   what re-sending the sequence every K tokens alone changes (bf16: a round recomputes the
   tail chunk, so greedy decoding may take another branch), apart from what a budget drops;
-- one per policy: `BatchedStream.run(..., every=K, budget=B)` with that policy (the budgeted
+- one per policy: `BatchedStream.run(..., HostBudget(B, K, policy), ...)` (the budgeted
   driver edits each stream whenever the next round would make it hold more than B tokens);
 - engine_<policy> (with `bench long --in-engine`): the same budget kept inside vLLM
-  (`run(..., in_engine=True)`: one request per stream, compacted in place). Count samples
+  (`run` given an `EngineBudget`: one request per stream, compacted in place). Count samples
   only: a recall question is a second turn, which one vLLM request cannot take, and
   re-sending the whole sequence would prefill it with full attention (recorded as skipped).
 Recall samples then get their question appended (`Stream.append`) and decode the answer; in
@@ -79,12 +79,12 @@ def _run_arm(ctx, completion, samples, arm: str, cfg: AccuracyConfig, tok) -> di
         batch.prefill(_greedy(1))
         batch.decode(_greedy(most))
     elif engine:
-        batch.run(_greedy(1), policy(arm[len(ENGINE):]), _greedy(most), every=cfg.every,
-                  budget=cfg.budget, in_engine=True)
+        batch.run(_greedy(1), kvedit.EngineBudget.from_policy(
+            policy(arm[len(ENGINE):]), cfg.budget, cfg.every), _greedy(most))
     else:
         budget = UNLIMITED if arm == "rounds" else cfg.budget
-        m = batch.run(_greedy(1), policy("streaming" if arm == "rounds" else arm),
-                      _greedy(most), every=cfg.every, budget=budget)
+        m = batch.run(_greedy(1), kvedit.HostBudget(
+            budget, cfg.every, policy("streaming" if arm == "rounds" else arm)), _greedy(most))
         if arm == "rounds" and m.edit_rounds:
             raise RuntimeError(f"the rounds arm edited {m.edit_rounds} times; it must not")
     counted = {id(st): len(st.output_token_ids) for st in streams}

@@ -1,6 +1,6 @@
 """The in-engine arm of `kvedit bench long --in-engine`: the same streams and budget as the
 host arm, but each stream sends one request and vLLM compacts its KV in place
-(`BatchedStream.run(..., in_engine=True)`), and the figures that compare the three arms.
+(`BatchedStream.run` given an EngineBudget), and the figures that compare the three arms.
 
 Where the in-engine figures come from:
 - decode throughput and tokens per engine step: as for the other arms (wall clock; vLLM's
@@ -101,8 +101,8 @@ def arm(ctx, completion, prompts, args, eng, policy, sampling, per_step, *,
     from kvedit.bench.long_full import InFlight
 
     with InFlight(eng.vllm_url) as running:
-        batch.run(sampling(1), policy, sampling(args.max_tokens), every=args.every,
-                  budget=budget, in_engine=True, positions=args.positions)
+        batch.run(sampling(1), kvedit.EngineBudget.from_policy(
+            policy, budget, args.every, positions=args.positions), sampling(args.max_tokens))
     wall = time.perf_counter() - t0
     cpu = cpu_seconds(eng.pids) - cpu0
     after = counters(eng.vllm_url)

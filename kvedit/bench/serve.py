@@ -276,7 +276,7 @@ def server_counters(http_url: str) -> dict[str, float]:
 def connector_counters(log_path) -> dict[str, dict[str, float]]:
     """A kvedit arm's connector stats now, from its vLLM log: the last scheduler, store and
     load stats lines (cumulative; the connector logs them every stats_interval_s)."""
-    from kvedit.vllm.copier_stats import load_counters, store_counters
+    from kvedit.vllm.transfer.copier_stats import load_counters, store_counters
     from kvedit.vllm.scheduler_stats import scheduler_counters
 
     text = Path(log_path).read_text(errors="replace")
@@ -402,7 +402,7 @@ def _result(runs: dict[str, list], repeats: int, *, vllm_version: str, model, dt
     """The JSON of `kvedit bench serve` for the runs done so far (`repeats` of them)."""
     from kvedit.vllm.settings import ConnectorSettings
 
-    default = ConnectorSettings().store
+    default = ConnectorSettings().transfer.store
     per_arm = {a: _median_run(rs) for a, rs in runs.items()}
     return {
         "vllm_version": vllm_version, "model": str(model or "tiny-qwen3"), "dtype": dtype,

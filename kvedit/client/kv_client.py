@@ -397,7 +397,7 @@ class KVClient:
     def pin(self, model: str, keys: list[bytes], tp_rank: int = 0) -> tuple[int, int]:
         """Lease the leading ready `keys` without reading them -> (lease id, how many): the
         server keeps them (no eviction) until `unpin(lease id)` or its lease TTL. What the
-        connector's lookup holds until the load (kvedit.vllm.pins)."""
+        connector's lookup holds until the load (kvedit.vllm.transfer.pins)."""
         reply = self._model_call(model, tp_rank, P.Retrieve(model=model, keys=list(keys),
                                                             tp_rank=tp_rank))
         return reply.lease_id, reply.count

@@ -3,8 +3,9 @@
 Pure torch: nothing here starts a process or talks to a server (that is kvedit/harness/).
 A policy keeps or drops a token for every layer and KV head at once (one vLLM cache slot
 holds them all); each policy's docstring says how it folds per-(layer, head) scores into one
-score per token. POLICIES maps the CLI/eval names to the classes; a class with
-`needs_queries = True` scores from the request's captured queries (`query_policies.py`).
+score per token. POLICIES maps the CLI/eval names to the classes, and a policy's plain-data
+form goes through it (`spec.py`); a class with `needs_queries = True` scores from the
+request's captured queries (`query_policies.py`).
 """
 from kvedit.edits.attention import Window, window_attention
 from kvedit.edits.base import DropPolicy, Units
@@ -13,14 +14,9 @@ from kvedit.edits.policies import (DropMiddle, KeyDiff, KeyNorm, LeverageScore, 
 from kvedit.edits.kvzip import KVzip
 from kvedit.edits.query_policies import TOVA, SnapKV
 from kvedit.edits.rope import inv_freq, rerotate, rotate_keys
-
-POLICIES = {
-    "drop_middle": DropMiddle, "uniform": UniformDrop, "streaming_llm": StreamingLLM,
-    "key_norm": KeyNorm, "snapkv_proxy": SnapKVProxy, "keydiff": KeyDiff,
-    "leverage": LeverageScore, "random": RandomDrop, "snapkv": SnapKV, "tova": TOVA,
-    "kvzip": KVzip,
-}
+from kvedit.edits.spec import POLICIES, PolicySpec, from_spec, to_spec
 
 __all__ = ["DropPolicy", "Units", "Window", "DropMiddle", "UniformDrop", "StreamingLLM",
            "KeyNorm", "SnapKVProxy", "SnapKV", "TOVA", "KVzip", "KeyDiff", "LeverageScore", "RandomDrop",
-           "POLICIES", "rerotate", "rotate_keys", "inv_freq", "window_attention"]
+           "POLICIES", "PolicySpec", "from_spec", "to_spec", "rerotate", "rotate_keys",
+           "inv_freq", "window_attention"]

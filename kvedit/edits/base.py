@@ -291,6 +291,23 @@ class DropPolicy:
         scores = self._scores(kv, units, layout, queries, query_start)
         return top_tokens(self._protect(units.expand(scores)), keep)
 
+    def keeping(self, max_tokens: int):
+        """This policy as an edit fn that keeps at most `max_tokens` of the kv it is given:
+        the ratio that drops just enough units (what a budget's edit needs between decode
+        rounds, kvedit.sdk.driver); kv already that short is returned as it is."""
+        def fit(kv, tokens, layout=None):
+            units = self.units(kv.shape[2], layout)
+            keep = max_tokens // units.size
+            drop = units.count - keep
+            if drop <= 0:
+                return kv, tokens
+            if keep <= 0:
+                raise ValueError(f"budget leaves room for {max_tokens} tokens, less than one "
+                                 f"{self.granularity} of {units.size}")
+            # int(ratio * count) == drop: the policy drops exactly the units the budget needs
+            return replace(self, ratio=(drop + 0.5) / units.count)(kv, tokens, layout=layout)
+        return fit
+
     def __call__(self, kv: torch.Tensor, tokens, layout: ModelLayout | None = None,
                  queries: torch.Tensor | None = None, query_start: int | None = None):
         """Drop tokens from `kv` [2, L, T, D] and `tokens` (len T); returns (kv, tokens).

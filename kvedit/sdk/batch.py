@@ -1,4 +1,5 @@
-"""BatchedStream: prefill → modify → decode over many streams, plus a pipelined run().
+"""BatchedStream: prefill → modify → decode over many streams, plus a pipelined run() (with
+or without a budget).
 
 Every phase is a coroutine on one event loop: HTTP streams run concurrently (bounded by
 `max_concurrency`), the server's blocking calls run in the context's thread pool, and the
@@ -14,13 +15,13 @@ import time
 
 from tqdm.auto import tqdm
 
-from kvedit.budget import from_policy
+from kvedit.budget import EngineBudget
 from kvedit.query_contract import check_window
-from kvedit.sdk.driver import Budget, drive
+from kvedit.sdk.driver import HostBudget, drive
 from kvedit.sdk.engine_run import drive_in_engine
 from kvedit.sdk.errors import KVEditError, StreamError, raise_batch
 from kvedit.sdk.loop import run_sync
-from kvedit.sdk.metrics import Metrics, Span, add_generation, add_modify
+from kvedit.sdk.metrics import Metrics, RunMetrics, add_generation, add_modify
 from kvedit.sdk.modify import modify_stream
 from kvedit.sdk.queries import expect
 from kvedit.sdk.stream import Stream
@@ -151,37 +152,26 @@ class BatchedStream:
         return m
 
     async def arun(self, prefill_params, fn, decode_params, *, keep_old: bool = False,
-                   wait_timeout: float | None = None, every: int | None = None,
-                   budget: int | None = None, release: bool = False, in_engine: bool = False,
-                   positions: str = "compact") -> Metrics:
+                   wait_timeout: float | None = None, release: bool = False) -> Metrics:
         """Pipelined prefill → modify → decode: each stream is modified as soon as its own
         prefill is stored and decodes as soon as its own modify is done (no phase barriers).
         Returns Metrics("run") with the end-to-end duration; `parts` holds each phase's
         counters, their `duration` being the span from its first start to its last end.
 
-        With `every` and `budget`: the budgeted run (kvedit.sdk.driver): each stream decodes
-        in rounds of `every` tokens and is edited with fn between rounds whenever the next
-        round would make the engine hold more than `budget` tokens of its KV; `release`
-        frees a finished stream's chunks. With `in_engine=True` as well, fn (a kvedit.edits
-        policy) runs inside vLLM instead: each stream sends one request asking for the
-        budget (kvedit.budget.from_policy; `positions` "compact" or "logical") and vLLM
-        compacts its KV in place as it decodes (kvedit.sdk.engine_run; prefill_params are
-        not used: the request's first token is its prefill)."""
+        `fn` is an edit fn, or a budget the run keeps each stream within as it decodes:
+        a HostBudget (kvedit.sdk.driver: decode rounds of `every` tokens, the stream edited
+        between rounds whenever the next would make the engine hold more than `tokens` of
+        its KV), or a kvedit.EngineBudget (kvedit.sdk.engine_run: one request per stream,
+        vLLM compacts its KV in place; prefill_params are not used, the request's first
+        token is its prefill). With a budget, `release` frees a finished stream's chunks."""
         wait = self.wait_timeout if wait_timeout is None else wait_timeout
-        if in_engine:
-            if every is None or budget is None:
-                raise ValueError("an in-engine budgeted run needs both every= and budget=")
-            return await drive_in_engine(self, decode_params,
-                                         from_policy(fn, budget, every, positions=positions),
-                                         release=release)
-        if every is not None or budget is not None:
-            if every is None or budget is None:
-                raise ValueError("a budgeted run needs both every= and budget=")
-            return await drive(self, prefill_params, fn, decode_params, Budget(every, budget),
-                               keep_old=keep_old, release=release, wait_timeout=wait)
-        names = ("prefill", "modify", "decode")
-        parts = {p: Metrics(p, num_streams=len(self.streams)) for p in names}
-        spans = {p: Span() for p in names}
+        if isinstance(fn, EngineBudget):
+            return await drive_in_engine(self, fn, decode_params, release=release)
+        if isinstance(fn, HostBudget):
+            return await drive(self, prefill_params, fn, decode_params, keep_old=keep_old,
+                               release=release, wait_timeout=wait)
+        rm = RunMetrics(len(self.streams))
+        parts, spans = rm.parts, rm.spans
         http = asyncio.Semaphore(self.max_concurrency)
         cpu = self._cpu_slots()
 
@@ -197,16 +187,11 @@ class BatchedStream:
                 with spans["decode"]:
                     add_generation(parts["decode"], await s.generate(decode_params))
 
-        run = Metrics("run", num_streams=len(self.streams), parts=parts)
         try:
-            await self._each("run", self.streams, work, run)
+            await self._each("run", self.streams, work, rm.run)
         finally:
-            for p in names:
-                parts[p].duration = spans[p].seconds
-        run.input_tokens = parts["prefill"].input_tokens
-        run.output_tokens = parts["prefill"].output_tokens + parts["decode"].output_tokens
-        run.ttft, run.tpot = parts["decode"].ttft, parts["decode"].tpot
-        return run
+            rm.close()
+        return rm.result()
 
     # ---- synchronous facade ----------------------------------------------------------
     def prefill(self, sampling_params=None) -> Metrics:
@@ -219,12 +204,9 @@ class BatchedStream:
         return run_sync(self.adecode(sampling_params))
 
     def run(self, prefill_params, fn, decode_params, *, keep_old: bool = False,
-            wait_timeout: float | None = None, every: int | None = None,
-            budget: int | None = None, release: bool = False, in_engine: bool = False,
-            positions: str = "compact") -> Metrics:
+            wait_timeout: float | None = None, release: bool = False) -> Metrics:
         return run_sync(self.arun(prefill_params, fn, decode_params, keep_old=keep_old,
-                                  wait_timeout=wait_timeout, every=every, budget=budget,
-                                  release=release, in_engine=in_engine, positions=positions))
+                                  wait_timeout=wait_timeout, release=release))
 
     async def arelease(self) -> int:
         """Release every stream's chunks (Stream.arelease); returns the chunks deleted."""

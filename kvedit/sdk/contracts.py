@@ -16,6 +16,10 @@ EditFn: modify calls `fn(kv, tokens, **kw)` and expects `(kv, tokens)` back (a t
   `new_kv` parameter by name (not through **kwargs: an fn that passes its keywords on must
   not receive it unasked).
 
+A budget's edit (`fitted`): between decode rounds an fn must keep at most so many tokens; an
+fn that `Fits` (every kvedit.edits policy: `keeping(max_tokens)`) is made to, any other fn is
+called as it is and must shorten the stream enough itself.
+
 PostCompletion: `post_completion(prompt_token_ids, sampling_params, cache_salt)` yields one
 item per generated token (an int, or an object with `.token_id`). The salt is the third
 positional argument by contract; a callable whose signature cannot take three positional
@@ -65,6 +69,17 @@ class EditFn(Protocol):
     def __call__(self, kv: torch.Tensor, tokens: list[int], *,
                  layout: ModelLayout = ..., queries: torch.Tensor = ...,
                  query_start: int = ..., new_kv: NewKV = ...) -> Any: ...
+
+
+@runtime_checkable
+class Fits(Protocol):
+    """An edit that can be made to keep at most `max_tokens` tokens (kvedit.edits policies)."""
+    def keeping(self, max_tokens: int) -> EditFn: ...
+
+
+def fitted(fn, max_tokens: int):
+    """fn made to keep at most `max_tokens` when it `Fits`; any other fn unchanged."""
+    return fn.keeping(max_tokens) if isinstance(fn, Fits) else fn
 
 
 @runtime_checkable

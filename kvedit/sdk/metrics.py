@@ -1,4 +1,5 @@
-"""Metrics of one batch phase (prefill, modify, decode) or of a pipelined run."""
+"""Metrics of one batch phase (prefill, modify, decode) or of a run, and the one assembly of
+a run's Metrics from its phases (`RunMetrics`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -146,6 +147,52 @@ class Span:
     @property
     def seconds(self) -> float:
         return 0.0 if self.start is None else (self.end or time.perf_counter()) - self.start
+
+
+class Busy:
+    """Wall time during which at least one stream was in the phase (phases overlap across
+    streams; the union of their intervals, where Span is first start to last end)."""
+
+    def __init__(self):
+        self.running, self.since, self.seconds = 0, 0.0, 0.0
+
+    def __enter__(self):
+        if self.running == 0:
+            self.since = time.perf_counter()
+        self.running += 1
+
+    def __exit__(self, *exc):
+        self.running -= 1
+        if self.running == 0:
+            self.seconds += time.perf_counter() - self.since
+
+
+PHASES = ("prefill", "modify", "decode")
+
+
+class RunMetrics:
+    """The Metrics of one run (`BatchedStream.run`, with or without a budget), assembled in
+    one place: a part per phase, each phase's `Span`, and the run's totals from its parts.
+    `close` (also when the run failed) sets each part's duration: its span, unless given;
+    `result` fills the run's totals. `ttft_of`: the part whose first tokens are the run's
+    (decode; prefill where one request per stream does both)."""
+
+    def __init__(self, num_streams: int):
+        self.parts = {p: Metrics(p, num_streams=num_streams) for p in PHASES}
+        self.spans = {p: Span() for p in PHASES}
+        self.run = Metrics("run", num_streams=num_streams, parts=self.parts)
+
+    def close(self, **durations: float) -> None:
+        for p in PHASES:
+            self.parts[p].duration = durations.get(p, self.spans[p].seconds)
+
+    def result(self, ttft_of: str = "decode") -> Metrics:
+        run, parts = self.run, self.parts
+        run.input_tokens = parts["prefill"].input_tokens
+        run.output_tokens = parts["prefill"].output_tokens + parts["decode"].output_tokens
+        run.edit_rounds = parts["modify"].edit_rounds
+        run.ttft, run.tpot = parts[ttft_of].ttft, parts["decode"].tpot
+        return run
 
 
 def add_generation(m: Metrics, g: Generation) -> None:

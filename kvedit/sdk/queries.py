@@ -1,12 +1,12 @@
 """Captured queries in the SDK: ask vLLM for them at prefill, fetch them for fn, let go.
 
-How a request asks, the bound on the window and the stored object's shape are the
-query-capture contract (kvedit.query_contract, shared with the connector): the prefill's
-sampling params carry `kv_transfer_params={CAPTURE_FIELD: W}` (merged into any
-kv_transfer_params already there); `openai_completion` sends them as the body of
-/v1/completions, where vLLM reads the top-level `kv_transfer_params` and the kvedit connector
-captures the post-RoPE queries of the last W prompt tokens of every attention layer and
-stores them in the kvedit server, one object per tensor-parallel rank (docs/queries.md).
+How a request asks is the capture field of its kv_transfer_params (kvedit.request_params,
+which Stream.generate writes for the prefill); the bound on the window and the stored
+object's shape are the query-capture contract (kvedit.query_contract, shared with the
+connector). `openai_completion` sends the params as the body of /v1/completions, where vLLM
+reads the top-level `kv_transfer_params` and the kvedit connector captures the post-RoPE
+queries of the last W prompt tokens of every attention layer and stores them in the kvedit
+server, one object per tensor-parallel rank (docs/queries.md).
 
 Which fn gets them is EditFn's rule (kvedit.sdk.contracts.wants_queries); modify then calls
 `fetch`, which reads every rank's object (its shape from the rank's registered layout) and
@@ -19,20 +19,17 @@ the context that still holds it is left (after a successful edit each stream let
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from kvedit.query_contract import CAPTURE_FIELD, CaptureRows, QueryShape, check_window
+from kvedit.query_contract import CaptureRows, QueryShape, check_window
 from kvedit.sdk.errors import MissingQueries, ModifyError
 
 log = logging.getLogger("kvedit.sdk")
-__all__ = ["CAPTURE_FIELD", "Capture", "CapturedQueries", "as_tensor", "capture_for",
-           "check_window", "expect", "fetch", "hold", "release_queries", "with_capture"]
+__all__ = ["Capture", "CapturedQueries", "as_tensor", "capture_for", "check_window", "expect",
+           "fetch", "hold", "release_queries"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,41 +60,6 @@ class CapturedQueries:
     """What fn gets: the queries [L, rows, num_q_heads*head_dim] and row 0's prompt position."""
     queries: torch.Tensor
     start: int
-
-
-def with_capture(params, window: int):
-    """A copy of the sampling params that asks vLLM to capture the last `window` queries
-    (with_transfer_param)."""
-    return with_transfer_param(params, CAPTURE_FIELD, window, "capture_queries")
-
-
-def with_transfer_param(params, key: str, value, what: str = "this request"):
-    """A copy of the sampling params with kv_transfer_params[key] = value (merged into any
-    already there): a dict (None) gets the key `kv_transfer_params`; vLLM's SamplingParams
-    gets it inside `extra_args` (where the offline LLM looks); other objects the attribute.
-    TypeError when the params cannot carry it (`what` names the feature that needed it)."""
-    if params is None or isinstance(params, Mapping):
-        params = dict(params or {})
-        params["kv_transfer_params"] = {**(params.get("kv_transfer_params") or {}), key: value}
-        return params
-    p = params.clone() if hasattr(params, "clone") else copy.copy(params)
-    if hasattr(params, "extra_args"):
-        # vLLM's SamplingParams: the offline LLM reads kv_transfer_params from extra_args
-        extra = dict(params.extra_args or {})
-        extra["kv_transfer_params"] = {**(extra.get("kv_transfer_params") or {}), key: value}
-        p.extra_args = extra
-        return p
-    new = {**(getattr(params, "kv_transfer_params", None) or {}), key: value}
-    if dataclasses.is_dataclass(params) and any(f.name == "kv_transfer_params"
-                                                for f in dataclasses.fields(params)):
-        return dataclasses.replace(params, kv_transfer_params=new)
-    try:
-        p.kv_transfer_params = new
-    except AttributeError:
-        raise TypeError(f"{what} needs sampling params that can carry "
-                        f"kv_transfer_params (a dict, or an object with that attribute); got "
-                        f"{type(params).__name__}") from None
-    return p
 
 
 def capture_for(ctx, prompt: list[int], salt: str, window: int) -> Capture:

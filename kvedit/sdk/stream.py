@@ -21,13 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvedit.budget import KEY as BUDGET_KEY
 from kvedit.budget import EngineBudget
 from kvedit.query_contract import check_window
-from kvedit.sdk.contracts import check_token_ids, takes_salt
-from kvedit.sdk.context import Context
+from kvedit.request_params import RequestAsks, with_asks
 from kvedit.sdk import queries as Q
-from kvedit.vllm.admission import STORE_ASK
+from kvedit.sdk.context import Context
+from kvedit.sdk.contracts import check_token_ids, takes_salt
 from kvedit.sdk.errors import CompletionError, KVEditError
 
 
@@ -111,26 +110,21 @@ class Stream:
         return self.ctx.keys_for(tokens, salt)   # rank 0's under TP (Context remembers all)
 
     async def generate(self, sampling_params, max_tokens: int | None = None,
-                       capture_queries: int = 0) -> Generation:
+                       capture_queries: int = 0,
+                       budget: EngineBudget | None = None) -> Generation:
         """Send `prompt` (with the stream's salt), append the generated tokens to the suffix.
-        capture_queries=W: ask vLLM to capture the queries of the prompt's last W tokens."""
+        capture_queries=W: ask vLLM to capture the queries of the prompt's last W tokens.
+        budget: the in-engine budget this request asks for (None: the stream's own, if any)."""
+        budget = self.budget if budget is None else budget
         params = sampling_params if max_tokens is None else with_max_tokens(sampling_params,
                                                                             max_tokens)
-        try:   # the edit reads this request's chunks next: stored as computed, whatever the
-            params = Q.with_transfer_param(params, STORE_ASK, "eager")   # connector's mode
-        except TypeError:   # params that cannot carry it: the connector's mode decides
-            pass
-        if capture_queries:
-            try:
-                params = Q.with_capture(params, capture_queries)
-            except TypeError as e:
-                raise CompletionError(self, str(e)) from None
-        if self.budget is not None:
-            try:
-                params = Q.with_transfer_param(params, BUDGET_KEY, self.budget.to_params()[
-                    BUDGET_KEY], "an in-engine budget")
-            except TypeError as e:
-                raise CompletionError(self, str(e)) from None
+        # the edit reads this request's chunks next: stored as computed, whatever the
+        # connector's store mode (params that cannot carry it: the mode decides)
+        asks = RequestAsks(store_eager=True, capture=capture_queries, budget=budget)
+        try:
+            params = with_asks(params, asks)
+        except TypeError as e:
+            raise CompletionError(self, str(e)) from None
         limit = get_max_tokens(params)
         if self.released:
             raise CompletionError(self, "the stream was released (arelease); create a new one")
@@ -168,7 +162,7 @@ class Stream:
         self.done = limit is None or len(ids) < limit
         # The engine computed KV for the whole prompt and every generated token but the last
         # (under an in-engine budget the connector stores the prompt's chunks only).
-        self._own_computed(len(prompt) + (0 if self.budget else max(0, len(ids) - 1)))
+        self._own_computed(len(prompt) + (0 if budget is not None else max(0, len(ids) - 1)))
         gen = Generation(ids, len(prompt), stamps[0] - start if stamps else None,
                          (stamps[-1] - stamps[0]) / (len(ids) - 1) if len(ids) > 1 else None,
                          finish, cached)

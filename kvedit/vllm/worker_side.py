@@ -6,7 +6,7 @@ has synchronous loads); stores run in wait_for_save after the forward and read t
 before it returns, so vLLM cannot hand them to another request first. On the CPU stores
 copy from the paged blocks straight into the server's shared-memory slots; on a GPU they
 gather into device staging and a background thread copies and commits (PagedCopier; the
-scheduler side makes a new request wait for keys still in flight: inflight.py).
+scheduler side makes a new request wait for keys still in flight: transfer/inflight.py).
 """
 from __future__ import annotations
 
@@ -15,19 +15,15 @@ import logging
 import torch
 
 from kvedit.layout import ModelLayout
-from kvedit.vllm.budget_plan import BudgetStep
-from kvedit.vllm.budget_worker import BudgetWorker, find_runner
-from kvedit.vllm.copier import PagedCopier
+from kvedit.vllm.budget.plan import BudgetStep
+from kvedit.vllm.budget.worker import BudgetWorker, find_runner
+from kvedit.vllm.capture.support import capture_unavailable
+from kvedit.vllm.capture.worker import STATS, QueryCapture, current_forward_context
 from kvedit.vllm.link import ServerLink
 from kvedit.vllm.metadata import KVEditMetadata
 from kvedit.vllm.paged import PagedKV
-from kvedit.vllm.query_capture import (
-    STATS,
-    QueryCapture,
-    capture_unavailable,
-    current_forward_context,
-)
 from kvedit.vllm.settings import ConnectorSettings, model_layout
+from kvedit.vllm.transfer.copier import PagedCopier
 
 logger = logging.getLogger("vllm.kvedit")
 
@@ -46,7 +42,7 @@ class WorkerSide:
         self.link: ServerLink | None = None
         self.copier: PagedCopier | None = None  # built once the layout is known
         self.capture: QueryCapture | None = None  # None: query capture off in this process
-        self.budget: BudgetWorker | None = None   # None: in-engine budgets off
+        self.budgets: BudgetWorker | None = None   # None: in-engine budgets off
 
     # ---- start-up -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -56,13 +52,13 @@ class WorkerSide:
         self.paged = PagedKV([kv_caches[n] for n in names], self._paged_kind(names[0], kv_caches),
                              self.vllm_config.model_config.get_head_size(), self.block_size)
         self._install_capture(names)
-        if self.settings.in_engine:
+        if self.settings.budgets.in_engine:
             # the policies' layout (head_dim, RoPE; chunk units as the host path's edits)
             layout = model_layout(self.vllm_config, self.settings.chunk_size or 256,
                                   self.tp_rank, self.settings.rope_is_neox)
             ctx = self.vllm_config.compilation_config.static_forward_context
-            self.budget = BudgetWorker(find_runner(), self.paged, layout,
-                                       [ctx[n] for n in names], self.settings.stats_interval_s)
+            self.budgets = BudgetWorker(find_runner(), self.paged, layout,
+                                        [ctx[n] for n in names], self.settings.stats_interval_s)
         self.link = ServerLink(self.settings.kvedit_url, self.settings.timeout,
                                self.settings.retry_interval, self._on_connect, "worker",
                                secret=self.settings.secret())
@@ -70,10 +66,11 @@ class WorkerSide:
     def _install_capture(self, names: list[str]) -> None:
         import vllm
 
-        why = capture_unavailable(self.settings.query_capture, vllm.__version__,
+        mode = self.settings.capture.query_capture
+        why = capture_unavailable(mode, vllm.__version__,
                                   self.vllm_config)
         if why is not None:
-            if self.settings.query_capture != "off":
+            if mode != "off":
                 logger.warning("kvedit: %s; requests that ask for query capture get none",
                                why)
             return
@@ -81,7 +78,7 @@ class WorkerSide:
         try:
             self.capture = QueryCapture([ctx[n] for n in names], names, self.tp_rank)
         except RuntimeError as e:  # attention layers the hook does not know
-            if self.settings.query_capture == "on":
+            if mode == "on":
                 raise
             logger.warning("%s; requests that ask for query capture get none", e)
 
@@ -117,14 +114,14 @@ class WorkerSide:
                                  f"layers x {layout.hidden}, KV cache has "
                                  f"{self.paged.num_layers} x {self.paged.hidden}")
             self.layout = layout
-            s = self.settings
+            s = self.settings.transfer
             self.copier = PagedCopier(self.paged, layout, self.model, self.tp_rank, s.pin_shm,
                                       async_store=s.background_commit(
                                           self.paged.device.type == "cuda"),
                                       staging_bytes=s.gpu_staging_bytes or None,
                                       device_wait=s.device_wait,
                                       on_error=self._background_store_failed,
-                                      stats_every=s.stats_interval_s)
+                                      stats_every=self.settings.stats_interval_s)
         client.register(self.model, self.layout)
         self.copier.prepare(client)
         http = self.settings.kvedit_http_url
@@ -181,13 +178,13 @@ class WorkerSide:
         except Exception as e:
             self.link.failed(e)
 
-    def run_budget(self, step: BudgetStep) -> None:
+    def run_budgets(self, step: BudgetStep) -> None:
         """Before vLLM applies the step: the in-engine budgets' stashes, compactions and
         restores (called from the connector's handle_preemptions)."""
-        if self.budget is None:
+        if self.budgets is None:
             raise RuntimeError("kvedit: the scheduler sent in-engine budget work to a worker "
                                "without in-engine budgets (the two sides' settings differ)")
-        self.budget.run(step)
+        self.budgets.run(step)
 
     def begin_step(self, meta: KVEditMetadata) -> None:
         """Before the forward (vLLM binds the step's metadata): store the chunks whose blocks
@@ -196,23 +193,23 @@ class WorkerSide:
         capture."""
         if meta.pre_stores:
             self.store(meta.pre_stores, before_forward=True)
-        if self.budget is not None:
-            self.budget.write()
+        if self.budgets is not None:
+            self.budgets.write()
         STATS.steps += 1
         if self.capture is not None and (meta.queries or meta.query_drops):
             self.capture.drop(meta.query_drops)
             if meta.queries:
                 self.capture.arm(meta.queries, current_forward_context())
-        if self.budget is not None:
-            self.budget.recent.arm()  # after query capture's: it wraps whatever is there
+        if self.budgets is not None:
+            self.budgets.recent.arm()  # a layer over query capture's, if armed (hooks.py)
 
     def end_step(self) -> None:
-        """vLLM cleared the step's metadata: never leave the hook in place past it (a
-        forward that raised skips wait_for_save)."""
-        if self.capture is not None and self.capture.step is not None:
+        """vLLM cleared the step's metadata: never leave a hook in place past it (a forward
+        that raised skips wait_for_save); each feature takes out its own layers (hooks.py)."""
+        if self.capture is not None:
             self.capture.abandon()
-        if self.budget is not None:
-            self.budget.recent.disarm()
+        if self.budgets is not None:
+            self.budgets.recent.disarm()
 
     def store_queries(self) -> None:
         """After the forward: send the query windows completed this step."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
-from kvedit.vllm.admission import Admission
+from kvedit.vllm.transfer.admission import Admission
 
 BS, CHUNK, BLOCKS = 16, 64, 64        # 4 blocks a chunk
 PER = CHUNK // BS

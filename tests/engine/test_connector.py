@@ -22,7 +22,7 @@ from kvedit.keys import request_keys
 
 MODEL, CHUNK, TOL = "tiny-qwen3", 256, 1e-3
 # A lookup right after a response waits (server side) for chunks still being committed: on
-# CUDA the connector commits stores from a background thread (settings.async_store), as the
+# CUDA the connector commits stores from a background thread (async_store), as the
 # SDK's modify does (it looks up with a wait too). Only a failure waits this long.
 LANDED = 30.0
 
@@ -337,7 +337,8 @@ def _worker(kv_server, tiny_model, model: str):
 
 
 def test_missing_chunk_is_a_load_error_and_never_stored(kv_server, tiny_model, client):
-    from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
+    from kvedit.vllm.metadata import KVEditMetadata
+    from kvedit.vllm.transfer.plan import ChunkRun
 
     model = "tiny-qwen3-worker-test"
     ws, buf = _worker(kv_server, tiny_model, model)

@@ -1,7 +1,7 @@
 """The background commit (connector setting async_store) against a real vLLM (CPU, tiny Qwen3)
 and a real kvedit server: a request sent right after a response still finds every chunk,
 because the scheduler side answers "cannot tell yet" while the server's run stops at a key
-whose store is in flight (kvedit/vllm/inflight.py), and a store that does not land within
+whose store is in flight (kvedit/vllm/transfer/inflight.py), and a store that does not land within
 store_wait_s is a miss, not a stall.
 
 The vLLM here loads tests/slow_commit_connector.py: the real connector whose background commit
@@ -16,8 +16,8 @@ import pytest
 
 from kvedit.client import KVClient
 from kvedit.keys import request_keys
-from kvedit.vllm.inflight import InFlightKeys
 from kvedit.vllm.settings import ConnectorSettings
+from kvedit.vllm.transfer.inflight import InFlightKeys
 from tests.engine.test_connector import post
 
 DELAY_FILE_ENV = "KVEDIT_TEST_COMMIT_DELAY_FILE"  # as tests/slow_commit_connector.py reads it
@@ -128,12 +128,12 @@ def test_in_flight_keys_expire_at_their_deadline_and_stay_bounded():
 
 
 def test_background_commit_is_on_for_cuda_only_unless_set():
-    default = ConnectorSettings()
+    default = ConnectorSettings().transfer
     assert default.background_commit(on_cuda=True)
     assert not default.background_commit(on_cuda=False)
-    assert ConnectorSettings(async_store=True).background_commit(on_cuda=False)
-    assert not ConnectorSettings(async_store=False).background_commit(on_cuda=True)
+    on, off = (ConnectorSettings.from_extra({"async_store": v}).transfer for v in (True, False))
+    assert on.background_commit(on_cuda=False) and not off.background_commit(on_cuda=True)
     for bad in (-1, 301, "5", True, float("nan")):
         with pytest.raises(ValueError, match="store_wait_s"):
             ConnectorSettings.from_extra({"store_wait_s": bad})
-    assert ConnectorSettings.from_extra({"store_wait_s": 0}).store_wait_s == 0
+    assert ConnectorSettings.from_extra({"store_wait_s": 0}).transfer.store_wait_s == 0

@@ -1,4 +1,4 @@
-"""The budgeted driver (BatchedStream.run(..., every=, budget=)): every stream stays within
+"""The budgeted driver (BatchedStream.run given a HostBudget): every stream stays within
 its KV budget as the engine sees it, edits overlap decoding, nothing leaks (issue 11).
 
 Checked from the engine's side: the fake engine records every request it got (sequence
@@ -11,6 +11,7 @@ import pytest
 from kvedit.edits import StreamingLLM
 from kvedit.sdk.batch import BatchedStream
 from kvedit.sdk.context import connect
+from kvedit.sdk.driver import HostBudget
 from kvedit.sdk.stream import create_request
 from tests.engine.test_decode_edit import present
 from tests.server.test_sdk_modify import C, LAYOUT, MODEL, FakeEngine, prompt  # noqa: F401
@@ -37,9 +38,9 @@ def test_fake_engine_every_request_fits_the_budget_and_nothing_leaks(fake_ctx, e
     streams = [create_request(fake_ctx, rec, prompt(3 * C + 10 + 40 * i)) for i in range(3)]
     batch = BatchedStream(streams, progress=False)
     budget, every = 4 * C, 100
-    m = batch.run({"max_tokens": 1}, StreamingLLM(sink=4, rerotate=False),  # layout: no RoPE
-                  {"max_tokens": 5 * C},
-                  every=every, budget=budget)
+    m = batch.run({"max_tokens": 1},   # the layout has no RoPE: no re-rotation
+                  HostBudget(budget, every, StreamingLLM(sink=4, rerotate=False)),
+                  {"max_tokens": 5 * C})
     decode_requests = [r for r in rec.requests if r[1] > 1]
     assert all(n + k <= budget for n, k, _ in rec.requests), rec.requests
     assert sum(k for _, k, _ in decode_requests) == 3 * 5 * C
@@ -55,10 +56,12 @@ def test_fake_engine_every_request_fits_the_budget_and_nothing_leaks(fake_ctx, e
 def test_budget_too_small_for_a_round_is_refused(fake_ctx, engine):
     batch = BatchedStream([create_request(fake_ctx, engine, prompt(C))], progress=False)
     with pytest.raises(ValueError, match="budget 600 leaves no room"):
-        batch.run({"max_tokens": 1}, StreamingLLM(sink=4), {"max_tokens": 50},
-                  every=100, budget=600)
-    with pytest.raises(ValueError, match="both every= and budget="):
-        batch.run({"max_tokens": 1}, StreamingLLM(sink=4), {"max_tokens": 50}, every=100)
+        batch.run({"max_tokens": 1}, HostBudget(600, 100, StreamingLLM(sink=4)),
+                  {"max_tokens": 50})
+    with pytest.raises(ValueError, match="HostBudget.every must be a positive number"):
+        HostBudget(600, 0, StreamingLLM(sink=4))
+    with pytest.raises(TypeError, match="HostBudget.edit must be an edit fn"):
+        HostBudget(600, 100, "streaming_llm")
 
 
 def test_vllm_budgeted_run_stays_within_budget_as_vllm_reports(vllm_server, kv_server):
@@ -72,9 +75,8 @@ def test_vllm_budgeted_run_stays_within_budget_as_vllm_reports(vllm_server, kv_s
         batch = BatchedStream(streams, progress=False)
         held: list[set[bytes]] = [set(s.keys) for s in streams]
         m = batch.run({"temperature": 0.0, "ignore_eos": True, "max_tokens": 1},
-                      StreamingLLM(sink=4),
-                      {"temperature": 0.0, "ignore_eos": True, "max_tokens": out},
-                      every=every, budget=budget)
+                      HostBudget(budget, every, StreamingLLM(sink=4)),
+                      {"temperature": 0.0, "ignore_eos": True, "max_tokens": out})
         assert all(len(s.output_token_ids) == out + 1 for s in streams)
         # vLLM's own usage: prompt + completion tokens of every request within the budget
         usage = [u for _, _, u in rec.requests]

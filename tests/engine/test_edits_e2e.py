@@ -22,7 +22,7 @@ from kvedit.sdk.batch import BatchedStream
 from kvedit.sdk.openai import openai_completion
 from kvedit.sdk.queries import as_tensor
 from kvedit.sdk.stream import create_request
-from kvedit.vllm.query_capture import capture_unavailable
+from kvedit.vllm.capture.support import capture_unavailable
 from tests.fixtures_vllm import GREEDY
 
 C = 256

@@ -33,6 +33,7 @@ import kvedit
 from kvedit.budget import EngineBudget
 from kvedit.edits import POLICIES, KeyDiff, KeyNorm, RandomDrop, StreamingLLM
 from kvedit.layout import ModelLayout
+from kvedit.request_params import RequestAsks
 from tests.fixtures_vllm import CHUNK
 from tests.hf_reference import decode_over_kept
 
@@ -65,7 +66,7 @@ def greedy(vp, prompt, n, budget: EngineBudget | None = None, salt=None) -> tupl
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
             "logprobs": 1, "cache_salt": salt or uuid.uuid4().hex}
     if budget is not None:
-        body["kv_transfer_params"] = budget.to_params()
+        body["kv_transfer_params"] = RequestAsks(budget=budget).to_params()
     r = post(vp, body)
     assert "choices" in r, r
     lp = r["choices"][0]["logprobs"]
@@ -189,9 +190,9 @@ def test_run_in_engine_keeps_every_stream_within_its_budget(engine, kv_server):
         comp = kvedit.openai_completion(engine.base_url, MODEL)
         batch = kvedit.BatchedStream([kvedit.create_request(ctx, comp, p, cache_salt="run")
                                       for p in prompts], progress=False)
-        m = batch.run({"max_tokens": 1}, StreamingLLM(sink=4, granularity="token"),
-                      {"max_tokens": 300, "temperature": 0, "ignore_eos": True},
-                      every=128, budget=384, in_engine=True, release=True)
+        budget = EngineBudget.from_policy(StreamingLLM(sink=4, granularity="token"), 384, 128)
+        m = batch.run({"max_tokens": 1}, budget,
+                      {"max_tokens": 300, "temperature": 0, "ignore_eos": True}, release=True)
         outs = [list(s.output_token_ids) for s in batch]
     assert m.output_tokens == 4 * 301 and [len(o) for o in outs] == [301] * 4
     for p, o in zip(prompts, outs):  # one request per stream: the same as sending it by hand
@@ -259,7 +260,8 @@ def test_a_bad_budget_is_refused_without_touching_other_requests(engine):
     assert refused.get("status") == 500, refused
     log = engine.log_path.read_text()
     assert re.search(r"refused \(finished with an error\): it asks for an in-engine budget, "
-                     r"but kvedit_budget.policy 'snapkv' scores with captured queries", log)
+                     r"but kv_transfer_params\['kvedit_budget'\]: EngineBudget.policy 'snapkv' "
+                     r"scores with captured queries", log)
 
 
 def test_many_requests_compact_in_one_step_each_as_if_alone(engine):

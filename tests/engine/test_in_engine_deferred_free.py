@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from kvedit.budget import EngineBudget
+from kvedit.request_params import RequestAsks
 
 BS, BLOCKS = 16, 14
 
@@ -106,7 +107,7 @@ def drive(sched, reqs) -> dict:
 
     for r in reqs:
         sched.add_request(r)
-    budgets = sched.connector.scheduler.budget
+    budgets = sched.connector.scheduler.budgets
     stm = sched.kv_cache_manager.coordinator.single_type_managers[0]
     pool = sched.kv_cache_manager.block_pool
     pending = collections.deque()
@@ -147,7 +148,8 @@ def test_compacted_requests_preempted_through_deferred_frees_are_stashed(tiny_mo
     sched = scheduler(tiny_model, unguarded=unguarded)
     # a plain request grows until vLLM preempts the budgeted ones (the newest), after they
     # compacted; they resume from their stashes
-    budget = EngineBudget(48, 16, "streaming_llm", {"granularity": "token"}).to_params()
+    budget = RequestAsks(budget=EngineBudget(48, 16, "streaming_llm",
+                                             {"granularity": "token"})).to_params()
     reqs = [request("plain", 300, 40, 150, None),
             request("b0", 100, 20, 200, budget), request("b1", 107, 20, 200, budget)]
     stats = drive(sched, reqs)
@@ -164,9 +166,10 @@ def test_block_pressure_compacts_early_rather_than_preempting(tiny_model, unguar
     # a 3rd), 7 x 2 blocks = the whole pool: a request growing into its 3rd block finds none
     # free. With deferred frees the blocks a compaction releases wait for the step in flight,
     # so only a request whose kept blocks are its own (compacted before) compacts early.
-    from kvedit.vllm.budget_scheduler import BudgetScheduler
+    from kvedit.vllm.budget.scheduler import BudgetScheduler
 
-    budget = EngineBudget(33, 16, "streaming_llm", {"granularity": "token"}).to_params()
+    budget = RequestAsks(budget=EngineBudget(33, 16, "streaming_llm",
+                                             {"granularity": "token"})).to_params()
 
     def run():
         reqs = [request(f"b{i}", 100 + 50 * i, 20, 120, budget) for i in range(7)]
@@ -187,7 +190,8 @@ def test_cached_kept_blocks_are_uncached_rather_than_copied(tiny_model, unguarde
     # The pressure test's seven streams: each first compaction keeps the prompt's block,
     # which vLLM has cached and that request alone holds (the second kept block's last token
     # is not known yet when it compacts, so vLLM has not hashed it).
-    budget = EngineBudget(33, 16, "streaming_llm", {"granularity": "token"}).to_params()
+    budget = RequestAsks(budget=EngineBudget(33, 16, "streaming_llm",
+                                             {"granularity": "token"})).to_params()
 
     def run(mode):
         sched = scheduler(tiny_model, unguarded=unguarded, cached_kept_blocks=mode)

@@ -27,6 +27,7 @@ import pytest
 
 from kvedit.budget import EngineBudget
 from kvedit.edits import StreamingLLM
+from kvedit.request_params import RequestAsks
 from tests.engine.test_in_engine import MODEL, greedy, host_path, prompt_of, stats
 from tests.fixtures_vllm import CHUNK
 
@@ -100,7 +101,7 @@ def _stream(vp, prompt, budget: EngineBudget, n: int, timeout: float, **extra):
     conn = http.client.HTTPConnection("127.0.0.1", vp.port, timeout=timeout)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0,
             "ignore_eos": True, "stream": True, "cache_salt": uuid.uuid4().hex,
-            "kv_transfer_params": budget.to_params(), **extra}
+            "kv_transfer_params": RequestAsks(budget=budget).to_params(), **extra}
     conn.request("POST", "/v1/completions", json.dumps(body),
                  {"Content-Type": "application/json"})
     return conn, conn.getresponse()

@@ -16,11 +16,12 @@ import re
 import pytest
 
 from kvedit.budget import EngineBudget
+from kvedit.request_params import RequestAsks
 from tests.engine.test_in_engine import MODEL, prompt_of
 from tests.fixtures_vllm import CHUNK
 
 
-BUDGET = EngineBudget(256, 64, "key_norm").to_params()
+BUDGET = RequestAsks(budget=EngineBudget(256, 64, "key_norm")).to_params()
 
 
 def post(vp, model: str, body: dict) -> dict:
@@ -79,14 +80,15 @@ def test_parallel_engines_refuse_budgets_with_the_reason(tiny_model, kw, why):
     from kvedit.vllm.settings import ConnectorSettings
 
     cfg = EngineArgs(model=str(tiny_model), enforce_eager=True, **kw).create_engine_config()
-    budgets = _budget_scheduler(cfg, ConnectorSettings(in_engine=True), 128)
+    on = ConnectorSettings.from_extra({"in_engine": True})
+    budgets = _budget_scheduler(cfg, on, 128)
     assert why in budgets.unavailable
     plain = EngineArgs(model=str(tiny_model), enforce_eager=True).create_engine_config()
-    assert _budget_scheduler(plain, ConnectorSettings(in_engine=True), 128).unavailable is None
+    assert _budget_scheduler(plain, on, 128).unavailable is None
 
 
 def test_an_unchecked_vllm_is_refused_at_start_naming_version_and_setting(monkeypatch):
-    from kvedit.vllm.connector import ALLOW_ANY_VLLM_ENV, check_in_engine_version
+    from kvedit.vllm.hooks import ALLOW_ANY_VLLM_ENV, check_in_engine_version
 
     monkeypatch.delenv(ALLOW_ANY_VLLM_ENV, raising=False)
     check_in_engine_version("0.32.0")
@@ -99,7 +101,7 @@ def test_an_unchecked_vllm_is_refused_at_start_naming_version_and_setting(monkey
 def test_the_v2_model_runner_is_refused_naming_the_setting():
     # A stand-in for CUDA vLLM 0.26's Model Runner V2 (this machine has no CUDA): only its
     # module name and its lack of the V1 runner's attributes matter to the check.
-    from kvedit.vllm.budget_worker import check_runner
+    from kvedit.vllm.budget.worker import check_runner
 
     mrv2 = type("GPUModelRunner", (), {"__module__": "vllm.v1.worker.gpu.model_runner"})()
     with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):

@@ -56,7 +56,7 @@ def _probe(cfg: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     from kvedit.launch.vllm import kv_transfer_config
-    from kvedit.vllm import query_capture as qc
+    from kvedit.vllm.capture import worker as qc
 
     llm = LLM(model=cfg["model_dir"], served_model_name=MODEL, dtype="float32",
               enforce_eager=True, max_model_len=2048, max_num_batched_tokens=BUDGET,

@@ -77,7 +77,7 @@ def _child_env(extra: dict | None = None) -> dict:
 
 
 def test_version_range_accepts_026_to_033_and_refuses_the_rest(monkeypatch):
-    from kvedit.vllm.connector import check_vllm_version
+    from kvedit.vllm.hooks import check_vllm_version
 
     monkeypatch.delenv("KVEDIT_ALLOW_ANY_VLLM", raising=False)
     for ok in ("0.26.0", "0.26.0+cu130", "0.29.1rc1", "0.32.0", "0.32.3.post1", "0.33.0",
@@ -97,7 +97,7 @@ def test_the_vllm_extra_pins_exactly_the_supported_range():
     import tomllib
     from pathlib import Path
 
-    from kvedit.vllm.connector import SUPPORTED_VLLM
+    from kvedit.vllm.hooks import SUPPORTED_VLLM
 
     (lo, hi) = SUPPORTED_VLLM
     meta = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())

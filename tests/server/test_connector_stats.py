@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import logging
 
-from kvedit.vllm.copier_stats import (
+from kvedit.vllm.scheduler_stats import SchedulerStats, scheduler_counters
+from kvedit.vllm.transfer.copier_stats import (
     LoadStats,
     LoadTiming,
     StoreStats,
     load_counters,
     store_counters,
 )
-from kvedit.vllm.scheduler_stats import SchedulerStats, scheduler_counters
 
 
 def test_stats_lines_parse_back_to_what_was_logged(caplog):

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from kvedit.client import KVClient
-from kvedit.layout import ModelLayout
 from kvedit.launch.server import start_server
-from kvedit.vllm.metadata import ChunkRun
-from kvedit.vllm.gpu_memory import StagingRing
+from kvedit.layout import ModelLayout
 from kvedit.vllm.paged import PagedKV
-from kvedit.vllm.copier import PagedCopier
+from kvedit.vllm.transfer.copier import PagedCopier
+from kvedit.vllm.transfer.gpu_memory import StagingRing
+from kvedit.vllm.transfer.plan import ChunkRun
 from tests.unit.test_paged_layouts import CHUNK, HD, L, make_layers, read_ref, setup, write_ref
 
 MODEL = "copier-model"
@@ -260,7 +260,7 @@ def test_staged_load_with_partial_first_and_last_chunk(server, device):
 def test_each_load_is_timed_and_logged_in_a_line_the_bench_reads_back(server, staged, caplog):
     """stats_every=0 (what `kvedit bench connector` sets): one log line per load whose
     breakdown load_lines() parses back; its phases add up to no more than the total."""
-    from kvedit.vllm.copier_stats import load_lines
+    from kvedit.vllm.transfer.copier_stats import load_lines
 
     src, _ = _filled_cache(48, seed=6)
     ids = list(range(48))[:3 * CHUNK // 16]
@@ -345,7 +345,7 @@ class _FakeCudart:
 def test_pinning_holds_the_mapping_and_unpins_a_replaced_segment(monkeypatch):
     """pin_host registers an allocation once and keeps a reference to it (so its address
     cannot be reused by a new mapping while registered); unpin_host unregisters it."""
-    from kvedit.vllm import gpu_memory
+    from kvedit.vllm.transfer import gpu_memory
 
     fake = _FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
@@ -396,11 +396,11 @@ def test_device_wait_is_a_checked_connector_setting():
     """The GPU ordering switch: off by default (stream order, what the H200 connector suite
     and serving run passed with in session 12), true accepted, anything else refused by
     name; on the CPU there is no device to wait for either way."""
-    from kvedit.vllm.gpu_memory import DeviceStreams
+    from kvedit.vllm.transfer.gpu_memory import DeviceStreams
     from kvedit.vllm.settings import ConnectorSettings
 
-    assert ConnectorSettings.from_extra({}).device_wait is False
-    assert ConnectorSettings.from_extra({"device_wait": True}).device_wait is True
+    assert ConnectorSettings.from_extra({}).transfer.device_wait is False
+    assert ConnectorSettings.from_extra({"device_wait": True}).transfer.device_wait is True
     with pytest.raises(ValueError, match="device_wait 'no'; expected true or false"):
         ConnectorSettings.from_extra({"device_wait": "no"})
     assert not DeviceStreams(torch.device("cpu"), device_wait=True).device_wait

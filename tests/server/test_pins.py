@@ -12,9 +12,9 @@ import torch
 from kvedit.client import KVClient, KVError
 from kvedit.launch.server import start_server
 from kvedit.layout import ModelLayout
-from kvedit.vllm.admission import SeenKeys
-from kvedit.vllm.pins import Pins
 from kvedit.vllm.settings import ConnectorSettings
+from kvedit.vllm.transfer.admission import SeenKeys
+from kvedit.vllm.transfer.pins import Pins
 
 LAYOUT = ModelLayout(num_layers=2, num_kv_heads=1, head_dim=64, dtype="float32", chunk_size=256)
 POOL = 6   # chunks
@@ -96,8 +96,8 @@ def test_a_pin_that_finds_fewer_chunks_says_so_and_a_refused_pin_is_unpinned(cli
 
 
 def test_store_mode_and_pin_settings_are_checked_by_name():
-    assert ConnectorSettings.from_extra({}).store == "evict"
-    assert ConnectorSettings.from_extra({"store": "reuse"}).store == "reuse"
+    assert ConnectorSettings.from_extra({}).transfer.store == "evict"
+    assert ConnectorSettings.from_extra({"store": "reuse"}).transfer.store == "reuse"
     for extra, msg in (({"store": "lazy"}, "store 'lazy'; expected one of ['eager', "
                                            "'evict', 'reuse']"),
                        ({"pin_max_chunks": -1}, "pin_max_chunks -1; expected a chunk count"),

@@ -16,15 +16,14 @@ import msgspec
 import pytest
 import torch
 
-from kvedit.vllm.admission import STORE_ASK
 from kvedit.client import KVClient
 from kvedit.keys import namespace, query_key, request_keys
 from kvedit.layout import ModelLayout
+from kvedit.request_params import CAPTURE_FIELD, STORE_FIELD, RequestAsks, with_asks
 from kvedit.sdk.batch import BatchedStream
 from kvedit.sdk.context import connect
 from kvedit.sdk.errors import MissingQueries, ModifyError
 from kvedit.sdk.openai import OpenAICompletion
-from kvedit.sdk.queries import CAPTURE_FIELD, with_capture
 from kvedit.sdk.stream import create_request
 from tests.fixtures_server import sdk_context
 
@@ -117,7 +116,7 @@ def test_fn_declaring_queries_gets_them_then_they_are_deleted(ctx, engine, kv_se
     s = create_request(ctx, engine, p, capture_queries=window)
     batch = BatchedStream([s], progress=False)
     batch.prefill({"max_tokens": 1})
-    assert engine.asked[-1] == {CAPTURE_FIELD: window, STORE_ASK: "eager"}
+    assert engine.asked[-1] == {CAPTURE_FIELD: window, STORE_FIELD: "eager"}
     qk = qkey_of(p, window)
     assert ctx.client.lookup(MODEL, [qk], kind="queries") == 1
     before = query_objects(kv_server)
@@ -199,7 +198,7 @@ def test_missing_queries_name_the_stream_and_change_nothing(ctx, engine):
     s = create_request(ctx, engine, p, "never-asked", name="no-capture")
     batch = BatchedStream([s], progress=False)
     batch.prefill({"max_tokens": 1})
-    assert engine.asked[-1] == {STORE_ASK: "eager"}   # every SDK request: stored as computed
+    assert engine.asked[-1] == {STORE_FIELD: "eager"}   # every SDK request: stored as computed
     with pytest.raises(MissingQueries) as e:
         batch.modify(Recorder())
     assert "no-capture" in str(e.value) and "capture_queries=W" in str(e.value)
@@ -263,6 +262,10 @@ def test_run_pipeline_captures_too(ctx, engine):
     batch.run({"max_tokens": 1}, fn, {"max_tokens": 2})
     assert fn.got[0]["queries"].shape[1] == 10
     assert ctx.client.fetch_queries(MODEL, qkey_of(p, 10, "run")) is None
+
+
+def with_capture(params, window: int):
+    return with_asks(params, RequestAsks(capture=window))
 
 
 def test_capture_params_reach_the_openai_body():

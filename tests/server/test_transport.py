@@ -91,7 +91,7 @@ def test_both_transports_round_trip_through_one_interface(secured, mode):
 
 SWITCH_FILES = ["kvedit/client/kv_client.py", "kvedit/client/handles.py", "kvedit/client/transport.py",
                 "kvedit/client/datalink.py", "kvedit/sdk/chunkmap.py", "kvedit/sdk/modify.py",
-                "kvedit/sdk/context.py", "kvedit/vllm/worker_side.py", "kvedit/vllm/copier.py",
+                "kvedit/sdk/context.py", "kvedit/vllm/worker_side.py", "kvedit/vllm/transfer/copier.py",
                 "kvedit/vllm/link.py",
                 "kvedit/sdk/source.py", "kvedit/sdk/store.py", "kvedit/sdk/output.py",
                 "kvedit/sdk/contracts.py", "kvedit/sdk/driver.py",
@@ -417,10 +417,11 @@ def test_connector_load_past_the_lease_ttl_is_a_load_error(short_ttl, monkeypatc
     from types import SimpleNamespace
 
     from kvedit.vllm.link import ServerLink
-    from kvedit.vllm.metadata import ChunkRun, KVEditMetadata
+    from kvedit.vllm.metadata import KVEditMetadata
+    from kvedit.vllm.transfer.plan import ChunkRun
     from kvedit.vllm.paged import PagedKV
     from kvedit.vllm.settings import ConnectorSettings
-    from kvedit.vllm.copier import PagedCopier
+    from kvedit.vllm.transfer.copier import PagedCopier
     from kvedit.vllm.worker_side import WorkerSide
 
     block, nblocks = 128, 8
@@ -490,7 +491,7 @@ def test_connector_store_splits_a_step_larger_than_the_key_limit(secured):
     """The worker's real store path (PagedCopier) with 10 chunks against a server taking 4 keys
     per request: stored in 3 requests, every chunk's bytes as gathered from the paged cache."""
     from kvedit.vllm.paged import PagedKV
-    from kvedit.vllm.copier import PagedCopier
+    from kvedit.vllm.transfer.copier import PagedCopier
 
     block, nblocks = 128, 24
     g = torch.Generator().manual_seed(8)

@@ -149,7 +149,7 @@ def test_connector_figures_per_workload_are_what_the_stats_lines_moved_by(tmp_pa
     import logging
 
     from kvedit.bench.serve import _moved, connector_counters
-    from kvedit.vllm.copier_stats import StoreStats
+    from kvedit.vllm.transfer.copier_stats import StoreStats
     from kvedit.vllm.scheduler_stats import SchedulerStats
 
     log = tmp_path / "vllm.log"

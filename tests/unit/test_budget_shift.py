@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvedit.vllm.budget_worker import BudgetWorker
+from kvedit.vllm.budget.worker import BudgetWorker
 
 BS = 16
 

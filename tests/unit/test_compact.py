@@ -1,4 +1,4 @@
-"""In-engine compaction's data movement (kvedit.vllm.compact) on a synthetic paged cache in
+"""In-engine compaction's data movement (kvedit.vllm.budget.compact) on a synthetic paged cache in
 vLLM's CPU layout, and the budget contract (kvedit.budget).
 
 References: a per-token loop over the kept slots (per head), keys re-rotated with one
@@ -8,13 +8,16 @@ copies them all.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from kvedit.budget import BudgetError, EngineBudget, from_params, from_policy
+from kvedit.budget import BudgetError, EngineBudget
 from kvedit.edits import KeyNorm, RandomDrop, StreamingLLM, rerotate
 from kvedit.layout import ModelLayout, RopeParams
-from kvedit.vllm import compact
+from kvedit.request_params import BUDGET_FIELD, RequestAsks, read_asks
+from kvedit.vllm.budget import compact
 from kvedit.vllm.paged import PagedKV
 
 L, H, HD, BS = 3, 2, 16, 16
@@ -106,12 +109,12 @@ def test_the_newest_tokens_are_protected_by_default():
     they score worst (here the newest keys have the largest norms, which KeyNorm drops
     first), while protect=0 lets it (what cut SmolLM2's counts: docs/in-engine.md)."""
     b = EngineBudget(512, 64, "key_norm")
-    assert b.protect == 64 and from_params(b.to_params()).protect == 64
+    assert b.protect == 64 and EngineBudget.from_dict(b.to_dict()).protect == 64
     assert EngineBudget(512, 64, "snapkv", protect=None, queries=96).protect == 96
     assert EngineBudget(100, 64, "key_norm").protect == 36   # keep = 36
-    assert from_policy(KeyNorm(), 512, 64).protect == 64
-    assert from_policy(KeyNorm(protect_last=8), 512, 64).protect == 8
-    assert from_policy(KeyNorm(), 512, 64, protect=0).protect == 0
+    assert EngineBudget.from_policy(KeyNorm(), 512, 64).protect == 64
+    assert EngineBudget.from_policy(KeyNorm(protect_last=8), 512, 64).protect == 8
+    assert EngineBudget.from_policy(KeyNorm(), 512, 64, protect=0).protect == 0
     T = 512
     kv = torch.ones(2, 2, T, 128)
     kv[0, :, -100:] *= 10                                    # the newest keys: largest norms
@@ -126,14 +129,16 @@ def test_the_newest_tokens_are_protected_by_default():
 def test_budget_contract_round_trips_and_names_what_is_wrong():
     b = EngineBudget(768, 128, "key_norm", {"granularity": "chunk"}, protect=16,
                      positions="logical", per_head=True)
-    assert from_params(b.to_params()) == b
-    assert from_params({"other": 1}) is None and from_params(None) is None
+    assert EngineBudget.from_dict(b.to_dict()) == b
+    assert read_asks(RequestAsks(budget=b).to_params()).budget == b
+    assert read_asks({"other": 1}).budget is None and read_asks(None).budget is None
     pol = b.policy_object()
     assert isinstance(pol, KeyNorm) and pol.per_head and pol.protect_last == 16
     assert b.keep == 640
-    assert from_policy(StreamingLLM(sink=8, per_head=True), 512, 64).args == \
+    assert EngineBudget.from_policy(StreamingLLM(sink=8, per_head=True), 512, 64).args == \
         {"granularity": "chunk", "sink": 8}
-    assert from_policy(RandomDrop(seed=3, granularity="token"), 512, 64).policy == "random"
+    assert EngineBudget.from_policy(RandomDrop(seed=3, granularity="token"), 512,
+                                    64).policy == "random"
     cases = [
         ({"tokens": 100, "every": 100}, "leaves 0 tokens per compaction"),
         ({"tokens": 0}, r"tokens is 0; expected a positive integer"),
@@ -148,8 +153,11 @@ def test_budget_contract_round_trips_and_names_what_is_wrong():
     ]
     for raw, msg in cases:
         with pytest.raises(BudgetError, match=msg):
-            from_params({"kvedit_budget": raw})
+            EngineBudget.from_dict(raw)
+        asks = read_asks({BUDGET_FIELD: raw})   # the engine's reading: refused, with why
+        assert asks.budget is None and re.search(msg, asks.budget_error)
+        assert asks.budget_error.startswith("kv_transfer_params['kvedit_budget']: ")
     with pytest.raises(BudgetError, match="expected an object"):
-        from_params({"kvedit_budget": 512})
+        EngineBudget.from_dict(512)
     with pytest.raises(BudgetError, match="not one of"):
-        from_policy(object(), 512, 64)
+        EngineBudget.from_policy(object(), 512, 64)

@@ -9,15 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvedit.vllm.metadata import KVEditMetadata
-from kvedit.vllm.query_capture import (
-    STATS,
-    QueryCapture,
-    capture_unavailable,
-    check_capture_version,
-)
-from kvedit.query_contract import requested_window
-from kvedit.vllm.query_window import WindowPlanner
+from kvedit.request_params import CAPTURE_FIELD, read_asks
+from kvedit.vllm.capture.plan import QueryRun
+from kvedit.vllm.capture.scheduler import WindowPlanner
+from kvedit.vllm.capture.support import capture_unavailable
+from kvedit.vllm.capture.worker import STATS, QueryCapture
+from kvedit.vllm.hooks import check_capture_version
 from kvedit.vllm.settings import ConnectorSettings
 
 
@@ -46,18 +43,18 @@ def test_other_vllm_versions_are_refused_with_a_clear_message(monkeypatch):
 def test_bad_settings_and_bad_windows_name_what_was_expected():
     with pytest.raises(ValueError, match=r"query_capture 'yes'; expected one of \['auto', "):
         ConnectorSettings.from_extra({"query_capture": "yes"})
-    assert requested_window(None) == requested_window({}) == 0
-    assert requested_window({"kvedit_capture_queries": 0}) == 0
-    assert requested_window({"kvedit_capture_queries": 64, "other": 1}) == 64
+    assert read_asks(None).capture == read_asks({}).capture == 0
+    assert read_asks({CAPTURE_FIELD: 0}).capture == 0
+    assert read_asks({CAPTURE_FIELD: 64, "other": 1}).capture == 64
     for bad in (-1, 4097, 1.5, "64", True, [64]):
-        with pytest.raises(ValueError, match=r"expected an integer number of prompt tokens "
-                                             r"in \[1, 4096\]"):
-            requested_window({"kvedit_capture_queries": bad})
+        asks = read_asks({CAPTURE_FIELD: bad})
+        assert asks.capture == 0
+        assert "expected an integer number of prompt tokens in [1, 4096]" in asks.capture_error
 
 
 def _request(req_id: str, n: int, w):
     return SimpleNamespace(request_id=req_id, prompt_token_ids=list(range(10, 10 + n)),
-                           cache_salt=None, kv_transfer_params={"kvedit_capture_queries": w},
+                           cache_salt=None, kv_transfer_params={CAPTURE_FIELD: w},
                            skip_reading_prefix_cache=False)
 
 
@@ -68,22 +65,20 @@ def test_planner_slots_bound_and_refusals(caplog):
     planner = WindowPlanner("m", block_size=4, row_bytes=row, max_bytes=100 * row)
     a, b, bad = _request("a", 10, 6), _request("b", 95, 95), _request("c", 10, 5000)
     for r in (a, b, bad):
-        planner.add(r)
+        planner.add(r, read_asks(r.kv_transfer_params))
     assert a.skip_reading_prefix_cache and planner.asks("a")
     assert not planner.asks("b")  # 95 rows would pass the 100-row bound with a's 6 in flight
     assert not bad.skip_reading_prefix_cache and not planner.asks("c")
     assert "request b asked for query capture but gets none" in caplog.text
     # a's window is tokens [4, 10); blocks [7, 3, 9]: token p sits in slot 4*block + p%4.
-    meta = KVEditMetadata()
-    planner.plan("a", [7, 3, 9], 0, 6, [layout], meta)   # tokens [0, 6): rows 0-1
-    planner.plan("a", [7, 3, 9], 6, 4, [layout], meta)   # tokens [6, 10): rows 2-5
-    first, second = meta.queries
+    first = planner.plan("a", [7, 3, 9], 0, 6, [layout])   # tokens [0, 6): rows 0-1
+    second = planner.plan("a", [7, 3, 9], 6, 4, [layout])  # tokens [6, 10): rows 2-5
     assert (first.rows, first.row0, first.slots) == (6, 0, [12, 13])
     assert (second.row0, second.slots) == (2, [14, 15, 36, 37])
     assert planner.in_flight == 0  # fully planned: the worker stores it this step
+    assert planner.plan("a", [7, 3, 9], 10, 1, [layout]) is None   # past the window
     planner.finished("a")
-    planner.take_drops(meta)
-    assert meta.query_drops == ["a"]
+    assert planner.take_drops() == ["a"] and planner.take_drops() == []
 
 
 class _Short:
@@ -103,7 +98,6 @@ def test_hook_is_in_place_only_on_capturing_steps():
     layers = [SimpleNamespace(impl=_Impl(), num_heads=2, head_size=3) for _ in range(2)]
     cap = QueryCapture(layers, ["model.layers.0.attn", "model.layers.1.attn"], tp_rank=0)
     fc = SimpleNamespace(slot_mapping={"model.layers.0.attn": torch.tensor([40, 9, 41, -1])})
-    from kvedit.vllm.metadata import QueryRun
 
     before = STATS.gathers
     for impl in cap.impls:
@@ -124,7 +118,7 @@ def test_vllm_impl_classes_have_the_hooked_signature():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
-    from kvedit.vllm.query_capture import _check_impl
+    from kvedit.vllm.capture.worker import _check_impl
 
     for cls in (CPUAttentionBackendImpl, FlashAttentionImpl):
         _check_impl("layer", object.__new__(cls))
@@ -156,8 +150,9 @@ def test_connector_scheduler_refuses_or_warns_on_another_vllm(monkeypatch, caplo
     settings = dict(kvedit_url="tcp://127.0.0.1:1", chunk_size=256, timeout=0.2)
     with pytest.raises(RuntimeError, match=r"kvedit query capture: vLLM 0.34.0 is not "
                                            r"supported; .*vLLM 0.26 to 0.33"):
-        SchedulerSide(_sched_config(), ConnectorSettings(query_capture="on", **settings), 128)
-    side = SchedulerSide(_sched_config(), ConnectorSettings(**settings), 128)
+        SchedulerSide(_sched_config(), ConnectorSettings.from_extra(
+            {"query_capture": "on", **settings}), 128)
+    side = SchedulerSide(_sched_config(), ConnectorSettings.from_extra(settings), 128)
     try:
         req = _request("r1", 50, 16)
         side.on_new_request(req)
@@ -169,7 +164,6 @@ def test_connector_scheduler_refuses_or_warns_on_another_vllm(monkeypatch, caplo
 
 
 def test_split_window_fills_across_steps_and_is_freed_when_dropped():
-    from kvedit.vllm.metadata import QueryRun
 
     layers = [SimpleNamespace(impl=_Impl(), num_heads=1, head_size=2) for _ in range(2)]
     names = ["model.layers.0.attn", "model.layers.1.attn"]

@@ -14,15 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvedit.vllm.metadata import QueryRun
-from kvedit.vllm.query_capture import (
-    STATS,
-    SUPPORTED_CAPTURE_VLLM,
-    QueryCapture,
-    _check_impl,
-    capture_unavailable,
-    graph_blocker,
-)
+from kvedit.vllm.capture.plan import QueryRun
+from kvedit.vllm.capture.support import capture_unavailable, graph_blocker
+from kvedit.vllm.capture.worker import STATS, QueryCapture, _check_impl
+from kvedit.vllm.hooks import SUPPORTED_CAPTURE_VLLM
 from tests.unit.vllm_hook_shapes import shapes
 
 RECORDED = json.loads((Path(__file__).with_name("vllm_hook_shapes.json")).read_text())
@@ -155,8 +150,8 @@ def test_no_external_hits_for_requests_that_skip_reading_the_cache():
     from kvedit.vllm.settings import ConnectorSettings
     from tests.unit.test_query_capture_units import _sched_config
 
-    side = SchedulerSide(_sched_config(), ConnectorSettings(
-        kvedit_url="tcp://127.0.0.1:1", chunk_size=256, timeout=0.2, pin_max_chunks=0), 16)
+    side = SchedulerSide(_sched_config(), ConnectorSettings.from_extra(dict(
+        kvedit_url="tcp://127.0.0.1:1", chunk_size=256, timeout=0.2, pin_max_chunks=0)), 16)
     try:
         side.link.client = _Client()
 

@@ -1,48 +1,40 @@
 """The query-capture contract (kvedit.query_contract) and the layout field it reads.
 
 Both sides of the wire import one module: the SDK's window setting and the engine's reading
-of a request agree on the field and the bound; the stored object's shape comes from the
-registered layout (`num_q_heads`), which older peers ignore and which a registration from
-an older connector lacks (then refused by name, never guessed from a byte count). A scan of
-kvedit's source checks that the field's name is written in that one module only.
+of a request (kvedit.request_params) agree on the bound; the stored object's shape comes from
+the registered layout (`num_q_heads`), which older peers ignore and which a registration
+from an older connector lacks (then refused by name, never guessed from a byte count).
 """
 from __future__ import annotations
-
-import ast
-from pathlib import Path
 
 import msgspec
 import pytest
 
 from kvedit import query_contract as QC
 from kvedit.layout import ModelLayout
-from kvedit.sdk import queries as sdk_queries
-from kvedit.vllm import query_window
-
-ROOT = Path(__file__).resolve().parents[2]
+from kvedit.request_params import CAPTURE_FIELD, RequestAsks, read_asks
 LAY = ModelLayout(num_layers=3, num_kv_heads=2, head_dim=16, dtype="bfloat16", chunk_size=256,
                   num_q_heads=4)
 
 
 @pytest.mark.parametrize("w", [1, 64, QC.MAX_WINDOW])
 def test_both_sides_accept_the_same_windows(w):
-    assert QC.check_window(w, "w") == w == QC.requested_window(QC.ask(None, w))
+    assert QC.check_window(w, "w") == w == read_asks(RequestAsks(capture=w).to_params()).capture
 
 
 @pytest.mark.parametrize("bad", [-1, QC.MAX_WINDOW + 1, 2.5, True, "32", [8]])
 def test_both_sides_refuse_the_same_windows(bad):
     with pytest.raises(ValueError, match=r"w must be a number of prompt tokens in 1\.\.4096"):
         QC.check_window(bad, "w")
-    with pytest.raises(ValueError, match=r"kvedit_capture_queries'\] is .*expected an integer"):
-        QC.requested_window({QC.CAPTURE_FIELD: bad})
+    asks = read_asks({CAPTURE_FIELD: bad})
+    assert asks.capture == 0 and "kvedit_capture_queries'] is" in asks.capture_error
+    assert "expected an integer number of prompt tokens in [1, 4096]" in asks.capture_error
 
 
-def test_off_and_absent_and_other_entries():
+def test_off_and_absent():
     assert QC.check_window(None, "w") is None and QC.check_window(0, "w") == 0
-    assert QC.requested_window(None) == QC.requested_window({"x": 1}) == 0
-    assert QC.requested_window({QC.CAPTURE_FIELD: 0}) == 0
-    mine = {"other": 1}
-    assert QC.ask(mine, 8) == {"other": 1, QC.CAPTURE_FIELD: 8} and mine == {"other": 1}
+    assert read_asks(None).capture == read_asks({"x": 1}).capture == 0
+    assert read_asks({CAPTURE_FIELD: 0}) == read_asks({}) == RequestAsks()
 
 
 def test_capture_rows_are_the_last_rows_of_the_prompt():
@@ -84,12 +76,3 @@ def test_num_q_heads_is_compatible_both_ways_and_validated():
     for bad in (3, -2):
         with pytest.raises(ValueError, match="num_q_heads .* must be a multiple of"):
             msgspec.structs.replace(LAY, num_q_heads=bad).validate()
-
-
-def test_one_definition_both_sides_import():
-    assert sdk_queries.CAPTURE_FIELD is QC.CAPTURE_FIELD
-    assert query_window.requested_window is QC.requested_window
-    literal = [p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "kvedit").rglob("*.py"))
-               if any(isinstance(n, ast.Constant) and n.value == QC.CAPTURE_FIELD
-                      for n in ast.walk(ast.parse(p.read_text())))]
-    assert literal == ["kvedit/query_contract.py"]

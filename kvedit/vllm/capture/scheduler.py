@@ -1,19 +1,18 @@
 """Scheduler side of query capture: which requests ask, and which tokens of their window
 each step computes (sent to the workers as paged slots).
 
-A request asks with kv_transfer_params {CAPTURE_FIELD: W} (kvedit.query_contract, which the
-SDK imports too; vLLM 0.26 to 0.33 read `Request.kv_transfer_params` from
-`SamplingParams.extra_args["kv_transfer_params"]`; the OpenAI API's top-level body field
-`kv_transfer_params` lands there). Its window is the last
-min(W, prompt length) prompt tokens. Every window token must be *computed* for its query to
-exist, so an asking request never reads vLLM's own prefix cache (a cached block may hold
-window tokens of an earlier identical prompt): the connector sets `skip_reading_prefix_cache`
-when it arrives. The tokens before its window it may load from the kvedit server, whose
-answer the connector caps at the window's start (a KVzip reconstruction pass, context +
-repeat prompt + context, loads its first context so). vLLM >= 0.31 drops a connector's hit for
-a request that skips its prefix cache, so the flag is lifted right after vLLM's own lookup,
-while vLLM weighs the connector's answer (`lift`), and set again when the step's scheduling
-ends (`relock`, from build_meta): every lookup of vLLM's own cache sees it set.
+A request asks with the capture field of its kv_transfer_params (kvedit.request_params,
+which the SDK writes and the scheduler side reads once, handing this planner what was
+asked). Its window is the last min(W, prompt length) prompt tokens. Every window token must
+be *computed* for its query to exist, so an asking request never reads vLLM's own prefix
+cache (a cached block may hold window tokens of an earlier identical prompt): the connector
+sets `skip_reading_prefix_cache` when it arrives. The tokens before its window it may load
+from the kvedit server, whose answer the connector caps at the window's start (a KVzip
+reconstruction pass, context + repeat prompt + context, loads its first context so). vLLM >=
+0.31 drops a connector's hit for a request that skips its prefix cache, so the flag is
+lifted right after vLLM's own lookup, while vLLM weighs the connector's answer (`lift`), and
+set again when the step's scheduling ends (`relock`, from build_meta): every lookup of
+vLLM's own cache sees it set.
 """
 from __future__ import annotations
 
@@ -22,8 +21,9 @@ import time
 from dataclasses import dataclass
 
 from kvedit.keys import namespace, query_key
-from kvedit.query_contract import CaptureRows, requested_window
-from kvedit.vllm.metadata import KVEditMetadata, QueryRun
+from kvedit.query_contract import CaptureRows
+from kvedit.request_params import RequestAsks
+from kvedit.vllm.capture.plan import QueryRun
 
 logger = logging.getLogger("vllm.kvedit")
 
@@ -38,7 +38,7 @@ class _Window:
 
 
 class WindowPlanner:
-    """Tracks the asking requests; adds each step's QueryRuns to the metadata.
+    """Tracks the asking requests; plans each step's QueryRuns.
 
     `row_bytes`: one window row on one rank (layers x q heads x head_dim x dtype size).
     `max_bytes` bounds the windows in flight (asked, not yet fully computed), which is what
@@ -55,12 +55,11 @@ class WindowPlanner:
         self.drops: list[str] = []
         self._last_warn = -1e9
 
-    def add(self, request) -> None:
+    def add(self, request, asks: RequestAsks) -> None:
         """A new request: remember its window if it asks for one."""
-        try:
-            w = requested_window(getattr(request, "kv_transfer_params", None))
-        except ValueError as e:
-            return self._refuse(request, str(e))
+        if asks.capture_error:
+            return self._refuse(request, asks.capture_error)
+        w = asks.capture
         if not w:
             return
         if self.unavailable:
@@ -100,16 +99,16 @@ class WindowPlanner:
         self.lifted.clear()
 
     def plan(self, req_id: str, block_ids: list[int], computed: int, scheduled: int,
-             layouts, meta: KVEditMetadata) -> None:
-        """The window rows computed in this step's [computed, computed + scheduled)."""
+             layouts) -> QueryRun | None:
+        """The window rows computed in this step's [computed, computed + scheduled), if any."""
         win = self.windows.get(req_id)
         if win is None:
-            return
+            return None
         start, rows = win.at.start, win.at.rows
         end = min(computed + scheduled, start + rows)
         lo = max(computed, start)
         if lo >= end:
-            return
+            return None
         if win.keys is None:
             salt = getattr(win.request, "cache_salt", None) or ""
             prompt = win.request.prompt_token_ids
@@ -117,10 +116,10 @@ class WindowPlanner:
                         for lay in layouts]
         bs = self.block_size
         slots = [block_ids[p // bs] * bs + p % bs for p in range(lo, end)]
-        meta.queries.append(QueryRun(req_id, win.keys, rows, lo - start, slots))
         if end == start + rows and not win.done:
             win.done = True  # the worker stores it after this step: no longer in flight
             self.in_flight -= win.nbytes
+        return QueryRun(req_id, win.keys, rows, lo - start, slots)
 
     def finished(self, req_id: str) -> None:
         win = self.windows.pop(req_id, None)
@@ -130,8 +129,10 @@ class WindowPlanner:
             self.in_flight -= win.nbytes
         self.drops.append(req_id)  # the workers free any rows they still hold
 
-    def take_drops(self, meta: KVEditMetadata) -> None:
-        meta.query_drops, self.drops = self.drops, []
+    def take_drops(self) -> list[str]:
+        """The requests gone since the last step: the workers free any rows they hold."""
+        drops, self.drops = self.drops, []
+        return drops
 
     def _refuse(self, request, why: str) -> None:
         now = time.monotonic()

@@ -19,15 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from kvedit.layout import ModelLayout
-from kvedit.vllm.copier_stats import LoadStats, LoadTiming, StoreStats
-from kvedit.vllm.gpu_memory import (
+from kvedit.vllm.paged import PagedKV
+from kvedit.vllm.transfer.copier_stats import LoadStats, LoadTiming, StoreStats
+from kvedit.vllm.transfer.gpu_memory import (
     DeviceStreams,
     HostMapping,
     StagingRing,
     default_staging_bytes,
 )
-from kvedit.vllm.metadata import ChunkRun
-from kvedit.vllm.paged import PagedKV
+from kvedit.vllm.transfer.plan import ChunkRun
 
 logger = logging.getLogger("vllm.kvedit")
 

@@ -36,13 +36,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
+from kvedit.vllm import hooks
+
 logger = logging.getLogger("vllm.kvedit")
 
 StoreMode = Literal["eager", "evict", "reuse"]
 STORE_MODES: tuple[str, ...] = ("eager", "evict", "reuse")
-# kv_transfer_params key a request sets to "eager" to have its chunks stored as computed in
-# any mode (the SDK does: its edits read them next). One definition for both sides.
-STORE_ASK = "kvedit_store"
 
 
 @dataclass(slots=True)
@@ -106,14 +105,15 @@ class Admission:
             return
         self.pool = pool
         self._table = getattr(pool, "cached_block_hash_to_block", None)
-        take = pool.get_new_blocks   # whatever is there (an instance attribute shadows it)
 
-        def get_new_blocks(num_blocks: int):
-            if self.deferred and num_blocks > 0:
-                self._taking(num_blocks)
-            return take(num_blocks)
+        def wrap(take):
+            def get_new_blocks(num_blocks: int):
+                if self.deferred and num_blocks > 0:
+                    self._taking(num_blocks)
+                return take(num_blocks)
+            return get_new_blocks
 
-        pool.get_new_blocks = get_new_blocks
+        hooks.shadow(pool, "get_new_blocks", "BlockPool.get_new_blocks", wrap)
 
     @property
     def defers(self) -> bool:

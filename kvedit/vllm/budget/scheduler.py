@@ -2,8 +2,9 @@
 keeps, and handing the rest back to vLLM's pool.
 
 Runs in vLLM's engine-core process, through runtime hooks on the one KVCacheManager
-(`bind`): instance attributes shadow its `allocate_slots`, `free` and `cache_blocks`, and
-its block pool's `get_new_blocks` is watched; no vLLM file is changed.
+(`bind`, through hooks.py): layers over its `allocate_slots`, `free` and `cache_blocks`, the
+scheduler's `schedule`, and a watch on its block pool's `get_new_blocks`; no vLLM file is
+changed.
 
 A budgeted request keeps its logical progress: `num_computed_tokens`, its token lists and
 block hashes count every token it ever computed. What changes is where its KV lives: after
@@ -21,7 +22,7 @@ block list, and the list holds only cdiv(resident, block_size) blocks. So:
   later request could hit it) is taken out of the prefix cache by vLLM's own eviction and
   written in place (`cached_kept_blocks` "uncache", the default), or copied like a shared
   one ("copy": later requests keep hitting it, at one more block per kept block). The
-  workers move the data before the step's forward (`budget_worker.py`); every read of the
+  workers move the data before the step's forward (`worker.py`); every read of the
   step precedes every write, so blocks freed here may be handed to another request in the
   same step.
 - Under block pressure a budgeted request compacts up to one round early rather than vLLM
@@ -49,8 +50,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from kvedit.budget import BudgetError, EngineBudget, from_params
-from kvedit.vllm.budget_plan import BudgetStep, Compaction, Restore, Stash
+from kvedit.budget import EngineBudget
+from kvedit.request_params import RequestAsks
+from kvedit.vllm import hooks
+from kvedit.vllm.budget.plan import BudgetStep, Compaction, Restore, Stash
 
 logger = logging.getLogger("vllm.kvedit")
 
@@ -131,7 +134,8 @@ class BudgetScheduler:
         try:
             managers = manager.coordinator.single_type_managers
             pool = manager.block_pool
-            orig_alloc, orig_free = manager.allocate_slots, manager.free
+            sig = inspect.signature(manager.allocate_slots)   # vLLM's, before the hooks
+            _ = manager.free
         except AttributeError as e:
             raise RuntimeError(f"kvedit in-engine budgets: vLLM's KVCacheManager lacks {e}; "
                                "this vLLM's internals are not the ones the hooks know") from e
@@ -146,74 +150,78 @@ class BudgetScheduler:
                 logger.warning("kvedit: vLLM's block pool has no eviction of a cached block "
                                "(evict_blocks, _maybe_evict_cached_block); cached kept blocks "
                                "are copied on write")
-        sig = inspect.signature(orig_alloc)
 
-        def allocate_slots(request, num_new_tokens, *args, **kwargs):
-            st = self.reqs.get(request.request_id)
-            if st is None:
-                return orig_alloc(request, num_new_tokens, *args, **kwargs)
-            return self._allocate(st, sig.bind(request, num_new_tokens, *args, **kwargs),
-                                  orig_alloc)
+        def allocate_slots(orig):
+            def hook(request, num_new_tokens, *args, **kwargs):
+                st = self.reqs.get(request.request_id)
+                if st is None:
+                    return orig(request, num_new_tokens, *args, **kwargs)
+                return self._allocate(st, sig.bind(request, num_new_tokens, *args, **kwargs),
+                                      orig)
+            return hook
 
-        def free(request):
-            st = self.reqs.get(request.request_id)
-            if st is not None and not request.is_finished():
-                self._preempted(st, request)   # preemption: free before the status changes
-            return orig_free(request)
+        def free(orig):
+            def hook(request):
+                st = self.reqs.get(request.request_id)
+                if st is not None and not request.is_finished():
+                    self._preempted(st, request)   # preemption: free before the status changes
+                return orig(request)
+            return hook
 
-        manager.allocate_slots, manager.free = allocate_slots, free
-        if hasattr(manager, "pop_blocks_for_free"):
-            orig_pop = manager.pop_blocks_for_free
-
-            def pop_blocks_for_free(request):
+        def pop_blocks_for_free(orig):
+            def hook(request):
                 # deferred free (async scheduling with a consumer connector): vLLM returns
                 # the blocks to the pool once the step in flight has run; a preemption
                 # through here is still a preemption
                 st = self.reqs.get(request.request_id)
                 if st is not None and not request.is_finished():
                     self._preempted(st, request)
-                return orig_pop(request)
+                return orig(request)
+            return hook
 
-            manager.pop_blocks_for_free = pop_blocks_for_free
-        if hasattr(manager, "cache_blocks"):
-            orig_cache = manager.cache_blocks
-
-            def cache_blocks(request, *args, **kwargs):
+        def cache_blocks(orig):
+            def hook(request, *args, **kwargs):
                 st = self.reqs.get(request.request_id)
                 if st is not None and st.compacted:
                     return None  # its blocks hold compacted KV: never in the prefix cache
-                return orig_cache(request, *args, **kwargs)
+                return orig(request, *args, **kwargs)
+            return hook
 
-            manager.cache_blocks = cache_blocks
-        orig_new = pool.get_new_blocks
+        def get_new_blocks(orig):
+            def hook(num_blocks):
+                blocks = orig(num_blocks)
+                if self.freed:
+                    for b in blocks:
+                        if b.block_id in self.freed:
+                            self.freed.discard(b.block_id)
+                            self.stats.blocks_reused += 1
+                return blocks
+            return hook
 
-        def get_new_blocks(num_blocks):
-            blocks = orig_new(num_blocks)
-            if self.freed:
-                for b in blocks:
-                    if b.block_id in self.freed:
-                        self.freed.discard(b.block_id)
-                        self.stats.blocks_reused += 1
-            return blocks
-
-        pool.get_new_blocks = get_new_blocks
-        if hasattr(scheduler, "schedule") and hasattr(scheduler, "_preempt_request"):
-            orig_schedule = scheduler.schedule
-
-            def schedule(*args, **kwargs):
+        def schedule(orig):
+            def hook(*args, **kwargs):
                 if self.reqs:
                     self._rotate()
-                return orig_schedule(*args, **kwargs)
+                return orig(*args, **kwargs)
+            return hook
 
-            scheduler.schedule = schedule
+        hooks.shadow(manager, "allocate_slots", "KVCacheManager.allocate_slots", allocate_slots)
+        hooks.shadow(manager, "free", "KVCacheManager.free", free)
+        if hasattr(manager, "pop_blocks_for_free"):
+            hooks.shadow(manager, "pop_blocks_for_free", "KVCacheManager.pop_blocks_for_free",
+                         pop_blocks_for_free)
+        if hasattr(manager, "cache_blocks"):
+            hooks.shadow(manager, "cache_blocks", "KVCacheManager.cache_blocks", cache_blocks)
+        hooks.shadow(pool, "get_new_blocks", "BlockPool.get_new_blocks", get_new_blocks)
+        if hasattr(scheduler, "schedule") and hasattr(scheduler, "_preempt_request"):
+            hooks.shadow(scheduler, "schedule", "Scheduler.schedule", schedule)
 
     # ---- requests -------------------------------------------------------------------------
-    def add(self, request) -> None:
+    def add(self, request, asks: RequestAsks) -> None:
         """A new request: remember its budget, or refuse it (finished with an error)."""
-        try:
-            budget = from_params(getattr(request, "kv_transfer_params", None))
-        except BudgetError as e:
-            return self._refuse(request, str(e))
+        if asks.budget_error:
+            return self._refuse(request, asks.budget_error)
+        budget = asks.budget
         if budget is None:
             return
         if self.unavailable:

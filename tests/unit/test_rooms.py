@@ -1,0 +1,112 @@
+"""The room rules: which rooms of kvedit may import which, read from the source with `ast`
+(the import graph of tests/unit/test_imports.py: every kvedit import that can run, top level
+and inside functions).
+
+- `sdk/` and `vllm/` never import each other: they are two ends of one wire and meet only in
+  the shared top-level contracts (`request_params`, `budget`, `query_contract`, `keys`,
+  `layout`, ...), so either side can change its insides alone.
+- `server/` imports no `client/`, `sdk/` or `vllm/`: the store knows none of its users (what
+  both ends of its wire share is top level: `protocol`, `wire`, `auth`).
+- `edits/` imports nothing of kvedit but `layout`: edit functions are pure torch over a
+  layout, usable without a server, an engine or the SDK; and `sdk/` imports nothing of
+  `edits/`: the SDK names no policy family (a policy serializes itself, kvedit.edits.spec,
+  and a budget's edit is fitted through the `Fits` protocol of sdk/contracts.py).
+- No library room imports tooling (`harness/`, `bench/`, `launch/`, the `kvedit` command):
+  a library never depends on what only tests, benchmarks and the CLI use.
+A test plants one breach of each rule and checks that it is caught; the last one holds vllm/
+to its shape: a core of at most 12 modules, the concerns in sub-rooms that never call the
+core's two sides.
+"""
+from __future__ import annotations
+
+from functools import cache
+
+from tests.unit.test_imports import MODULES, _all_imports
+
+FOLDERS = ("sdk", "vllm", "server", "client", "edits", "compat", "harness", "bench", "launch")
+TOOLING = {"harness", "bench", "launch", "cli"}
+LIBRARY = {"sdk", "vllm", "server", "client", "edits", "compat", "top"}
+
+
+def room(module: str) -> str:
+    """`sdk`, `vllm`, ... for a module in a folder of kvedit; `cli` for the kvedit command;
+    `layout` for kvedit.layout (edits' one allowed import); `top` for the other top-level
+    modules and the package itself."""
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in FOLDERS:
+        return parts[1]
+    if module == "kvedit.cli":
+        return "cli"
+    if module == "kvedit.layout":
+        return "layout"
+    return "top"
+
+
+# (room, rooms it must not import, why)
+RULES = [
+    ("sdk", {"vllm"}, "sdk and vllm meet only in shared top-level contracts"),
+    ("sdk", {"edits"}, "the SDK names no policy family"),
+    ("vllm", {"sdk"}, "sdk and vllm meet only in shared top-level contracts"),
+    ("server", {"client", "sdk", "vllm"}, "the server knows none of its users"),
+    ("edits", {r for r in (*FOLDERS, "cli", "top") if r != "edits"},
+     "edits are pure torch over a layout"),
+    *((lib, TOOLING, "a library never imports tooling") for lib in sorted(LIBRARY | {"layout"})),
+]
+
+
+def breaches(graph: dict[str, set[str]]) -> list[str]:
+    """`importer -> imported (why)` for every import that breaks a rule."""
+    out = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            for importer, forbidden, why in RULES:
+                if room(module) == importer and room(target) in forbidden:
+                    out.append(f"{module} -> {target} ({why})")
+    return out
+
+
+@cache
+def _graph() -> dict[str, frozenset[str]]:
+    return {m: frozenset(t for _, t in edges) for m, edges in _all_imports().items()}
+
+
+def test_the_rooms_keep_their_rules():
+    assert breaches(_graph()) == []
+
+
+def test_each_rule_catches_a_planted_breach():
+    graph = _graph()
+    planted = {
+        "kvedit.sdk.stream": "kvedit.vllm.settings",
+        "kvedit.sdk.driver": "kvedit.edits.base",
+        "kvedit.vllm.scheduler_side": "kvedit.sdk.stream",
+        "kvedit.server.service": "kvedit.client.kv_client",
+        "kvedit.edits.base": "kvedit.budget",
+        "kvedit.client.kv_client": "kvedit.harness.vocab",
+        "kvedit.budget": "kvedit.launch.server",
+    }
+    for importer, target in planted.items():
+        assert importer in graph and target in graph, "the planted modules must exist"
+        broken = {**graph, importer: graph[importer] | {target}}
+        found = breaches(broken)
+        assert len(found) == 1 and found[0].startswith(f"{importer} -> {target} ("), found
+    # what the rules allow stays allowed
+    assert room("kvedit.layout") == "layout" and room("kvedit.request_params") == "top"
+    assert breaches({"kvedit.edits.base": {"kvedit.layout"},
+                     "kvedit.sdk.stream": {"kvedit.request_params", "kvedit.client.kv_client"},
+                     "kvedit.bench.long": {"kvedit.sdk.batch", "kvedit.vllm.connector"}}) == []
+
+
+def test_the_vllm_core_stays_a_core():
+    """vllm/ holds the connector core (at most 12 modules directly); each concern is a
+    sub-room of its own (transfer/, capture/, budget/), which the core calls and which never
+    call the core's two sides."""
+    core = [m for m in _graph() if m.startswith("kvedit.vllm.") and m.count(".") == 2
+            and MODULES[m].name != "__init__.py"]
+    assert len(core) + 1 <= 12, sorted(core)   # + the package's __init__
+    subs = {m.split(".")[2] for m in _graph()
+            if m.count(".") == 3 and m.startswith("kvedit.vllm.")}
+    assert subs == {"transfer", "capture", "budget"}
+    sides = {"kvedit.vllm.connector", "kvedit.vllm.scheduler_side", "kvedit.vllm.worker_side"}
+    assert [(m, t) for m, ts in _graph().items() for t in ts
+            if m.count(".") == 3 and m.startswith("kvedit.vllm.") and t in sides] == []
