@@ -222,7 +222,8 @@ ATTACK_OK = {
     "watchflood": {"subscribed", "send_blocked"},
     "handshakes": {"opened", "closed_by_server", "refused"},
     # "miss_wrong" (the copy said "not there" for a key the server held) is never allowed
-    "watcher": {"untrusted", "says_there", "miss_right", "miss_caught_up", "catch_up_slow"},
+    "watcher": {"untrusted", "says_there", "miss_right", "miss_caught_up", "catch_up_slow",
+                "miss_evicted_since"},
 }
 ATTACK_MUST = {"leaseflood": "over_quota", "poolpin": "over_quota", "httpflood": "health:200",
                "l2poison": "planted", "watchflood": "subscribed", "handshakes": "opened",

@@ -125,14 +125,7 @@ def watcher(cfg: dict) -> dict:
             if c.lookup(MODEL, [k]) == 0:
                 codes.add("miss_right")
                 continue
-            # the push about it left before the lookup's answer: a renewal answered after the
-            # lookup is behind it on the watch's connection
-            if not w.catch_up(5.0):
-                codes.add("catch_up_slow")
-            elif w.trusted and w.lacks([[k]], 0):
-                codes.add("miss_wrong")
-            else:
-                codes.add("miss_caught_up")
+            codes.add(_judge_miss(c, w, k))
         except Exception as e:   # noqa: BLE001 - a restart: counted, then a fresh client
             codes.add(f"error:{getattr(e, 'code', type(e).__name__)}")
             if c is not None:
@@ -142,6 +135,22 @@ def watcher(cfg: dict) -> dict:
     if c is not None:
         c.close()
     return codes.result()
+
+
+def _judge_miss(c, w, k, rounds: int = 3) -> str:
+    """The copy said "not there" for a key the server then held. The push about it left
+    before the lookup's answer: a renewal answered after the lookup is behind it on the
+    watch's connection (catch_up). The pool is half the working set, so the key may also be
+    evicted again meanwhile: a copy that lacks it is then right, and the server is asked
+    again; only a copy behind a server that still holds it, round after round, is wrong."""
+    for _ in range(rounds):
+        if not w.catch_up(5.0):
+            return "catch_up_slow"
+        if not (w.trusted and w.lacks([[k]], 0)):
+            return "miss_caught_up"
+        if c.lookup(MODEL, [k]) == 0:
+            return "miss_evicted_since"
+    return "miss_wrong"
 
 
 ROLES = {"watchflood": watchflood, "handshakes": handshakes, "watcher": watcher}
