@@ -24,6 +24,10 @@ Passes in flight: the connector captures at most `max_capture_bytes` of queries 
 setting, 1 GiB by default) and a request past it gets none (vLLM's log says so; the client
 would only see the queries missing), so `reconstruct` keeps the passes it runs at once under
 `capture_bytes` (default half of the connector's default) of query rows.
+Checked after each pass: its queries must be in the server (every rank) before the stream
+holds them, else the pass fails with ReconstructError saying what may have refused them; a
+refusal is only in vLLM's log, and without the check it surfaced as modify's MissingQueries
+one wait_timeout later, naming no cause (an H200 eval: 24 of 24 KVzip streams).
 """
 from __future__ import annotations
 
@@ -75,12 +79,37 @@ async def _one(stream: Stream, repeat_ids, start: int, params, wait_timeout: flo
                    name="reconstruction", capture_queries=window)
     try:
         add_generation(m, await probe.generate(params, max_tokens=1, capture_queries=window))
+        await _check_captured(stream, probe.queries, wait_timeout)
         Q.hold(stream, probe.queries)   # the stream's own now: modify hands them to fn
         extra = probe.keys[n:]          # the repeat prompt's and the copy's chunks
         if extra:                       # stored asynchronously: delete them once they land
             await ctx.call(ctx.client.lookup, ctx.model, extra, wait_timeout=wait_timeout)
     finally:
         await probe.arelease()
+
+
+async def _check_captured(stream: Stream, cap: Q.Capture, wait_timeout: float) -> None:
+    """ReconstructError unless every rank's server holds the pass's queries. The connector
+    stores them before vLLM returns the pass's token, so the wait ends at once when they are
+    there; when they are not, nothing else would say so: the connector's refusals are in
+    vLLM's log only."""
+    ctx = stream.ctx
+    for r in range(len(cap.keys)):
+        if await Q.stored(ctx, cap, r, wait_timeout):
+            continue
+        on = f" on tensor-parallel rank {r}" if r else ""
+        try:
+            size = f", {QueryShape.of(ctx.layouts[r], cap.rows).nbytes} bytes"
+        except ValueError:
+            size = ""   # no query heads registered: the shape (and modify) says so
+        raise ReconstructError(
+            stream, f"its reconstruction pass ran, but the kvedit server has no captured "
+                    f"queries for it{on} after waiting {wait_timeout} s (window {cap.window}: "
+                    f"{cap.rows} rows{size}). vLLM's log says which refused them: the "
+                    f"server (too_large: --max-query-bytes under the object's size), the "
+                    f"connector (max_capture_bytes in flight, query capture off) or a step "
+                    f"that lost them (a full CUDA graph); or the server evicted them at once "
+                    f"(a larger --l1-size-gb keeps them)")
 
 
 def _in_flight(streams, repeat_ids, start: int, capture_bytes: int) -> int:

@@ -29,7 +29,7 @@ from kvedit.sdk.errors import MissingQueries, ModifyError
 
 log = logging.getLogger("kvedit.sdk")
 __all__ = ["Capture", "CapturedQueries", "as_tensor", "capture_for", "check_window", "expect",
-           "fetch", "hold", "release_queries"]
+           "fetch", "hold", "release_queries", "stored"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +104,13 @@ def as_tensor(raw, capture: Capture, layout) -> torch.Tensor:
     return torch.from_numpy(raw).view(getattr(torch, layout.dtype)).view(shape.shape)
 
 
+async def stored(ctx, cap: Capture, rank: int, wait_timeout: float) -> bool:
+    """Whether rank `rank`'s server holds `cap`'s object (asked to wait up to wait_timeout:
+    the connector stores asynchronously)."""
+    return bool(await ctx.call(ctx.client.lookup, ctx.model, [cap.keys[rank]], tp_rank=rank,
+                               wait_timeout=wait_timeout, kind="queries"))
+
+
 async def fetch(stream, fn, wait_timeout: float) -> CapturedQueries:
     """The stream's captured queries from every rank, concatenated along the query heads, or
     MissingQueries (the server is asked to wait up to wait_timeout for each rank's object:
@@ -120,8 +127,7 @@ async def fetch(stream, fn, wait_timeout: float) -> CapturedQueries:
     for r, key in enumerate(cap.keys):
         on = f" on tensor-parallel rank {r}" if r else ""
         try:
-            have = await ctx.call(ctx.client.lookup, ctx.model, [key], tp_rank=r,
-                                  wait_timeout=wait_timeout, kind="queries")
+            have = await stored(ctx, cap, r, wait_timeout)
             raw = await ctx.call(ctx.client.fetch_queries, ctx.model, key,
                                  tp_rank=r) if have else None
         except Exception as e:

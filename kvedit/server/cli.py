@@ -73,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             ("max_watches", "key watches of all clients"),
             ("max_watches_per_client", "key watches of one client session"),
             ("max_query_bytes", "bytes of the largest captured-queries object (a store of a "
-                                "bigger one is refused with too_large)"),
+                                "bigger one is refused with too_large; 0: the largest the "
+                                "query contract allows, 4096 rows of the model's queries)"),
             ("max_leases_per_client", "open (or quarantined) read leases of one client "
                                       "session (beyond: over_quota)"),
             ("max_leases_total", "read leases of all sessions"),

@@ -10,7 +10,9 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import asdict, dataclass
 
+from kvedit.layout import ModelLayout
 from kvedit.protocol import MAX_KEY_BYTES, MAX_KEYS
+from kvedit.query_contract import MAX_WINDOW, QueryShape
 from kvedit.server.key_feed import WatchLimits
 from kvedit.server.quota import QuotaLimits
 
@@ -28,6 +30,9 @@ def eviction_name(name: str) -> str:
 L2_SCHEMES = ("redis", "rediss", "unix")
 GIB = 1 << 30
 MIB = 1 << 20
+# The queries cap for a layout that does not say its query heads (registered by a connector
+# older than captured-queries shapes): the fixed default of before.
+LEGACY_QUERY_BYTES = 256 * MIB
 
 
 @dataclass(slots=True)
@@ -59,7 +64,9 @@ class ServerConfig:
                                       # most half of max_data_conns)
     max_handshakes_per_peer: int = 8  # ... per peer (a local user by uid, else an address;
                                       # not the server's own user)
-    max_query_bytes: int = 256 * MIB  # largest captured-queries object (kind "queries")
+    # Largest captured-queries object (kind "queries"); 0: the largest the query contract lets
+    # a client ask for the model (query_bytes).
+    max_query_bytes: int = 0
     # ---- what one client session may hold (quota.py): counts, and bytes as pool fractions ----
     max_leases_per_client: int = 4096
     max_leases_total: int = 65536
@@ -126,6 +133,20 @@ class ServerConfig:
         return self.max_message_bytes or (self.max_keys_per_request * (MAX_KEY_BYTES + 3)
                                           + 64 * 1024)
 
+    def query_bytes(self, layout: ModelLayout) -> int:
+        """The largest captured-queries object of a model with `layout` (the pool bounds it
+        too): --max-query-bytes, or (0) the largest window the query contract allows,
+        MAX_WINDOW rows of the model's queries on one rank (QueryShape). A fixed default
+        refused windows the contract allows: 256 MiB is 3120 rows of Qwen2.5-1.5B (28 layers
+        x 12 query heads x 128 x bf16 = 86 KB a row), so KVzip's reconstruction pass of a 4k
+        context (4084 rows, 351 MB) was captured by vLLM, refused here, and the SDK found no
+        queries (reported as missing by modify, 60 s later, with nothing saying why)."""
+        if self.max_query_bytes:
+            return self.max_query_bytes
+        if not layout.num_q_heads:
+            return LEGACY_QUERY_BYTES
+        return QueryShape.of(layout, MAX_WINDOW).nbytes
+
     @property
     def l2_queue_bytes(self) -> int:
         """The write-behind queue's bound: --l2-write-queue-mb, or (0) an eighth of the pool
@@ -187,7 +208,7 @@ class ServerConfig:
                              f"{self.quarantine_ttl}")
         for name in ("max_models", "max_model_name", "max_keys_per_request",
                      "max_waits_per_client", "max_waits_total", "max_parked_keys",
-                     "max_data_conns", "max_query_bytes", "max_leases_per_client",
+                     "max_data_conns", "max_leases_per_client",
                      "max_leases_total", "max_stores_per_client", "max_stores_total",
                      "max_leased_keys_per_client", "max_leased_keys_total", "http_max_conns",
                      "http_max_conns_per_peer", "http_max_requests", "max_handshakes",
@@ -198,6 +219,9 @@ class ServerConfig:
         if self.max_keys_per_request > MAX_KEYS:
             raise ValueError(f"--max-keys-per-request must be at most {MAX_KEYS} (the "
                              f"protocol's bound), got {self.max_keys_per_request}")
+        if self.max_query_bytes < 0:
+            raise ValueError(f"--max-query-bytes must be >= 0 (0 = the largest window the "
+                             f"query contract allows), got {self.max_query_bytes}")
         if self.max_message_bytes and self.max_message_bytes < 64 * 1024:
             raise ValueError(f"--max-message-bytes must be 0 (derived) or at least 65536 (a "
                              f"request with a few keys must fit), got {self.max_message_bytes}")

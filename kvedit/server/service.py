@@ -24,6 +24,7 @@ import zmq
 from kvedit import __version__, auth
 from kvedit import protocol as P
 from kvedit.layout import ModelLayout
+from kvedit.query_contract import MAX_WINDOW
 from kvedit.server import layout_limits
 from kvedit.server.config import ServerConfig
 from kvedit.server.datalink import DataLink
@@ -452,12 +453,14 @@ class Service(L2Methods):
         if len(req.keys) != 1:
             raise Fail("malformed", f"prepare_store of kind 'queries' takes exactly one key, "
                                     f"got {len(req.keys)}")
-        cap = min(self.cfg.max_query_bytes, self.arena.pool_bytes)
+        cap = min(self.cfg.query_bytes(lay), self.arena.pool_bytes)
         if not 0 < req.nbytes <= cap:
+            flag = self.cfg.max_query_bytes or (f"0 = {MAX_WINDOW} rows of the model's "
+                                                f"queries, {self.cfg.query_bytes(lay)} bytes")
             raise Fail("too_large" if req.nbytes > 0 else "malformed",
                        f"a queries object of {req.nbytes} bytes; expected 1..{cap} bytes "
-                       f"(--max-query-bytes {self.cfg.max_query_bytes}, pool "
-                       f"{self.arena.pool_bytes}): capture a smaller window")
+                       f"(--max-query-bytes {flag}; pool {self.arena.pool_bytes}): capture "
+                       f"a smaller window")
         r = self.index.prepare(req.model, req.tp_rank, req.keys, req.nbytes, holder,
                                kind="queries")  # Refused: pool_full
         return P.StoreSlots(store_id=r.store_id, missing=r.missing, offsets=r.offsets,

@@ -14,12 +14,13 @@ import logging
 
 import torch
 
+from kvedit.client import KVError
 from kvedit.layout import ModelLayout
 from kvedit.vllm.budget.plan import BudgetStep
 from kvedit.vllm.budget.worker import BudgetWorker, find_runner
 from kvedit.vllm.capture.support import capture_unavailable
 from kvedit.vllm.capture.worker import STATS, QueryCapture, current_forward_context
-from kvedit.vllm.link import ServerLink
+from kvedit.vllm.link import UNAVAILABLE, ServerLink
 from kvedit.vllm.metadata import KVEditMetadata
 from kvedit.vllm.paged import PagedKV
 from kvedit.vllm.settings import ConnectorSettings, model_layout
@@ -225,7 +226,14 @@ class WorkerSide:
                 client.store_queries(self.model, r.key, r.data, tp_rank=self.tp_rank)
             except Exception as e:  # a refused or failed store: the SDK reports it missing
                 STATS.dropped += 1
-                self.link.failed(e)
+                if isinstance(e, KVError) and not isinstance(e, UNAVAILABLE):
+                    # refused (e.g. too_large): the client only finds none, so name the
+                    # request here, one line per refusal
+                    logger.warning("kvedit query capture: the server refused the queries of "
+                                   "%s (%d bytes, rank %d), the client gets none: %s",
+                                   r.req_id, r.data.nbytes, self.tp_rank, e)
+                else:
+                    self.link.failed(e)
                 continue
             STATS.stored += 1
             STATS.stored_bytes += r.data.nbytes

@@ -14,6 +14,7 @@ import torch
 from kvedit import protocol as P
 from kvedit.client import KVClient, KVError
 from kvedit.keys import namespace, query_key
+from kvedit.layout import ModelLayout
 from kvedit.launch.server import start_server
 from tests.fixtures_server import close_dealer, dealer
 from tests.kv_helpers import SMALL, chunk_for, key
@@ -271,3 +272,42 @@ def test_older_peers_still_decode(server):
         assert P.reply_decoder.decode(s.recv_multipart()[1]) == P.Ok()
     finally:
         close_dealer(s)
+
+
+def test_default_bound_holds_every_window_the_contract_allows():
+    """Without --max-query-bytes the bound is MAX_WINDOW rows of the model's queries: with the
+    old fixed 256 MiB, KVzip's 4084-row pass of a 4k context on Qwen2.5-1.5B (28 layers x 12
+    query heads x 128 x bf16 = 86,016 bytes a row: 351 MB) was refused, and the SDK found no
+    queries. Raw prepare/abort: the pool is lazy, nothing is written."""
+    from kvedit.query_contract import MAX_WINDOW, QueryShape
+
+    qwen = ModelLayout(num_layers=28, num_kv_heads=2, head_dim=128, dtype="bfloat16",
+                       chunk_size=128, num_q_heads=12)
+    legacy = ModelLayout(num_layers=28, num_kv_heads=2, head_dim=128, dtype="bfloat16",
+                         chunk_size=128)   # registered without its query heads
+    full = QueryShape.of(qwen, MAX_WINDOW).nbytes
+    assert full == 4096 * 86_016 > 256 << 20
+    with start_server(0.5, chunk_size=128) as srv:
+        with KVClient(srv.url) as c:
+            c.register("qwen", qwen)
+            c.register("legacy", legacy)
+        s = dealer(srv.url)
+        try:
+            def ask(msg):
+                s.send_multipart([b"1", P.encoder.encode(msg)])
+                return P.reply_decoder.decode(s.recv_multipart()[1])
+
+            def prepare(model, nbytes):
+                return ask(P.PrepareStore(model=model, keys=[b"q" * 16], kind="queries",
+                                          nbytes=nbytes))
+
+            for nbytes in (4084 * 86_016, full):   # the H200 eval's pass, the largest window
+                r = prepare("qwen", nbytes)
+                assert isinstance(r, P.StoreSlots), r
+                assert isinstance(ask(P.Abort(store_id=r.store_id)), P.Ok)
+            r = prepare("qwen", full + 1)
+            assert r.code == "too_large" and f"--max-query-bytes 0 = {MAX_WINDOW} rows" in r.message
+            r = prepare("legacy", (256 << 20) + 1)   # no query heads: the old fixed bound
+            assert r.code == "too_large" and str(256 << 20) in r.message
+        finally:
+            close_dealer(s)

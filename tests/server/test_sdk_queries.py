@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 
-from kvedit.client import KVClient
+from kvedit.client import KVClient, KVError
 from kvedit.keys import namespace, query_key, request_keys
 from kvedit.layout import ModelLayout
 from kvedit.request_params import CAPTURE_FIELD, STORE_FIELD, RequestAsks, with_asks
@@ -40,6 +40,7 @@ class FakeEngine:
     def __init__(self, url: str):
         self.client = KVClient(url)
         self.asked: list[dict | None] = []   # kv_transfer_params of each request
+        self.refused: list[KVError] = []     # queries stores the server refused
 
     def chunk(self, key: bytes) -> torch.Tensor:
         g = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") >> 1)
@@ -60,7 +61,11 @@ class FakeEngine:
         if window:
             qk = query_key(namespace(MODEL, LAYOUT, cache_salt), prompt, window)
             rows = min(window, len(prompt))
-            await asyncio.to_thread(self.client.store_queries, MODEL, qk, self.queries(qk, rows))
+            try:
+                await asyncio.to_thread(self.client.store_queries, MODEL, qk,
+                                        self.queries(qk, rows))
+            except KVError as e:   # as the connector: logged, the request is still served
+                self.refused.append(e)
         for _ in range(params.get("max_tokens", 1)):
             await asyncio.sleep(0)
             yield 7
@@ -343,3 +348,35 @@ def test_the_registered_layout_decides_the_queries_shape(kv_server, ctx, engine)
         assert "restart vLLM with this kvedit's connector" in str(e.value) and t.tokens == p
         m = BatchedStream([t], progress=False).modify(drop_last_chunk)   # no queries: fine
         assert m.chunks_deleted == 1
+
+
+def test_a_pass_whose_queries_the_server_refuses_fails_in_reconstruct():
+    """The connector captures a reconstruction pass's queries and the server refuses the
+    object (here --max-query-bytes under it; on an H200 the old fixed 256 MiB against a
+    351 MB window): vLLM still answers, so the pass used to "succeed" and every KVzip modify
+    failed one wait_timeout later with MissingQueries naming no cause. Now the pass itself
+    fails, saying what may refuse queries, and the stream holds none."""
+    from kvedit.launch.server import start_server
+    from kvedit.sdk.kvzip import ReconstructError, pass_prompt, reconstruct
+
+    with start_server(1 / 16, chunk_size=C, extra_args=["--max-query-bytes", "100000"]) as srv, \
+            sdk_context(srv, MODEL, LAYOUT) as ctx:
+        engine = FakeEngine(srv.url)
+        try:
+            s = create_request(ctx, engine, prompt(2 * C + 10), "refused", name="refused")
+            batch = BatchedStream([s], progress=False)
+            batch.prefill({"max_tokens": 1})
+            repeat = prompt(6)
+            _, window = pass_prompt(s, repeat)
+            assert LAYOUT.num_layers * Q_HEADS * LAYOUT.head_dim * 2 == 384   # bytes a row
+            assert window * 384 > 100_000
+            with pytest.raises(ReconstructError, match=r"\(refused\): its reconstruction pass "
+                                                       r"ran, but the kvedit server has no "
+                                                       r"captured queries.*--max-query-bytes"
+                               ) as e:
+                reconstruct(batch, repeat, wait_timeout=0.5)
+            assert f"window {window}: {window} rows, {window * 384} bytes" in str(e.value)
+            assert [r.code for r in engine.refused] == ["too_large"]
+            assert s.queries is None and not ctx.query_refs
+        finally:
+            engine.client.close()
