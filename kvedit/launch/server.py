@@ -15,10 +15,22 @@ from pathlib import Path
 from kvedit.auth import SECRET_ENV, SECRET_FILE_ENV
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, and not one this process was handed before: the kernel may give the
+    same ephemeral port to two calls in a row (both picked before either is bound), and a
+    server then fails with "Address already in use" (seen in CI: a test's data port and
+    the server's HTTP port were one port)."""
+    for _ in range(64):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            break
+    _HANDED_OUT.add(port)
+    return port
 
 
 class ServerProcess:
