@@ -56,14 +56,20 @@ def test_eval_end_to_end_json_table_charts(kv_server, smollm2_vllm, smollm2_mode
     assert {(r["policy"], r["query_aware"]) for r in reuse["results"]} == {
         ("KeyDiff", False), ("StreamingLLM", False)}
     records = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
-    # (baseline + the no-op edit + 2 policies) x 4 mains + (baseline + 2 policies) x 2
-    # further questions (the no-op edit is judged on its main answers)
-    assert len(records) == 4 * 4 + 2 * 3
+    # (baseline + the no-op edit + its control + 2 policies) x 4 mains + (baseline + 2
+    # policies) x 2 further questions (the no-op and its control: main answers only)
+    assert len(records) == 5 * 4 + 2 * 3
     assert out["partial"] is False and out["progress"]["groups_done"] == 1
     assert out["progress"]["stopped_by_deadline"] is None
     noop = [r for r in records if r["policy"] == "noop" and r["question"] == 0]
     assert out["noop"]["n"] == 4 and out["noop"]["same"] == sum(r["same_as_baseline"]
                                                                 for r in noop)
+    # The control decodes the same prompts again with no edit at all: nothing dropped, and
+    # its answers judged against the baseline's like the no-op's.
+    control = [r for r in records if r["policy"] == "noop_control"]
+    assert len(control) == 4 and all(r["kept_fraction"] == 1.0 for r in control)
+    assert out["noop"]["control"]["n"] == 4
+    assert out["noop"]["control"]["same"] == sum(r["same_as_baseline"] for r in control)
     gated = out["gated"]  # the pairs the full KV answers at >= 0.8 count, the rest beside
     assert {(t["task"], t["length"]) for t in gated["tasks"]} == {("passkey", 512),
                                                                   ("vartrack", 512)}
@@ -119,7 +125,7 @@ def test_a_killed_eval_leaves_the_figures_of_the_cells_it_finished(kv_server, sm
     # every answer so far is on disk beside it, whole lines
     recs = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert sum(r["policy"] is None for r in recs) >= out["baseline"]["n"]
-    assert sum(r["policy"] not in (None, "noop") for r in recs) >= sum(
+    assert sum(r["policy"] not in (None, "noop", "noop_control") for r in recs) >= sum(
         r["n"] for r in out["results"])
     assert not (tmp_path / "results.json.tmp").exists()
 

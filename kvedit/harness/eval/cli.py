@@ -77,7 +77,8 @@ def register(sub) -> None:
                         "default: all in one, or one round (a sample of every task x length "
                         "x seed) with --deadline-s")
     p.add_argument("--no-noop", action="store_true",
-                   help="skip the no-op edit's cell (retrieve, identity, store, decode)")
+                   help="skip the no-op edit's cell (retrieve, identity, store, decode) and "
+                        "its control (the same prompts decoded again, no edit)")
     p.add_argument("--in-flight", type=int, default=None, metavar="N",
                    help="requests in flight per batch (default 16 on CPU, 64 on a GPU)")
     p.add_argument("--modify-concurrency", type=int, default=None, metavar="N",

@@ -157,6 +157,8 @@ def acceptance(g: dict, aware, noop: dict | None = None, reference: dict | None 
         f = noop.get("same_fraction")
         out["noop_same_answer"] = {"value": f, "target": ">= 0.99 of prompts",
                                    "ok": f is not None and f >= 0.99}
+        if noop.get("control"):   # the same prompts decoded again with no edit: the floor
+            out["noop_same_answer"]["control"] = noop["control"].get("same_fraction")
     results = g["results"]
     lengths = list(g["baseline"]["by_length"])
     for ratio, target in ((0.5, 0.98), (0.75, 0.95)):

@@ -61,8 +61,9 @@ def compact(base: dict, results: list[dict]) -> dict:
 
 
 def noop(records) -> dict:
-    """The no-op edit (retrieve -> identity -> store -> decode): how many of its answers are
-    the unedited baseline's, word for word, and its accuracy."""
+    """The no-op edit (retrieve -> identity -> store -> decode), or its control (no edit,
+    runner.Reload): how many of its answers are the unedited baseline's, word for word, and
+    its accuracy."""
     main = main_records(records)
     same = [r["same_as_baseline"] for r in main if "same_as_baseline" in r]
     return {"same": sum(same), "n": len(same),

@@ -128,6 +128,7 @@ class _Run:
         self.cells: list = []
         self.tallies: dict[str, Tally] = {}
         self.noop_tally: Tally | None = None
+        self.control_tally: Tally | None = None   # the no-op's control (runner.Reload)
         self.base_records: list[dict] = []
         self.base_info: dict = {}
         self.base_info_last: dict | None = None
@@ -231,7 +232,8 @@ class _Run:
         self.tallies = {c.label: Tally(label(c.policy), c.ratio) for c in self.cells}
         log(f"{len(self.samples)} samples ({', '.join(cfg.tasks)} at {cfg.lengths} tokens, "
             f"seeds {cfg.seeds}) in {len(self.groups)} group(s), {len(self.cells)} policy x "
-            f"ratio cells{' + the no-op edit' if cfg.noop else ''}, model {self.model_dir}"
+            f"ratio cells{' + the no-op edit and its control' if cfg.noop else ''}, "
+            f"model {self.model_dir}"
             + (f", deadline {self.deadline.seconds:.0f} s" if self.deadline.seconds else ""))
         self.out.mkdir(parents=True, exist_ok=True)
         self._samples_file = open(self.out / "samples.jsonl", "w")
@@ -255,7 +257,7 @@ class _Run:
         """Run one group whole (as far as the deadline lets cells start); False: stop."""
         from tqdm.auto import tqdm
 
-        from kvedit.harness.eval.runner import AccuracyRun, Cell, NoOp
+        from kvedit.harness.eval.runner import AccuracyRun, Cell, NoOp, Reload
 
         cfg, log = self.cfg, self.log
         prev = self.timings.get("groups", [])
@@ -275,8 +277,8 @@ class _Run:
         try:
             records, info = acc.baseline()
             self._add_baseline(records, info)
-            todo = ([(Cell("noop", 0.0), NoOp())] if cfg.noop else []) + \
-                [(c, None) for c in self.cells]
+            todo = ([(Cell("noop", 0.0), NoOp()), (Cell("noop_control", 0.0), Reload())]
+                    if cfg.noop else []) + [(c, None) for c in self.cells]
             times: list[float] = []
             bar = tqdm(todo, desc=f"group {k + 1} (policy x ratio)", disable=not cfg.progress)
             for j, (c, fn) in enumerate(bar):
@@ -291,9 +293,12 @@ class _Run:
                 bar.set_postfix_str(c.label)
                 recs, info = acc.cell(fn or self.policy(c.policy, c.ratio), c)
                 times.append(info["seconds"])
-                if fn is not None:
+                if isinstance(fn, NoOp):
                     self.noop_tally = self.noop_tally or Tally("noop", 0.0)
                     self.noop_tally.add(recs, info, len(group))
+                elif fn is not None:
+                    self.control_tally = self.control_tally or Tally("noop_control", 0.0)
+                    self.control_tally.add(recs, info, len(group))
                 else:
                     self.tallies[c.label].add(recs, info, len(group))
                 self._append(recs)
@@ -374,6 +379,8 @@ class _Run:
         seeds = report.by_seed(self.base_records, rows, cfg.seeds)
         reuse = report.reuse(self.base_records, rows, query_aware) if cfg.reuse else None
         noop = report.noop(self.noop_tally.records) if self.noop_tally else None
+        if noop is not None and self.control_tally is not None:
+            noop["control"] = report.noop(self.control_tally.records)
         g = gating.gated(self.base_records, rows, cfg.seeds, aware=query_aware)
         reference = self.reference_result
         if reference is not None:
@@ -428,7 +435,8 @@ class _Run:
                       "of the same samples; baseline/results: every task, pooled over the "
                       "seeds (seeds: each on its own); reuse: every question of the "
                       "multi-question samples, asked of one edited cache; noop: the edit path "
-                      "with nothing dropped, its answers against the baseline's. "
+                      "with nothing dropped, its answers against the baseline's (noop.control: "
+                      "the same prompts decoded again with no edit, the floor). "
                       "kept_fraction: context tokens that survive the edit (stored or "
                       "recomputed); query-aware policies (SnapKV, TOVA) score with the "
                       "queries vLLM captured for the prompt's tail (the question), KVzip with "
@@ -465,8 +473,11 @@ class _Run:
         self.log("\n" + report.table(base, results))
         self.log("\n" + gating.table(result["gated"]))
         if result["noop"]:
+            control = result["noop"].get("control")
             self.log(f"\nno-op edit: {result['noop']['same']}/{result['noop']['n']} answers "
-                     f"the same as the baseline's")
+                     f"the same as the baseline's" + (
+                         f"; without any edit (reloaded): {control['same']}/{control['n']}"
+                         if control else ""))
         progress = result["progress"]
         if progress["stopped_by_deadline"]:
             self.log(f"\nstopped by the deadline after {progress['groups_done']}/"

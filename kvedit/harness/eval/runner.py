@@ -49,6 +49,15 @@ class NoOp:
         return kv, tokens
 
 
+class Reload:
+    """The no-op edit's control: no edit at all. Fresh requests of the same prompts decode
+    from the original chunks (loaded from the kvedit server, as the no-op's are), with no
+    retrieve or store between. Where the no-op's answers differ from the baseline's, this
+    says how many differ without any edit: on a GPU vLLM is not batch-invariant, and a
+    request whose prompt is loaded decodes in other batches than the prefill's own."""
+    needs_queries = False
+
+
 @dataclass(frozen=True)
 class Cell:
     """One policy at one ratio (policy None: the unedited baseline)."""
@@ -154,30 +163,34 @@ class AccuracyRun:
                              "capture=True (or reconstruction=...) so the prefill gets them")
         batch = self._batch(capture, zipped)
         t0 = time.perf_counter()
-        mod = batch.modify(policy)
+        control = isinstance(policy, Reload)
+        mod = None if control else batch.modify(policy)
         chunk = self.ctx.chunk_size
         kept = []
         for s, st in zip(self.samples, batch):
             region = editable(s, chunk)
             tail = len(s.prompt_ids) - region  # the question: never edited
-            kept.append((len(st.tokens) + len(st.suffix) - tail) / region)
-        # The no-op edit is judged on the main answers alone (against the baseline's).
-        ask = self.reuse and not isinstance(policy, NoOp)
+            kept.append(1.0 if control else (len(st.tokens) + len(st.suffix) - tail) / region)
+        # The no-op edit and its control are judged on the main answers alone (against the
+        # baseline's).
+        ask = self.reuse and not isinstance(policy, (NoOp, Reload))
         asks, where = self._asks(self._contexts(batch)) if ask else (None, [])
         dec = self._decode(batch, greedy(self.max_tokens), asks)
         records = [self._record(s, st.output_token_ids, cell, k)
                    for s, st, k in zip(self.samples, batch, kept)]
-        if isinstance(policy, NoOp) and getattr(self, "baseline_outputs", None):
+        if isinstance(policy, (NoOp, Reload)) and getattr(self, "baseline_outputs", None):
             for r, base in zip(records, self.baseline_outputs):
                 r["same_as_baseline"] = r["output"] == base
         records += self._answers(asks, where, cell, kept)
         self._release(batch)
         context = sum(editable(s, chunk) for s in self.samples)
+        edit = {} if mod is None else {
+            "tokens_before": mod.tokens_before, "tokens_after": mod.tokens_after,
+            "modify_s": mod.duration, "retrieve_s": mod.retrieve_s, "fn_s": mod.fn_s,
+            "store_s": mod.store_s}
         return records, {
             "kept_tokens": sum(k * editable(s, chunk) for s, k in zip(self.samples, kept)),
-            "context_tokens": context, "tokens_before": mod.tokens_before,
-            "tokens_after": mod.tokens_after, "modify_s": mod.duration,
-            "retrieve_s": mod.retrieve_s, "fn_s": mod.fn_s, "store_s": mod.store_s,
+            "context_tokens": context, **edit,
             "decode_s": dec.duration, "seconds": time.perf_counter() - t0}
 
     def _contexts(self, batch) -> list[tuple[list[int], str] | None]:
