@@ -127,8 +127,8 @@ class _Run:
                                  else cfg.deadline_s * (1 - share))
         self.cells: list = []
         self.tallies: dict[str, Tally] = {}
-        self.noop_tally: Tally | None = None
-        self.control_tally: Tally | None = None   # the no-op's control (runner.Reload)
+        # The no-op edit's cell and its control's (runner.NoOp, runner.Reload), by label.
+        self.noop_tallies: dict[str, Tally] = {}
         self.base_records: list[dict] = []
         self.base_info: dict = {}
         self.base_info_last: dict | None = None
@@ -149,7 +149,9 @@ class _Run:
         layers, heads = cfg["num_hidden_layers"], cfg.get("num_key_value_heads")
         qheads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // qheads
-        width = 4 if self.dtype == "float32" else 2
+        from kvedit.layout import DTYPE_SIZES
+
+        width = DTYPE_SIZES[self.dtype]
         kv_token = 2 * layers * (heads or qheads) * head_dim * width      # K and V
         q_row = layers * qheads * head_dim * width
         context = sum(s.length for s in group)
@@ -293,12 +295,9 @@ class _Run:
                 bar.set_postfix_str(c.label)
                 recs, info = acc.cell(fn or self.policy(c.policy, c.ratio), c)
                 times.append(info["seconds"])
-                if isinstance(fn, NoOp):
-                    self.noop_tally = self.noop_tally or Tally("noop", 0.0)
-                    self.noop_tally.add(recs, info, len(group))
-                elif fn is not None:
-                    self.control_tally = self.control_tally or Tally("noop_control", 0.0)
-                    self.control_tally.add(recs, info, len(group))
+                if fn is not None:
+                    tally = self.noop_tallies.setdefault(c.policy, Tally(c.policy, 0.0))
+                    tally.add(recs, info, len(group))
                 else:
                     self.tallies[c.label].add(recs, info, len(group))
                 self._append(recs)
@@ -378,9 +377,10 @@ class _Run:
         base, results = report.summarize(self.base_records, rows)
         seeds = report.by_seed(self.base_records, rows, cfg.seeds)
         reuse = report.reuse(self.base_records, rows, query_aware) if cfg.reuse else None
-        noop = report.noop(self.noop_tally.records) if self.noop_tally else None
-        if noop is not None and self.control_tally is not None:
-            noop["control"] = report.noop(self.control_tally.records)
+        noops = {name: report.noop(t.records) for name, t in self.noop_tallies.items()}
+        noop = noops.get("noop")
+        if noop is not None and "noop_control" in noops:
+            noop["control"] = noops["noop_control"]
         g = gating.gated(self.base_records, rows, cfg.seeds, aware=query_aware)
         reference = self.reference_result
         if reference is not None:
