@@ -47,6 +47,10 @@ the budget the host arm really kept to (its peak footprint, `max_request_tokens`
 compare at equal footprint too; `kv_limit_blocks` gives each arm's KV limit counted in the
 blocks vLLM hands out, which is what bounds tokens per step.
 
+`--engine-policies keynorm:head,snapkv,...`: one more in-engine arm per entry (the entries:
+kvedit.bench.long_policies), `in_engine_policies[entry]` with in_engine's fields, and
+`in_engine:<entry>` in `kv_limit_blocks` and `answers`.
+
 Plain vLLM (`vllm_full`, on unless --no-vllm-full): after the kvedit arms, the same prompts
 on a vLLM started without kvedit (same model, KV pool and prefix caching; kvedit.bench.long_full),
 every request one completion of O tokens with its full KV. It is what a user runs without
@@ -112,6 +116,14 @@ def register(bsub) -> None:
                         "compacts each stream's KV in place; kvedit.bench.long_engine)")
     p.add_argument("--positions", choices=("compact", "logical"), default="compact",
                    help="the in_engine arm's positions (docs/in-engine.md)")
+    p.add_argument("--engine-policies", default=None, metavar="LIST",
+                   help="with --in-engine: one more in-engine arm (same prompts and budget) "
+                        "per comma-separated entry: a policy (streaming, keynorm, snapkv, tova, "
+                        "keydiff, ...) or NAME:head (per layer and KV head selection)")
+    p.add_argument("--engine-queries", type=int, default=None, metavar="W",
+                   help="query-aware --engine-policies (snapkv, tova): the device query ring, "
+                        "the last W tokens whose queries score the others (kept resident); "
+                        "default the policy's own window (tova: 1), else 32")
     p.add_argument("--no-matched-arm", dest="matched_arm", action="store_false",
                    help="with --in-engine, skip the in_engine_matched arm (in-engine with "
                         "the budget the host arm really kept to: its peak footprint)")
@@ -230,15 +242,19 @@ def _accuracy(args, log) -> dict:
 
 
 def _main(args) -> int:
+    from kvedit.bench import long_policies
+
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
-    out = {"bench": "long"} if args.accuracy_only else _speed(args, log)
+    extra = long_policies.entries(args)  # refused before any engine starts
+    out = {"bench": "long"} if args.accuracy_only else _speed(args, log, extra)
     out["accuracy"] = _accuracy(args, log)
     out["elapsed_s"] = out.get("elapsed_s", 0.0) + out["accuracy"].get("elapsed_s", 0.0)
     print(json.dumps(out, indent=2))
     return 0
 
 
-def _speed(args, log) -> dict:
+def _speed(args, log, extra=()) -> dict:
+    """The speed arms; `extra`: long_policies.entries, one more in-engine arm each."""
     import kvedit
     from kvedit.harness.experiment import block_size, engines
     from kvedit.harness.vocab import random_prompts
@@ -299,6 +315,14 @@ def _speed(args, log) -> dict:
                         budget=matched)
                     batches.append(m_batch)
                     named["in_engine_matched"] = m_batch
+                extra_arms = {}
+                for e in extra:
+                    log(f"in_engine {e.name}: budget={b} queries={e.queries} ...")
+                    extra_arms[e.name], x_batch = long_engine.arm(
+                        ctx, completion, prompts, args, eng, e.policy, _sampling,
+                        _tokens_per_step, progress=not args.json, queries=e.queries)
+                    batches.append(x_batch)
+                    named[f"in_engine:{e.name}"] = x_batch
             none_streams = list(base_batch)
             live = {k for batch in batches for s in batch for k in s.keys}
             stats = ctx.client.stats()
@@ -356,6 +380,9 @@ def _speed(args, log) -> dict:
         if args.matched_arm:
             out["in_engine_matched"] = _engine_arm(eng_matched, base, bud, n, cap,
                                                    limit["baseline"])
+        if extra_arms:
+            out["in_engine_policies"] = {k: _engine_arm(r, base, bud, n, cap, limit["baseline"])
+                                         for k, r in extra_arms.items()}
     full_outputs = None
     if getattr(args, "vllm_full", True):
         from kvedit.bench import long_full
@@ -447,14 +474,20 @@ def _vs_full(out: dict, full: dict, none_streams, base: dict, host: dict, n: int
            / max(1, len(outputs))}
     ret = {"vllm_full": arm,
            "host_vs_vllm_full_decode_throughput": host["decode_tput"] / full["decode_tput"]}
-    for name in ("in_engine", "in_engine_matched"):
-        if name in out:
-            out[name]["vs_vllm_full_decode_throughput"] = \
-                out[name]["decode_tput"] / full["decode_tput"]
-            out[name]["vs_vllm_full_step_gain"] = (
-                out[name]["tokens_per_step"] / full["tokens_per_step"]
-                if out[name]["tokens_per_step"] and full["tokens_per_step"] else None)
+    for r in _engine_arms(out).values():
+        r["vs_vllm_full_decode_throughput"] = r["decode_tput"] / full["decode_tput"]
+        r["vs_vllm_full_step_gain"] = (r["tokens_per_step"] / full["tokens_per_step"]
+                                       if r["tokens_per_step"] and full["tokens_per_step"]
+                                       else None)
     return ret
+
+
+def _engine_arms(out: dict) -> dict:
+    """The in-engine arms' objects in `out` by arm name: in_engine, in_engine_matched and
+    in_engine:<entry> for each --engine-policies entry."""
+    arms = {k: out[k] for k in ("in_engine", "in_engine_matched") if k in out}
+    extra = out.get("in_engine_policies", {})
+    return {**arms, **{f"in_engine:{k}": r for k, r in extra.items()}}
 
 
 def _vs_none(r: dict, base: dict, n: int, cap: int, base_limit: float) -> dict:
@@ -474,10 +507,8 @@ def _block_limits(out: dict, n: int, kv_blocks: int) -> dict:
     min(N, blocks / mean blocks held). A stream that holds 641..768 tokens holds 6 blocks
     of 128 at every step, one that holds 513..640 holds 5: the token bound misses that."""
     limits = {}
-    for arm in ("none", "host", "in_engine", "in_engine_matched"):
-        if arm not in out:
-            continue
-        r = out[arm]
+    for arm, r in {**{k: out[k] for k in ("none", "host") if k in out},
+                   **_engine_arms(out)}.items():
         limit = min(n, kv_blocks / r["mean_footprint_blocks"])
         limits[arm] = {"mean_blocks": r["mean_footprint_blocks"], "limit": limit,
                        "tokens_per_step": r["tokens_per_step"],

