@@ -13,9 +13,12 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -280,6 +283,67 @@ def test_parts_of_another_build_are_refused(tmp_path):
     r = _sh(tmp_path, env, "recv.sh", "02")
     assert r.returncode == 1
     assert f"holds parts of kit {first['kit']}, this call carries kit {second['kit']}" in r.stderr
+
+
+def _until(cond, timeout: float = 120.0) -> bool:
+    """Poll `cond` until it holds or `timeout` s pass (generous: a loaded 2-core CI box)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+HELD_JOB = """set -euo pipefail
+. "$(dirname "$0")/lib.sh"
+say "{g}: holding"
+until [ -f "{go}" ]; do sleep 0.05; done
+say "{g}: went"
+"""
+
+
+def test_a_job_is_left_alone_by_later_starts_and_always_ends_with_a_status(tmp_path):
+    """Two groups complete in turn, each with a job that holds until told to go. Starting the
+    second must not rewrite a file the first runs from (bash reads a script as it runs it: a
+    job whose run_job.sh or lib.sh was rewritten in place under it died silently, with an
+    empty log and no status, and ready.sh said `none`); the job leads a session of its own,
+    holds none of the caller's pipes (else `_sh` would wait for it), ignores SIGHUP, and a
+    SIGTERM still leaves its exit status."""
+    _, _, _, env = _host(tmp_path, [("alpha", 1000), ("beta", 1000)], part_bytes=1000)
+    host = tmp_path / "repo" / "tools" / "gpu" / "host"
+    kit, go = tmp_path / "kit", tmp_path / "go"
+    for g in ("alpha", "beta"):
+        (host / f"job_{g}.sh").write_text(HELD_JOB.format(g=g, go=go))
+    state = kit / "state"
+    r = _sh(tmp_path, env, "recv.sh", "01")
+    assert r.returncode == 0 and "alpha: started in the background" in r.stdout, r.stderr
+    pid = int((state / "alpha.pid").read_text())             # the job's, before start.sh returns
+    assert os.getsid(pid) == pid                             # its own session: outlives the call
+    sig_ign = int(re.search(r"SigIgn:\s*(\w+)", Path(f"/proc/{pid}/status").read_text())[1], 16)
+    assert sig_ign & (1 << (signal.SIGHUP - 1))
+    copies = lambda: {p.name: (p.stat().st_ino, p.stat().st_mtime_ns)  # noqa: E731
+                      for p in (kit / "jobs" / "alpha").iterdir()}
+    files = copies()
+    assert sorted(files) == ["job_alpha.sh", "kit_host.py", "lib.sh", "run_job.sh"]
+    assert _until(lambda: "alpha: holding" in (kit / "logs" / "alpha.log").read_text())
+    r = _sh(tmp_path, env, "recv.sh", "02")                  # beta's start: alpha's files stay
+    assert r.returncode == 0 and "beta: started in the background" in r.stdout, r.stderr
+    assert copies() == files
+    r = _sh(tmp_path, env, "start.sh", "alpha")              # running: left alone
+    assert f"alpha: running (pid {pid}" in r.stdout
+    os.kill(pid, signal.SIGTERM)                             # killed: its status is still written
+    assert _until(lambda: (state / "alpha.rc").exists()), (kit / "logs" / "alpha.log").read_text()
+    assert (state / "alpha.rc").read_text() == "143\n"
+    assert "alpha: exit 143" in (kit / "logs" / "alpha.log").read_text()
+    go.touch()
+    assert _until(lambda: (state / "beta.rc").exists())
+    assert (state / "beta.rc").read_text() == "0\n"
+    assert "beta: went" in (kit / "logs" / "beta.log").read_text()
+    r = _sh(tmp_path, env, "start.sh", "alpha")              # failed: started again, runs through
+    assert "alpha: failed before (exit 143), starting it again" in r.stdout
+    assert _until(lambda: (state / "alpha.rc").exists())
+    assert (state / "alpha.rc").read_text() == "0\n"
 
 
 def _wheel(folder: Path, name: str, version: str, init: str, pad: int = 0) -> Path:

@@ -10,12 +10,23 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_ROOT_USER_ACTION=ignor
 say() { echo "[kit] $*"; }
 die() { echo "[kit] ERROR: $*" >&2; exit 1; }
 kit_host() { "$PY" "$HOST_DIR/kit_host.py" --kit "$KIT" "$@"; }
-# state of a group's background job: none | running | done | failed
+# whether process $1 is alive: a zombie is not (where PID 1 does not reap orphans, one stays)
+alive() {
+  local stat
+  [[ ${1:-} =~ ^[0-9]+$ ]] && kill -0 "$1" 2>/dev/null || return 1
+  [ -r "/proc/$1/stat" ] || return 0          # no /proc: kill -0 is all there is
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  stat=${stat##*) }; [ "${stat%% *}" != Z ]   # the field after "(comm) " is the state
+}
+# state of a group's background job: none | running | done | failed. The job (run_job.sh)
+# writes its pid and, last, its exit status, each renamed into place; the status is read again
+# after the process is found gone, as the job may have ended between the two looks.
 job_state() {
   local g=$1 s=$KIT/state
-  if [ -f "$s/$g.rc" ]; then
+  if [ ! -f "$s/$g.rc" ] && [ -f "$s/$g.pid" ] && alive "$(cat "$s/$g.pid" 2>/dev/null)"; then
+    echo running
+  elif [ -f "$s/$g.rc" ]; then
     if [ "$(cat "$s/$g.rc")" = 0 ]; then echo done; else echo failed; fi
-  elif [ -f "$s/$g.pid" ] && kill -0 "$(cat "$s/$g.pid")" 2>/dev/null; then echo running
   else echo none; fi
 }
 has_job() { [ -f "$HOST_DIR/job_$1.sh" ]; }

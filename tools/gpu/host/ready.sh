@@ -32,6 +32,9 @@ for g in $groups; do
   has_job "$g" || continue
   st=$(job_state "$g")
   [ "$st" = done ] && continue
+  if [ "$st" = none ] && [ -f "$KIT/state/$g.pid" ]; then   # only a SIGKILL leaves no status
+    st="none (process $(cat "$KIT/state/$g.pid") ended without an exit status: killed?)"
+  fi
   say "$g: $st; its log ($KIT/logs/$g.log) ends:"
   tail -n 15 "$KIT/logs/$g.log" 2>/dev/null | sed 's/^/    /' || true
   if [[ $OPTIONAL_GROUPS == *" $g "* ]]; then warn="$warn $g"; else failed="$failed $g"; fi
