@@ -14,7 +14,10 @@ question-aware arm (SnapKV, TOVA: they score with the last tokens' queries) comp
 context together with the question's first `split` tokens (the question text, without the
 chat template's closing and the answer prime), as kvpress's evaluation does with
 `compress_questions`, at the ratio that drops as many tokens as the arm's ratio drops of
-the context alone.
+the context alone. Its observation window is the question text (`window_size`
+"question": the `split` tokens), the rows kvedit's SnapKV scores with too; kvpress's
+default of 64 rows would be 9 question rows and 55 of the context's last sentences
+(docs/eval.md, "kvpress's SnapKV at 4k").
 
 Output lines: {"id", "arm", "answers": [text per question], "kept": [tokens per layer 0]}.
 
@@ -31,13 +34,17 @@ import sys
 import time
 
 
-def _arm(spec: dict, ratio: float):
+def _arm(spec: dict, ratio: float, question: int):
+    """The press of `spec` at `ratio`; a `window_size` of "question" becomes the question
+    text's length (`question` tokens: the observation window is the question alone)."""
     import kvpress
 
     if spec["press"] is None:
         return None
     press = getattr(kvpress, spec["press"])
     kwargs = dict(spec.get("kwargs") or {})
+    if kwargs.get("window_size") == "question":
+        kwargs["window_size"] = max(1, question)
     inner = kwargs.pop("inner", None)
     if inner is not None:  # a wrapper press (AdaKVPress(SnapKVPress(...)))
         return press(getattr(kvpress, inner)(compression_ratio=ratio, **kwargs))
@@ -77,7 +84,7 @@ def main() -> int:
                 context = context + questions[0][: s["split"]]
                 questions = [q[s["split"]:] for q in questions[:1]]
                 ratio = (drop - 0.5) / len(context)  # kvpress keeps int(n * (1 - ratio))
-            press = _arm(spec, ratio)
+            press = _arm(spec, ratio, s["split"])
             cache = DynamicCache()
             with torch.no_grad():
                 answers = pipe._forward(

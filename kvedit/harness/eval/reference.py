@@ -14,7 +14,9 @@ that reads and writes JSON (`kvpress_worker.py`; never pickle), in one of two pl
   with the pip command printed (`ensure_env`; CPU torch).
 
 Pairs (kvedit policy: kvpress press, as configured here):
-- SnapKV: SnapKVPress (window 64, kernel 5) and TOVA: TOVAPress, each compressing the
+- SnapKV: SnapKVPress (kernel 5, its observation window the question text, as kvedit's
+  SnapKV observes the question: kvpress's default window of 64 would be 9 question rows
+  and 55 rows of the context's end, docs/eval.md) and TOVA: TOVAPress, each compressing the
   context together with the question text (kvpress's query-aware setting), at the ratio
   that drops as many tokens as the eval drops of the context;
 - KeyDiff: KeyDiffPress; KeyNorm: KnormPress; LeverageScore: LeveragePress;
@@ -51,7 +53,7 @@ SITE_WHEELS = ("kvpress==0.5.5", "transformers==5.2.0", "tokenizers==0.22.2",
 
 # kvedit policy class -> (press, kwargs, question in the compressed context)
 PRESSES = {
-    "SnapKV": ("SnapKVPress", {}, True),
+    "SnapKV": ("SnapKVPress", {"window_size": "question"}, True),
     "TOVA": ("TOVAPress", {}, True),
     "KeyDiff": ("KeyDiffPress", {}, False),
     "KeyNorm": ("KnormPress", {}, False),
@@ -60,7 +62,7 @@ PRESSES = {
     "StreamingLLM": ("StreamingLLMPress", {"n_sink": "sink"}, False),
     "KVzip": ("KVzipPress", {"n_sink": "sink"}, False),
 }
-EXTRA = {"AdaKV": ("AdaKVPress", {"inner": "SnapKVPress"}, True)}
+EXTRA = {"AdaKV": ("AdaKVPress", {"inner": "SnapKVPress", "window_size": "question"}, True)}
 
 
 def env_dir() -> Path:
