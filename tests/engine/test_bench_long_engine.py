@@ -41,10 +41,13 @@ def test_engine_policies_run_one_more_in_engine_arm_each(tiny_model):
             == r["tokens_per_step"]
     keynorm, snapkv = arms["keynorm:head"]["engine_budget"], arms["snapkv"]["engine_budget"]
     assert (keynorm["policy"], keynorm["per_head"], keynorm["queries"]) == ("key_norm", True, 0)
-    # The query ring: no counter of its own; the budget asked for W rows (protect covers
-    # them), and a SnapKV compaction raises in the worker when its ring holds no queries,
-    # so compactions > 0 with every token decoded means each one scored with the ring's rows.
+    # The query ring: the budget asked for W rows (protect covers them), and every SnapKV
+    # compaction scored with the ring's W rows (the worker's counters); KeyNorm used none.
     assert (snapkv["policy"], snapkv["per_head"], snapkv["queries"]) == ("snapkv", False, W)
     assert snapkv["protect"] >= W
+    work = arms["snapkv"]["worker"]
+    assert work["query_scored"] == work["compactions"] > 0
+    assert work["query_rows"] == W * work["compactions"]
+    assert arms["keynorm:head"]["worker"]["query_scored"] == 0
     assert out["in_engine"]["engine_budget"]["policy"] == "streaming_llm"  # --policy's arm
     assert out["leaked_objects"] == 0

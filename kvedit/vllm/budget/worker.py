@@ -54,6 +54,8 @@ class WorkerStats:
     device_s: float = 0.0      # CUDA: device time of the work run() queued
     shifted_steps: int = 0     # steps whose inputs were shifted for compacted requests
     shift_s: float = 0.0       # time spent shifting them (every step with one in the batch)
+    query_scored: int = 0      # compactions a query-aware policy scored with its ring's rows
+    query_rows: int = 0        # the ring rows those compactions scored with
 
 
 def find_runner():
@@ -223,6 +225,8 @@ class BudgetWorker:
                 raise RuntimeError(f"kvedit: {c.req_id}'s policy {c.budget.policy} scores with "
                                    "queries and none were captured")
             kw = {"queries": q, "query_start": c.resident - q.shape[1]}
+            self.stats.query_scored += 1
+            self.stats.query_rows += q.shape[1]
         self.stats.tokens_in += c.resident
         self.stats.tokens_kept += c.keep
         if not policy.reads_kv and not policy.per_head:
