@@ -36,8 +36,9 @@ def register(sub) -> None:
     g.add_argument("--server-http-url", help="its HTTP url (http://host:port)")
     g.add_argument("--vllm-url", help="existing vLLM with the kvedit connector (http://host:port)")
     g.add_argument("--model", default="smollm2",
-                   help="smollm2 (default), tiny, or a model dir (its tokenizer builds the "
-                        "prompts; with --vllm-url it must be the model that vLLM serves)")
+                   help="smollm2 (default), qwen2.5-coder-1.5b (built on first use), tiny, or a "
+                        "model dir (its tokenizer builds the prompts; with --vllm-url it must "
+                        "be the model that vLLM serves)")
     g.add_argument("--served-model-name", default=None,
                    help="name vLLM serves the model as (default: smollm2, tiny-qwen3, dir name)")
     g.add_argument("--dtype", default="bfloat16")
