@@ -107,21 +107,36 @@ def window_attention(kv: torch.Tensor, window: Window, head_dim: int, *,
     hidden_keys = pos[None, :T] > (window.start + pos[:w])[:, None]  # [w, T]
     total = torch.zeros((len(layers), hkv, T) if per_head else (T,), dtype=torch.float32,
                         device=kv.device)
-    step = max(1, block_bytes // (hkv * group * w * T * 4))
-    for l0 in range(layers.start, layers.stop, step):  # blocks bound the [l, Hkv, g*w, T] logits
+    # Blocks bound the [l, Hkv, g*rows, T] float32 logits (and their softmax) to block_bytes:
+    # layers first; where one layer's rows alone pass it (KVzip's ~4k rows x 4k keys: ~0.8 GB
+    # a layer for a 1.5B model) rows too. Each row's softmax is its own, so row blocks are
+    # exact: sums add, maxima take the larger.
+    per_row = hkv * group * T * 4
+    rstep = min(w, max(1, block_bytes // per_row))
+    step = max(1, block_bytes // (per_row * w)) if rstep == w else 1
+    for l0 in range(layers.start, layers.stop, step):
         l1 = min(layers.stop, l0 + step)
         k = kv[0, l0:l1].float().view(l1 - l0, T, hkv, d).transpose(1, 2)        # [l, Hkv, T, d]
-        q = window.queries[l0:l1].float().view(l1 - l0, w, hkv, group, d)
-        q = q.permute(0, 2, 3, 1, 4).reshape(l1 - l0, hkv, group * w, d)        # [l, Hkv, g*w, d]
-        logits = (q @ k.transpose(-1, -2)) * scale                                # [l, Hkv, g*w, T]
-        logits = logits.view(l1 - l0, hkv, group, w, T).masked_fill(hidden_keys, NEG_INF)
-        probs = logits.softmax(dim=-1)                                           # [l, Hkv, g, w, T]
-        if per_head:
-            group_heads = probs.amax(dim=2) if heads == "max" else probs.sum(dim=2)
-            over_rows = group_heads.amax(dim=2) if rows == "max" else group_heads.sum(dim=2)
-            total[l0 - layers.start: l1 - layers.start] = over_rows                # [l, Hkv, T]
-            continue
-        if heads == "max":
-            probs = probs.amax(dim=(1, 2))                                         # [l, w, T]
-        total += probs.sum(dim=tuple(range(probs.dim() - 1)))
+        for r0 in range(0, w, rstep):
+            r1 = min(w, r0 + rstep)
+            q = window.queries[l0:l1, r0:r1].float().reshape(l1 - l0, r1 - r0, hkv, group, d)
+            q = q.permute(0, 2, 3, 1, 4).reshape(l1 - l0, hkv, group * (r1 - r0), d)
+            logits = (q @ k.transpose(-1, -2)) * scale                            # [l, Hkv, g*r, T]
+            logits = logits.view(l1 - l0, hkv, group, r1 - r0, T).masked_fill(
+                hidden_keys[r0:r1], NEG_INF)
+            probs = logits.softmax(dim=-1)                                       # [l, Hkv, g, r, T]
+            if per_head:
+                group_heads = probs.amax(dim=2) if heads == "max" else probs.sum(dim=2)
+                part = group_heads.amax(dim=2) if rows == "max" else group_heads.sum(dim=2)
+                out = total[l0 - layers.start: l1 - layers.start]                 # [l, Hkv, T]
+                if r0 == 0:
+                    out.copy_(part)
+                elif rows == "max":
+                    torch.maximum(out, part, out=out)
+                else:
+                    out.add_(part)
+                continue
+            if heads == "max":
+                probs = probs.amax(dim=(1, 2))                                     # [l, r, T]
+            total += probs.sum(dim=tuple(range(probs.dim() - 1)))
     return total

@@ -59,6 +59,26 @@ def test_window_attention_matches_the_loop_reference(T, W, start):
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("per_head,heads,rows", [(False, "sum", "sum"), (False, "max", "sum"),
+                                                 (True, "sum", "sum"), (True, "max", "max")])
+def test_row_blocks_give_the_scores_of_whole_layers(per_head, heads, rows):
+    """A layer whose rows alone pass block_bytes (KVzip's ~4k rows) is scored in blocks of
+    rows: the same scores (each row's softmax is its own), never the whole layer's logits."""
+    T, W, start = 20, 7, 20
+    kv, q = rand(2, L, T, HKV * HD, seed=3), rand(L, W, HQ * HD, seed=4) * 2
+    kw = {"heads": heads, "rows": rows, "per_head": per_head}
+    whole = window_attention(kv, Window(q, start), HD, **kw)
+    for rows_per_block in (1, 2, 3):  # 7 rows in blocks of 1, 2 (+1) and 3 (+1)
+        got = window_attention(kv, Window(q, start), HD,
+                               block_bytes=HKV * GROUP * T * 4 * rows_per_block, **kw)
+        torch.testing.assert_close(got, whole, rtol=1e-6, atol=1e-6)
+    # float32 queries (no copy on .float()) in row blocks too
+    got = window_attention(kv, Window(q.float(), start), HD, block_bytes=HKV * GROUP * T * 8,
+                           layers=range(1, L), **kw)
+    ref = window_attention(kv, Window(q, start), HD, layers=range(1, L), **kw)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
 def test_gqa_group_of_a_query_head():
     """Query heads 3..5 (group of KV head 1) look for token 7, which only KV head 1's key
     answers; the same queries against KV head 0 would find nothing."""
