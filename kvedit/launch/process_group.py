@@ -1,4 +1,5 @@
-"""A child in its own process group that dies with its parent, and stopping all of it.
+"""A child in its own process group that dies with its parent, and stopping all of it; a
+single-process child (the kvedit server, redis-server) that dies with its parent too.
 
 vLLM's API server spawns an engine-core process (and on CPU, workers); signalling only the
 PID we started leaves those running, holding the port and gigabytes of memory. So:
@@ -21,10 +22,12 @@ import time
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _die_with(parent: int, sig: int):
-    """preexec_fn: new process group; `sig` when the parent dies (Linux only)."""
+def _die_with(parent: int, sig: int, group: bool = True):
+    """preexec_fn: new process group (unless not `group`); `sig` when the parent dies (Linux
+    only)."""
     def setup() -> None:
-        os.setpgid(0, 0)
+        if group:
+            os.setpgid(0, 0)
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
@@ -42,6 +45,16 @@ def spawn_group(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
     for from the main thread (whose end is the process's end)."""
     main = threading.current_thread() is threading.main_thread()
     preexec = _die_with(os.getpid(), signal.SIGTERM) if main else (lambda: os.setpgid(0, 0))
+    return subprocess.Popen(cmd, preexec_fn=preexec, **popen_kwargs)
+
+
+def spawn_tied(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
+    """Popen `cmd`, a child that spawns nothing of its own (the kvedit server, redis-server),
+    in our process group, with SIGTERM asked for when we die: a launcher SIGKILLed (by the
+    OOM killer, say) leaves no server holding its memory and port. Asked only from the main
+    thread, as in spawn_group."""
+    main = threading.current_thread() is threading.main_thread()
+    preexec = _die_with(os.getpid(), signal.SIGTERM, group=False) if main else None
     return subprocess.Popen(cmd, preexec_fn=preexec, **popen_kwargs)
 
 

@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvedit.launch.process_group import spawn_tied
 from kvedit.launch.server import free_port
 
 INSTALL_HINT = ("redis-server is not installed: `make setup` installs it when run as root "
@@ -50,8 +51,8 @@ class RedisProcess:
         if self.maxmemory_mb:
             args += ["--maxmemory", f"{self.maxmemory_mb}mb",
                      "--maxmemory-policy", self.maxmemory_policy]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.STDOUT)
+        self.proc = spawn_tied(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.STDOUT)
         import redis
         deadline = time.monotonic() + self.startup_timeout
         client = redis.Redis(port=self.port, password=self.password, socket_timeout=1,

@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 from kvedit.auth import SECRET_ENV, SECRET_FILE_ENV
+from kvedit.launch.process_group import spawn_tied
 
 
 _HANDED_OUT: set[int] = set()
@@ -61,8 +62,8 @@ class ServerProcess:
     def _start(self) -> None:
         cmd = [sys.executable, "-m", "kvedit.server.cli", *self._args]
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=self._env)
+            self.proc = spawn_tied(cmd, stdout=logf, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, env=self._env)
         deadline = time.monotonic() + self._startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -162,3 +162,43 @@ def test_sigterm_to_kvedit_vllm_serve_stops_vllm_and_frees_its_port(tiny_model, 
             kill_group(pgid)
         out.close()
         os.unlink(out.name)
+
+
+def test_a_sigkilled_launcher_takes_its_kvedit_server_with_it():
+    """A launcher killed outright (the OOM killer) runs no cleanup; the kvedit server it
+    started must not live on holding its memory and port (PR_SET_PDEATHSIG -> SIGTERM, the
+    server's clean shutdown, which removes its shared-memory segment)."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import time
+            from kvedit.launch.server import start_server
+            s = start_server(0.05)
+            print(s.pid, s.shm_name, flush=True)
+            time.sleep(300)
+        """)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    server = shm = None
+    try:
+        line = launcher.stdout.readline().split()
+        assert line, "the launcher printed no server pid"
+        server, shm = int(line[0]), line[1]
+        assert Path(f"/proc/{server}").exists()
+        launcher.kill()
+        launcher.wait()
+        assert wait_until(lambda: not _alive(server), 15), "the server outlived its launcher"
+        assert not shm or not Path(f"/dev/shm/{shm}").exists()
+    finally:
+        launcher.kill()
+        if server and _alive(server):
+            os.kill(server, signal.SIGKILL)
+            if shm:
+                Path(f"/dev/shm/{shm}").unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (an orphan's zombie lingers where PID 1 does not reap)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2:].split()[0] != b"Z"
