@@ -28,7 +28,9 @@ def test_arms_pair_every_shared_policy_at_every_ratio_with_the_header_sink():
     assert got["KeyNorm", 0.75]["press"] == "KnormPress"
     assert got["StreamingLLM", 0.5]["kwargs"] == {"n_sink": 49}
     assert got["KVzip", 0.5]["kwargs"] == {"n_sink": 49}
-    assert got["AdaKV", 0.5]["kwargs"] == {"inner": "SnapKVPress"}
+    # SnapKV (and AdaKV's inner SnapKV) observe the question text, as kvedit's SnapKV does
+    assert got["SnapKV", 0.5]["kwargs"] == {"window_size": "question"}
+    assert got["AdaKV", 0.5]["kwargs"] == {"inner": "SnapKVPress", "window_size": "question"}
     assert R.arms(["StreamingLLM"], [0.5], None)[1]["kwargs"] == {"n_sink": 4}
 
 
