@@ -39,22 +39,25 @@ def _die_with(parent: int, sig: int, group: bool = True):
 
 
 def spawn_group(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
-    """Popen `cmd` as the leader of a new process group (its PID is the group id).
-
-    The parent-death signal fires when the *thread* that forked exits, so it is only asked
-    for from the main thread (whose end is the process's end)."""
-    main = threading.current_thread() is threading.main_thread()
-    preexec = _die_with(os.getpid(), signal.SIGTERM) if main else (lambda: os.setpgid(0, 0))
-    return subprocess.Popen(cmd, preexec_fn=preexec, **popen_kwargs)
+    """Popen `cmd` as the leader of a new process group (its PID is the group id), with
+    SIGTERM asked for when we die."""
+    return _spawn(cmd, True, popen_kwargs)
 
 
 def spawn_tied(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
     """Popen `cmd`, a child that spawns nothing of its own (the kvedit server, redis-server),
     in our process group, with SIGTERM asked for when we die: a launcher SIGKILLed (by the
-    OOM killer, say) leaves no server holding its memory and port. Asked only from the main
-    thread, as in spawn_group."""
-    main = threading.current_thread() is threading.main_thread()
-    preexec = _die_with(os.getpid(), signal.SIGTERM, group=False) if main else None
+    OOM killer, say) leaves no server holding its memory and port."""
+    return _spawn(cmd, False, popen_kwargs)
+
+
+def _spawn(cmd: list[str], group: bool, popen_kwargs: dict) -> subprocess.Popen:
+    """The parent-death signal fires when the *thread* that forked exits, so it is only asked
+    for from the main thread (whose end is the process's end)."""
+    if threading.current_thread() is threading.main_thread():
+        preexec = _die_with(os.getpid(), signal.SIGTERM, group)
+    else:
+        preexec = (lambda: os.setpgid(0, 0)) if group else None
     return subprocess.Popen(cmd, preexec_fn=preexec, **popen_kwargs)
 
 
