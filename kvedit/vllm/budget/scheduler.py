@@ -53,7 +53,7 @@ from typing import Callable
 from kvedit.budget import EngineBudget
 from kvedit.request_params import RequestAsks
 from kvedit.vllm import hooks
-from kvedit.vllm.budget.plan import BudgetStep, Compaction, Restore, Stash
+from kvedit.vllm.budget.plan import BudgetStep, Compaction, RankPrompt, Restore, Stash
 
 logger = logging.getLogger("vllm.kvedit")
 
@@ -74,6 +74,7 @@ class _Req:
     stash_logical: int = 0    # computed tokens the stash stands for
     restore: int = 0          # resuming from the stash in this schedule: its resident tokens
     started: int = 0          # computed tokens when it last started running (its turn's start)
+    ranked: bool = True       # False: its policy ranks the prompt once it is computed (not yet)
 
 
 @dataclass(slots=True)
@@ -235,7 +236,8 @@ class BudgetScheduler:
             # every token of the window must be computed for its query to exist
             request.skip_reading_prefix_cache = True
             self.step.capture.append((request.request_id, budget.queries))
-        self.reqs[request.request_id] = _Req(request, budget)
+        self.reqs[request.request_id] = _Req(request, budget,
+                                             ranked=not budget.ranks_prompt)
         self.stats.requests += 1
 
     def is_budgeted(self, req_id: str) -> bool:
@@ -336,6 +338,8 @@ class BudgetScheduler:
     def _maybe_compact(self, st: _Req, request, num_new: int, lookahead: int = 0,
                        reserved: int = 0) -> None:
         computed = request.num_computed_tokens
+        if st.budget.queries and computed >= request.num_prompt_tokens:
+            self._prompt_computed(st, request)
         # Only once the prompt is computed, and on a step that reaches the last token
         # (a chunked prefill, or a recompute after preemption, first catches up).
         if computed < request.num_prompt_tokens or computed + num_new < request.num_tokens:
@@ -349,6 +353,22 @@ class BudgetScheduler:
         elif computed >= request.num_tokens - 1:  # a decode step, not a recompute's last chunk
             self._compact_early(st, request.request_id, resident, keep, num_new + lookahead,
                                 reserved)
+
+    def _prompt_computed(self, st: _Req, request) -> None:
+        """A query-aware request's prompt is computed, and with it the window's queries."""
+        if not st.ranked:
+            # the prompt's KV and its last rows' queries exist (the step that computed them
+            # ran before this one on every worker): rank it before anything is dropped
+            st.ranked = True
+            self.step.rank_prompt.append(RankPrompt(
+                request.request_id, request.num_prompt_tokens, request.num_computed_tokens,
+                st.budget))
+        if request.skip_reading_prefix_cache:
+            # It read no cache so that its window was computed; now that it was, a resume
+            # after a preemption must load its stash: vLLM >= 0.31 drops the connector's
+            # tokens for a request that skips the cache (it would recompute its whole
+            # logical length instead, in as many blocks).
+            request.skip_reading_prefix_cache = False
 
     def _compact_early(self, st: _Req, req_id: str, resident: int, keep: int, new: int,
                        reserved: int) -> None:
@@ -513,7 +533,14 @@ class BudgetScheduler:
             self.stash_left += st.stash * self.token_bytes
         st.stash = st.stash_logical = st.restore = st.started = 0
         st.offset, st.compacted = 0, False
-        self.step.forget.append(st.request.request_id)
+        req_id = st.request.request_id
+        self.step.forget.append(req_id)
+        if st.budget.queries:
+            # recomputed from its tokens: its query ring (and a prompt ranking) start again,
+            # from a window computed again
+            self.step.capture.append((req_id, st.budget.queries))
+            st.ranked = not st.budget.ranks_prompt
+            st.request.skip_reading_prefix_cache = True
         if recompute:
             self.stats.recomputes += 1
 
