@@ -47,7 +47,7 @@ async def drive_in_engine(batch, budget: EngineBudget, decode_params, *,
             await s.arelease()
 
     try:
-        await batch._each("run", streams, work, rm.run)
+        await batch.each("run", streams, work, rm.run)
     finally:
         rm.close()
     return rm.result(ttft_of="prefill")
