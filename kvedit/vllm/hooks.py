@@ -80,6 +80,23 @@ HOOKED: dict[str, Internal] = {
         "queries (budget/recent.py, per step)", "0.26 to 0.33 (SUPPORTED_CAPTURE_VLLM)"),
 }
 
+# vLLM state kvedit writes outside a shadowed method (fields, not methods): `write` refuses a
+# name not here, so the list stays whole.
+WRITTEN: dict[str, Internal] = {
+    "Scheduler.defer_block_free": Internal(
+        "scheduler", "transfer (scheduler_side.py): off, as kvedit's loads are ordered on the "
+        "forward's stream (its deferral cascades preemptions under KV pressure)",
+        "0.26 and 0.32 (read from their scheduler's source)"),
+}
+
+
+def write(obj, internal: str, value) -> None:
+    """Set a vLLM field listed in WRITTEN (its `Class.field` name)."""
+    if internal not in WRITTEN:
+        raise RuntimeError(f"kvedit: {internal} is not in hooks.WRITTEN; list every vLLM field "
+                           "kvedit writes there")
+    setattr(obj, internal.rsplit(".", 1)[1], value)
+
 
 # ---- shadowing ------------------------------------------------------------------------------
 class Hook:

@@ -24,6 +24,7 @@ from kvedit.request_params import read_asks
 from kvedit.vllm.budget.scheduler import NOT_MINE, BudgetScheduler
 from kvedit.vllm.capture.scheduler import WindowPlanner
 from kvedit.vllm.capture.support import capture_unavailable
+from kvedit.vllm import hooks
 from kvedit.vllm.link import ServerLink
 from kvedit.vllm.metadata import KVEditMetadata
 from kvedit.vllm.scheduler_stats import SchedulerStats
@@ -129,6 +130,14 @@ class SchedulerSide:
     def bind(self, manager, scheduler) -> None:
         """vLLM's KVCacheManager and Scheduler (found when vLLM binds its block pool)."""
         self.budgets.scheduler = scheduler
+        if getattr(scheduler, "defer_block_free", False) and \
+                not self.settings.transfer.defer_frees:
+            # Before any step (vLLM binds from its constructor): kvedit's loads scatter on
+            # the forward's stream, after the step in flight, so freed blocks need no fence
+            # (settings.TransferSettings.defer_frees says what the fence costs).
+            hooks.write(scheduler, "Scheduler.defer_block_free", False)
+            logger.info("kvedit: vLLM's deferred block frees are off (kvedit's loads are "
+                        "ordered on the forward's stream; defer_frees true keeps them)")
         if self.settings.budgets.in_engine:
             self.budgets.bind(manager, scheduler)
 
