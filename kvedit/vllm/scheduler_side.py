@@ -28,7 +28,7 @@ from kvedit.vllm import hooks
 from kvedit.vllm.link import ServerLink
 from kvedit.vllm.metadata import KVEditMetadata
 from kvedit.vllm.scheduler_stats import SchedulerStats
-from kvedit.vllm.settings import ConnectorSettings, model_layout
+from kvedit.vllm.settings import ConnectorSettings, check_chunk_size, model_layout
 from kvedit.vllm.transfer.admission import Admission, Deferred
 from kvedit.vllm.transfer.inflight import InFlightKeys
 from kvedit.vllm.transfer.pins import Pins
@@ -82,9 +82,7 @@ class SchedulerSide:
 
     # ---- server connection ------------------------------------------------------------
     def _set_chunk_size(self, chunk_size: int) -> None:
-        if chunk_size % self.block_size:
-            raise ValueError(f"kvedit connector: chunk_size {chunk_size} must be a multiple of "
-                             f"vLLM's block size {self.block_size}")
+        check_chunk_size(chunk_size, self.block_size)
         self.layouts = [model_layout(self.vllm_config, chunk_size, r, self.settings.rope_is_neox)
                         for r in range(self.tp_size)]
         self.admission.chunk = chunk_size

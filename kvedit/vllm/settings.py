@@ -189,6 +189,14 @@ def _check(extra: dict) -> None:
                          "between 0 and 300 (0: never wait for an in-flight store)")
 
 
+def check_chunk_size(chunk_size: int, block_size: int) -> None:
+    """Both connector sides' one rule: a chunk is whole vLLM blocks (its slots are the blocks'
+    own, so a chunk never splits a block between two keys)."""
+    if chunk_size % block_size:
+        raise ValueError(f"kvedit connector: chunk_size {chunk_size} must be a multiple of "
+                         f"vLLM's block size {block_size}")
+
+
 def rope_params(hf_config, head_dim: int, is_neox: bool | None = None) -> RopeParams | None:
     """RoPE parameters from a HF config (transformers 5 `rope_parameters` or older
     `rope_theta` + `rope_scaling`). None when the model has no rotary embedding."""

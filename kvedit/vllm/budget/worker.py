@@ -24,7 +24,6 @@ import dataclasses
 import json
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,28 +34,12 @@ from kvedit.vllm import hooks
 from kvedit.vllm.budget import compact
 from kvedit.vllm.budget.plan import BudgetStep, Compaction, RankPrompt
 from kvedit.vllm.budget.recent import RecentQueries
+from kvedit.vllm.budget.stats import WorkerStats
 from kvedit.vllm.paged import PagedKV
 
 logger = logging.getLogger("vllm.kvedit")
 
 MRV2_HINT = "VLLM_USE_V2_MODEL_RUNNER=0"
-
-
-@dataclass(slots=True)
-class WorkerStats:
-    steps: int = 0             # steps that compacted, stashed or restored
-    compactions: int = 0
-    tokens_in: int = 0         # resident tokens scored
-    tokens_kept: int = 0
-    stashed: int = 0
-    restored: int = 0
-    most_in_a_step: int = 0    # compactions in the busiest step
-    compact_s: float = 0.0     # host time in run() (on the CPU: all of its work)
-    device_s: float = 0.0      # CUDA: device time of the work run() queued
-    shifted_steps: int = 0     # steps whose inputs were shifted for compacted requests
-    shift_s: float = 0.0       # time spent shifting them (every step with one in the batch)
-    query_scored: int = 0      # compactions a query-aware policy scored with its ring's rows
-    query_rows: int = 0        # the ring rows those compactions scored with
 
 
 def find_runner():
