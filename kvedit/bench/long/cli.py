@@ -57,6 +57,13 @@ def register(bsub) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="print the sizes (working set, the pool's share of it, the server's "
                         "L1), the arms and an estimate of the time, and start nothing")
+    _workload(p)
+    _arms(p)
+    _accuracy(p.add_argument_group("accuracy of long-generation tasks without KV pressure"))
+    p.set_defaults(func=_main)
+
+
+def _workload(p) -> None:
     p.add_argument("--streams", type=int, help="N (default 8)")
     p.add_argument("--prompt-len", type=int, help="P (default 256)")
     p.add_argument("--max-tokens", type=int, help="O, generated per stream (default 2048)")
@@ -89,6 +96,9 @@ def register(bsub) -> None:
     p.add_argument("--dtype", help="the engines' dtype (default: bfloat16; float32 for a real "
                                    "model on a CPU without bf16 arithmetic)")
     p.add_argument("--seed", type=int)
+
+
+def _arms(p) -> None:
     p.add_argument("--in-engine", action="store_true",
                    help="the in_engine arm too: vLLM compacts each stream's KV in place")
     p.add_argument("--positions", choices=("compact", "logical"),
@@ -120,7 +130,9 @@ def register(bsub) -> None:
     p.add_argument("--vllm-arg", action="append", dest="vllm_args",
                    help="one more argument for the vLLMs we start (repeat), e.g. "
                         "--vllm-arg=--load-format --vllm-arg=dummy on a GPU")
-    a = p.add_argument_group("accuracy of long-generation tasks without KV pressure")
+
+
+def _accuracy(a) -> None:
     a.add_argument("--accuracy-model",
                    help="smollm2 or qwen2.5-coder-1.5b: run the accuracy arms when `kvedit "
                         "model NAME` has built it, else skip with the reason; a model "
@@ -141,7 +153,6 @@ def register(bsub) -> None:
                    help="comma-separated: none (no budget), rounds (decode rounds of K, no "
                         "edit), policies under the budget (streaming, keynorm) and the same "
                         "kept inside vLLM (engine_streaming, engine_keynorm)")
-    p.set_defaults(func=_main)
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
