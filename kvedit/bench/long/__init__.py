@@ -8,7 +8,7 @@ arms, all on the same prompts (greedy, ignore_eos, so every arm decodes the same
 |---|---|---|---|
 | `vllm_full` | plain vLLM | one completion of O per stream | what a user runs without kvedit |
 | `vllm_two_phase` | plain vLLM | prefill every stream (1 token), then decode O | the SDK's flow, no connector |
-| `connector_one_phase` | vLLM + connector | one completion of O per stream | the connector alone, no budget |
+| `connector_one_phase` | vLLM + connector | one completion of O per stream | the connector as `kvedit vllm serve` runs it (its default store mode), no budget |
 | `none` | vLLM + connector | `BatchedStream` prefill, then decode | the SDK's flow, no budget |
 | `host` | vLLM + connector | `BatchedStream.run(HostBudget)`: rounds of K, edits between | the budget kept by host round trips |
 | `in_engine` | vLLM + connector | `BatchedStream.run(EngineBudget)`: one request each | the budget kept inside vLLM |

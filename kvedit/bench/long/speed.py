@@ -20,6 +20,7 @@ from kvedit.bench.long.prompts import Prompts, score
 from kvedit.bench.long.sizing import Plan
 from kvedit.harness.experiment import engines
 from kvedit.harness.vocab import fixed_length
+from kvedit.vllm.settings import TransferSettings
 
 
 def run(args, prompts: Prompts, plan: Plan, log, extra=()) -> dict:
@@ -35,7 +36,8 @@ def run(args, prompts: Prompts, plan: Plan, log, extra=()) -> dict:
                             "every": args.every, "budget": b, "kv_blocks": plan.kv_blocks,
                             "kv_capacity_tokens": cap, "chunk_size": args.chunk_size,
                             "policy": args.policy, "block_size": plan.block_size,
-                            "preset": args.preset},
+                            "preset": args.preset,
+                            "connector_store": TransferSettings().store},
                  "sizing": plan.to_dict()}
     configs = {}
     if args.vllm_full:
@@ -45,7 +47,12 @@ def run(args, prompts: Prompts, plan: Plan, log, extra=()) -> dict:
         configs["plain"] = plain.pop("engine_config")
         out.update(plain)
         _checkpoint(args, out)
-    conn = {"in_engine": True, "stats_interval_s": 0} if args.in_engine else None
+    # the connector's default store mode, as `kvedit vllm serve` runs it: connector_one_phase
+    # is then what a user who turns the connector on pays; the SDK's requests ask for their
+    # chunks stored as computed whatever the mode (kvedit.request_params)
+    conn = {"store": TransferSettings().store}
+    if args.in_engine:
+        conn.update({"in_engine": True, "stats_interval_s": 0})
     with engines(model=prompts.model_dir, served_model_name=prompts.served, dtype=dtype,
                  kv_tokens=cap, max_model_len=max_len, chunk_size=args.chunk_size, log=log,
                  connector_config=conn, vllm_args=args.vllm_args,
@@ -53,7 +60,7 @@ def run(args, prompts: Prompts, plan: Plan, log, extra=()) -> dict:
         configs["kvedit"] = full.engine_config(eng.log_path)
         _same_settings(configs)
         ctx = kvedit.connect(eng.url, eng.http_url, eng.model, timeout=120)
-        completion = kvedit.openai_completion(eng.vllm_url, eng.model)
+        completion = full.completion(eng.vllm_url, eng.model)
         try:
             _warm(ctx, completion, prompts.ids[0], args, log)
             progress = not args.json
