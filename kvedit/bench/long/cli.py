@@ -19,7 +19,7 @@ DEFAULTS = {
     "model": None, "tasks": None, "task_numbers": 400, "dtype": None, "seed": 0,
     "in_engine": False, "positions": "compact", "engine_policies": None,
     "engine_queries": None, "budgets": None, "matched_arm": True, "vllm_full": True,
-    "two_phase": True, "checkpoint": None,
+    "two_phase": True, "connector_arm": True, "checkpoint": None,
     "host_arm": True, "l1_size_gb": None, "vllm_args": [], "dry_run": False, "preset": None,
     "accuracy_model": "smollm2", "accuracy_tasks": None, "accuracy_note_tokens": 512,
     "accuracy_only": False, "accuracy_samples": 8, "accuracy_numbers": 200,
@@ -29,14 +29,17 @@ DEFAULT_KV_BLOCKS = 36  # the tiny model's pool when neither --kv-blocks nor --p
 
 # The real model at two scales: answers and speed in one run, under KV pressure (the pool
 # holds 40% of the working set), plain vLLM and the no-budget connector beside kvedit's
-# budgets. real-cpu: sized to finish in about half an hour on two cores (float32, 4 streams
-# of a 1k-token note and 1k generated); real-gpu: issue 42's 64 streams (docs/gpu.md).
+# budgets. real-cpu: sized to finish in about half an hour on two quiet cores (float32, 4
+# streams of a 1k-token note and 1k generated, four arms: plain vLLM, the SDK's flow with no
+# budget, in-engine PromptAnchored and KeyNorm); real-gpu: issue 42's 64 streams, every arm
+# (docs/gpu.md).
 PRESETS = {
     "real-cpu": {"model": "qwen2.5-coder-1.5b", "tasks": "restate,count", "streams": 4,
                  "prompt_len": 1024, "task_numbers": 200, "max_tokens": 1100,
                  "budget": 512, "every": 64, "pool": 0.4, "in_engine": True,
                  "policy": "anchored", "engine_policies": "keynorm", "matched_arm": False,
-                 "host_arm": False, "accuracy_model": "none"},
+                 "host_arm": False, "two_phase": False, "connector_arm": False,
+                 "accuracy_model": "none"},
     "real-gpu": {"model": "qwen2.5-coder-1.5b", "tasks": "restate,count", "streams": 64,
                  "prompt_len": 2048, "task_numbers": 400, "max_tokens": 2048,
                  "budget": 1024, "every": 64, "pool": 0.4, "in_engine": True,
@@ -122,6 +125,9 @@ def _arms(p) -> None:
                         "connector_one_phase")
     p.add_argument("--no-two-phase", dest="two_phase", action="store_false",
                    help="skip vllm_two_phase (plain vLLM in the SDK's two-phase flow)")
+    p.add_argument("--no-connector-arm", dest="connector_arm", action="store_false",
+                   help="skip connector_one_phase (the connector alone, one completion a "
+                        "stream)")
     p.add_argument("--no-host-arm", dest="host_arm", action="store_false",
                    help="skip the host arm (and in_engine_matched, which needs it)")
     p.add_argument("--l1-size-gb", type=float,

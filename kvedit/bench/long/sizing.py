@@ -107,7 +107,7 @@ def arm_names(args) -> list[str]:
     if args.vllm_full and not args.two_phase:
         arms.remove("vllm_two_phase")
     arms.append("none")
-    if args.vllm_full:
+    if args.vllm_full and args.connector_arm:
         arms.append("connector_one_phase")
     if args.host_arm:
         arms.append("host")

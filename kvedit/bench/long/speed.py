@@ -68,7 +68,7 @@ def run(args, prompts: Prompts, plan: Plan, log, extra=()) -> dict:
             out["none"] = arms.sdk_arm(ctx, completion, prompts.ids, args, eng, budget=False,
                                        progress=progress)
             _checkpoint(args, out)
-            if args.vllm_full:   # its chunks are deleted when it ends
+            if args.vllm_full and args.connector_arm:   # its chunks are deleted at its end
                 out["connector_one_phase"] = _connector_one_phase(ctx, eng, prompts.ids, o, log)
                 _checkpoint(args, out)
             if args.host_arm:
