@@ -78,7 +78,9 @@ class KeyWatch:
         if self.closed:
             return
         try:
-            while True:
+            # ZMQ_EVENTS first: an empty recv raises zmq.Again, and that exception at every
+            # engine step was most of this method's time (py-spy, vLLM's scheduler)
+            while self.sock.get(zmq.EVENTS) & zmq.POLLIN:
                 try:
                     frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
