@@ -8,7 +8,7 @@ import pytest
 
 from kvedit.bench.serve import (_acceptance, _median_run, _ratios, _root_cause, degraded,
                                 max_len)
-from kvedit.bench.serve_workloads import Workloads
+from kvedit.bench.serve.workloads import Workloads
 
 
 def _arm(ttft: float, tput: float, mr: float = 1.0) -> dict:

@@ -14,7 +14,7 @@ of the working set times --tier-fraction):
 An arm that cannot start says why (the root-cause line of vLLM's log) in the JSON instead of
 figures; one that serves without its cache (LMCache's "degraded mode") keeps its figures,
 says why, and is not counted as a peer. Every arm is up at once and the workloads alternate
-between them (serve_workloads.py), so load from other work hits all arms alike. Workloads (serve_workloads.py): long-document QA, multi-round QA, no-reuse random
+between them (workloads.py), so load from other work hits all arms alike. Workloads (workloads.py): long-document QA, multi-round QA, no-reuse random
 prompts; vLLM's prefix cache is reset between them. The JSON gives each arm's figures, the
 ratios against vLLM alone and against the best peer arm (native, native_simple, lmcache:
 whichever ran best), and the acceptance fields (`half_tier`, `no_reuse`, `multi_round`),
@@ -39,7 +39,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvedit.bench.serve_workloads import Workloads, long_doc_qa, multi_round_qa, no_reuse
+from kvedit.bench.serve.workloads import Workloads, long_doc_qa, multi_round_qa, no_reuse
 
 ARMS = ("vllm", "native", "native_simple", "lmcache", "kvedit_eager", "kvedit_evict",
         "kvedit_reuse")
