@@ -101,12 +101,15 @@ class ClusterNodes:
         self._kw = kw | {"socket_timeout": timeout, "socket_connect_timeout": timeout,
                          "ssl": target.tls}
         self._rc: RedisCluster | None = None
-        self._lock = threading.Lock()
+        self._building = threading.Lock()   # one thread builds; readers of _rc never wait
 
     def _cluster(self) -> RedisCluster:
         """The client, made at first use (its constructor reads the topology: a server
         starts while the cluster is down, and keeps asking)."""
-        with self._lock:
+        rc = self._rc
+        if rc is not None:
+            return rc
+        with self._building:
             if self._rc is None:
                 try:
                     self._rc = RedisCluster(
@@ -158,13 +161,11 @@ class ClusterNodes:
                 raise NodeError(node.name, e) from e
 
     def masters(self) -> list[str]:
-        with self._lock:
-            rc = self._rc
+        rc = self._rc   # the HTTP thread asks: never wait for a build or a refresh
         return sorted(n.name for n in rc.get_primaries()) if rc is not None else []
 
     def close(self) -> None:
-        with self._lock:
-            rc, self._rc = self._rc, None
+        rc, self._rc = self._rc, None
         if rc is not None:
             rc.close()
 
