@@ -330,3 +330,17 @@ def test_the_launcher_stops_every_node():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert not d.exists()
+
+
+def test_bench_keys_per_master_counts_what_each_master_holds(cluster):
+    """`kvedit bench l2 --cluster`'s keys_per_master, against the masters' own DBSIZE sum: two
+    keys (payload and meta) per chunk, one entry per serving master, the deviation as stated."""
+    from kvedit.bench.l2_cluster import keys_per_master
+
+    r = keys_per_master(cluster, n=192)
+    assert set(r["keys"]) == {f"127.0.0.1:{m.port}" for m in cluster.masters()}
+    assert sum(r["keys"].values()) == 2 * 192
+    assert r["mean"] == 2 * 192 / 3
+    assert r["max_deviation"] == max(abs(k - r["mean"]) for k in r["keys"].values()) / r["mean"]
+    assert all(k > 0 for k in r["keys"].values())     # the hash tags reach every master
+    assert sum(cluster.keys_per_master().values()) == 0   # it cleans up after itself
