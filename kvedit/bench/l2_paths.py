@@ -84,8 +84,12 @@ class ServerPair:
         t0 = time.perf_counter()                    # promotion: B's L1 is empty
         got = self.cb.lookup("bench", keys)
         fetch_s = time.perf_counter() - t0
-        if got != n:
-            raise RuntimeError(f"bench l2: promoted {got} of {n} chunks from {self.url}")
+        if got != n:   # say why: B's tier down (a node timed out), misses, corrupt reads
+            st = self.cb.stats()
+            why = ", ".join(f"{k}={st[k]}" for k in ("l2_up", "l2_outages", "l2_errors",
+                                                      "l2_misses", "l2_corrupt"))
+            raise RuntimeError(f"bench l2: promoted {got} of {n} chunks from {self.url} "
+                               f"(server B: {why})")
         with self.cb.retrieve("bench", keys[:1]) as got1:   # spot check: byte-exact
             if not torch.equal(got1.tensors[0].view(-1).view(torch.int16),
                                data[0].view(-1).view(torch.int16)):
