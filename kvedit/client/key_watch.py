@@ -73,6 +73,14 @@ class KeyWatch:
             return False
         return any(k[first] not in self.keys[r] for r, k in zip(self.ranks, keys))
 
+    def holds_all(self, keys: list[list[bytes]], first: int) -> bool:
+        """Whether the copy holds every chunk from `first` on every rank (the copy is of the
+        server's memory: with an L2 under it, anything short of that is asked of the server,
+        whose lookup falls through to L2). False whenever the copy is not trusted."""
+        if not self.trusted:
+            return False
+        return all(x in self.keys[r] for r, k in zip(self.ranks, keys) for x in k[first:])
+
     def sync(self) -> None:
         """Apply what the server sent; renew the watch when due. Never blocks."""
         if self.closed:

@@ -77,6 +77,7 @@ class SchedulerSide:
         if transfer.background_commit(device == "cuda") and transfer.store_wait_s > 0:
             self.inflight = InFlightKeys(transfer.store_wait_s)
         self.watch: KeyWatch | None = None   # the server's keys, copied (key_watch.py)
+        self.server_l2 = False   # the server has an L2 tier (server_info.l2): see _held
         self.link = ServerLink(settings.kvedit_url, settings.timeout, settings.retry_interval,
                                self._on_connect, "scheduler", secret=settings.secret())
 
@@ -93,9 +94,11 @@ class SchedulerSide:
             self._set_chunk_size(info.chunk_size)
         # a pin ends before its lease does
         self.pins.ttl_s = min(self.settings.transfer.pin_ttl_s, info.lease_ttl / 4)
-        # a fresh copy for every connection (a restarted server): misses answered here
+        # a fresh copy for every connection (a restarted server): misses answered here,
+        # unless the server has an L2 under its memory (the copy is of its memory alone)
+        self.server_l2 = info.l2
         self.watch = (client.watch_keys(self.model, list(range(self.tp_size)))
-                      if self.settings.transfer.key_watch and not info.l2 else None)
+                      if self.settings.transfer.key_watch else None)
 
     def bind_pool(self, pool) -> None:
         """vLLM's block pool (vLLM >= 0.32 binds it): store mode "evict" watches it."""
@@ -207,14 +210,17 @@ class SchedulerSide:
         """How many chunks from `first` every rank's server holds (None: the server failed),
         and whether they are pinned already. With a copy of the server's keys (key_watch.py)
         a first chunk it lacks is a miss without a round trip, and one it holds is pinned at
-        once: the pin counts what is there, one round trip where a lookup and a pin took two."""
+        once: the pin counts what is there, one round trip where a lookup and a pin took two.
+        Over a server with an L2 the copy covers its memory only: a chunk it lacks may be in
+        L2, where only a lookup finds it, so the copy answers (by a pin) only requests it
+        holds whole."""
         watch = self.watch
         if watch is not None and watch.client is client:
             watch.sync()
-            if watch.lacks(keys, first):
+            if not self.server_l2 and watch.lacks(keys, first):
                 self.stats.local_misses += 1
                 return 0, False
-            if watch.trusted:
+            if watch.trusted and (not self.server_l2 or watch.holds_all(keys, first)):
                 with self.stats.timed("server_s"):
                     n = self.pins.pin(client, self.model, req_id, [k[first:] for k in keys],
                                       len(keys[0]) - first, looked_up=False)
