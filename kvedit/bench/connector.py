@@ -42,10 +42,11 @@ import random
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-from kvedit.harness.vocab import greedy
-from kvedit.request_params import RequestAsks
+from kvedit.bench.engine_calls import complete_one as _complete
+from kvedit.bench.engine_calls import post_json
+from kvedit.bench.engine_calls import prefill_tput as _prefill_tput
+from kvedit.bench.engine_calls import tree_cpu_seconds as _tree_cpu_seconds
 
 
 def register(bsub) -> None:
@@ -72,8 +73,10 @@ def register(bsub) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=1.0,
                    help="KV cache of each vLLM (default 1; a long prompt on a large model "
                         "needs more)")
-    p.add_argument("--server-gb", type=float, default=2.0,
-                   help="memory of the kvedit server we start (default 2)")
+    p.add_argument("--server-gb", type=float, default=None,
+                   help="kvedit server memory (default 2; 0.25 with --kv-events: it evicts)")
+    p.add_argument("--kv-events", action="store_true",
+                   help="only KV events for routers: cost on / off, exact removals")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                    help="one more argument for both vLLMs we start, repeatable; e.g. "
                         "--vllm-arg=--load-format --vllm-arg=dummy")
@@ -85,11 +88,14 @@ def register(bsub) -> None:
 
 
 def run(args) -> int:
+    if args.kv_events:
+        from kvedit.bench.connector_events import run as events_run
+        return events_run(args)
     result = (paged_bench(chunks=args.chunks, separate_layers=args.separate_layers)
               if args.paged else
               vllm_bench(args.tokens, args.prompts, args.rounds, model=args.model,
                          dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
-                         server_gb=args.server_gb, vllm_args=args.vllm_arg,
+                         server_gb=args.server_gb or 2.0, vllm_args=args.vllm_arg,
                          window=args.query_window if args.query_capture else 0,
                          store_commit=args.store_commit))
     print(json.dumps(result, indent=None if args.json else 2))
@@ -312,51 +318,6 @@ def _shm_tensors(n: int, shape, dtype) -> list:
 
 
 # ---- real vLLM ----------------------------------------------------------------------------
-def post_json(base_url: str, body: dict) -> dict:
-    """POST `body` as JSON to `base_url` -> the JSON reply (kvedit bench serve uses it too)."""
-    import urllib.request
-
-    req = urllib.request.Request(base_url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read())
-
-
-def _complete(vp, prompt: list[int], capture: int = 0) -> tuple[float, dict]:
-    """One max_tokens=1 request; `capture` > 0 asks for its last `capture` queries."""
-    body = {"model": vp.model, "prompt": prompt, **greedy(1)}
-    if capture:
-        body["kv_transfer_params"] = RequestAsks(capture=capture).to_params()
-    t0 = time.perf_counter()
-    r = post_json(vp.base_url + "/v1/completions", body)
-    return time.perf_counter() - t0, r["usage"]
-
-
-def _prefill_tput(vp, prompts: list[list[int]], capture: int = 0) -> float:
-    """Tokens/s of prefilling `prompts` sent at once (vLLM batches them)."""
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        list(pool.map(lambda p: _complete(vp, p, capture), prompts))
-    return sum(map(len, prompts)) / (time.perf_counter() - t0)
-
-
-def _tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` and its descendants (vLLM's API server and
-    engine core): what a batch cost in work, much less disturbed by other load on a shared
-    machine than its wall time."""
-    import psutil  # a vLLM dependency
-
-    total = 0.0
-    root = psutil.Process(pid)
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            t = proc.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def _query_bytes(server, model: str, prompt: list[int], window: int) -> int:
     """Size of the query object stored for `prompt` (0 when there is none)."""
     from kvedit.client import KVClient
