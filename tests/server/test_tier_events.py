@@ -241,3 +241,36 @@ def test_vllm_prefix_cache_reset_reannounces_and_start_clears_first(engine):
     events = engine.step()                          # then the connector's
     assert [type(e) for e in events] == [BlockStored]
     assert engine.view.holds(MEDIUM) == set(block_hashes(tokens, BLOCK))
+
+
+@pytest.mark.slow   # its own redis-server and kvedit server
+def test_l2_promotion_is_announced_and_l2_alone_is_not(redis_srv):
+    """With an L2 tier the watch still runs for the events: a chunk deleted from L1 (it stays
+    in Redis) is removed; a lookup that promotes it back into L1 makes it announced again."""
+    from kvedit.client.l2_wait import wait_l2_written
+    from kvedit.launch.redis import redis_server_path
+
+    if redis_server_path() is None:
+        pytest.skip("redis-server is not installed (make setup)")
+    with start_server(POOL * LAYOUT.chunk_bytes / 2**30, chunk_size=CHUNK,
+                      extra_args=["--l2-url", redis_srv.url,
+                                  "--max-client-pool-fraction", "1"]) as s:
+        with KVClient(s.url) as c:
+            c.register(MODEL, LAYOUT)
+        engine = Engine(s)
+        try:
+            tokens = _tokens(1, 15)
+            keys = engine.keys(tokens)
+            engine.events.request_chunks(_request(tokens), 0, 1, keys, CHUNK, True, PLAIN)
+            _store(engine.client, keys[0])
+            engine.settle(lambda: len(engine.view.holds(MEDIUM)) == 2)
+            wait_l2_written(s.http_url)
+            engine.client.delete(MODEL, keys[0])      # from L1 only: Redis keeps it
+            engine.settle(lambda: not engine.view.holds(MEDIUM))
+            assert engine.client.lookup(MODEL, keys[0], wait_timeout=10) == 1   # promoted
+            engine.events.request_chunks(_request(tokens), 0, 1, keys, CHUNK, False, PLAIN)
+            engine.settle(lambda: engine.view.holds(MEDIUM) == set(block_hashes(tokens,
+                                                                                BLOCK)))
+            assert not engine.view.removed_unknown and not engine.view.stored_twice
+        finally:
+            engine.close()
