@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
+from kvedit.vllm import hooks
+
 try:  # the untagged per-block extra keys vLLM publishes (cache salt, LoRA name, media ids)
     from vllm.v1.core.kv_cache_utils import (
         generate_block_hash_extra_keys,
@@ -135,10 +137,8 @@ class TierEvents:
         step; vLLM's prefix-cache resets are seen by its hash table being replaced."""
         self.pool = pool
         self._table = getattr(pool, "cached_block_hash_to_block", None)
-        queue = getattr(pool, "kv_event_queue", None)
-        if getattr(pool, "enable_kv_cache_events", False) and isinstance(queue, list):
-            queue.append(AllBlocksCleared())
-        else:   # not the queue we know: first among ours, after vLLM's events of that step
+        if not hooks.queue_kv_event(pool, AllBlocksCleared()):
+            # not the queue we know: first among ours, after vLLM's events of that step
             self._clear_first = True
 
     def attach(self, watch) -> None:

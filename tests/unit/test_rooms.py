@@ -114,7 +114,8 @@ def test_the_vllm_core_stays_a_core():
 
 # vLLM fields kvedit writes and vLLM private methods it calls: only kvedit/vllm/hooks.py, which
 # lists each (WRITTEN, CALLED) and holds the one function that touches it.
-WRITTEN_FIELDS = {"skip_reading_prefix_cache", "defer_block_free", "deferred_frees"}
+WRITTEN_FIELDS = {"skip_reading_prefix_cache", "defer_block_free", "deferred_frees",
+                  "kv_event_queue"}
 PRIVATE_CALLS = {"_preempt_request", "_maybe_evict_cached_block"}
 
 
