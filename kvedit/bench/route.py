@@ -10,8 +10,9 @@ prompt tokens served from a cache and the latency of each request (max_tokens=1:
 Workload: `docs` documents of `doc_tokens` random tokens, then `rounds` rounds over them in a
 fresh shuffled order, each request (token ids: the router reads them) a document and a new
 16-token question, `concurrency` requests in flight (so a router that knows nothing spreads
-new documents over both engines by load; one at a time, every tie goes to the first engine). Each vLLM's KV cache holds about `gpu_docs` documents,
-so it evicts; store mode "evict" puts what it evicts into that engine's kvedit server.
+new documents over both engines by load; one at a time, every tie goes to the first engine).
+Each vLLM's KV cache holds about `gpu_docs` documents, so it evicts; store mode "evict" puts
+what it evicts into that engine's kvedit server.
 Arms: round_robin; kv_aware (the router's event-driven policy, vLLM's GPU events and the
 connector's CPU events); kv_aware_gpu_only (the same engines, the CPU events taken out of the
 stream between vLLM and the router: what a router sees without the connector's events).
