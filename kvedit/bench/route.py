@@ -18,8 +18,9 @@ connector's CPU events); kv_aware_gpu_only (the same engines, the CPU events tak
 stream between vLLM and the router: what a router sees without the connector's events).
 vLLM's publisher binds only wildcard TCP or ipc endpoints and vllm-router connects only to
 TCP: each engine publishes on ipc, and a forwarder here binds 127.0.0.1 for the router (and
-drops the CPU events in the gpu_only arm). Needs the router's Python package:
-`--router-path DIR` (prepended to PYTHONPATH) or vllm_router importable.
+drops the CPU events in the gpu_only arm). Needs the router's Python package and its
+dependencies (orjson): `--router-path DIR[:DIR...]` (prepended to the router's PYTHONPATH,
+e.g. a `pip install --target` of the vllm-router wheel) or vllm_router importable.
 No torch/vllm at module level (CLI start-up).
 """
 from __future__ import annotations
@@ -55,7 +56,8 @@ def register(bsub) -> None:
                    help="documents each vLLM's KV cache holds (default 2.5)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"of {','.join(ARMS)}")
     p.add_argument("--router-path", default=None,
-                   help="a directory holding the vllm_router package (prepended to PYTHONPATH)")
+                   help="directories holding the vllm_router package and its dependencies, "
+                   "os.pathsep-separated (prepended to the router's PYTHONPATH)")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
     p.set_defaults(func=run)
 
@@ -290,11 +292,13 @@ def _router_version(router_path: str | None) -> str:
     if router_path:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (router_path, env.get("PYTHONPATH"))
                                             if p)
-    r = subprocess.run([sys.executable, "-c", "from vllm_router.version import __version__ "
-                        "as v; print(v)"], capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run([sys.executable, "-c", "import vllm_router.launch_router; from "
+                        "vllm_router.version import __version__ as v; print(v)"],
+                       capture_output=True, text=True, env=env, timeout=60)
     if r.returncode:
-        raise RuntimeError("kvedit bench route needs vLLM's router (pip install vllm-router, "
-                           f"or --router-path DIR): {r.stderr.strip()[-300:]}")
+        raise RuntimeError("kvedit bench route needs vLLM's router and its dependencies "
+                           "(pip install vllm-router, or --router-path DIR[:DIR...]): "
+                           f"{r.stderr.strip()[-300:]}")
     return f"vllm-router {r.stdout.strip()}"
 
 
