@@ -121,7 +121,7 @@ def ttft_two_engines(url: str, tokens: int = 4096, rounds: int = 4) -> dict:
     (A stops before B starts): the hand-off goes through Redis alone."""
     import random
 
-    from kvedit.bench.connector import _complete
+    from kvedit.bench.engine_calls import complete_one as _complete
     from kvedit.client import KVClient
     from kvedit.harness.tiny_model import default_tiny_model
     from kvedit.launch.vllm import start_vllm
