@@ -207,7 +207,8 @@ def test_no_private_name_is_imported_across_files():
                         "from .soak_procs import _client\nfrom kvedit import __version__\n"
                         "def f():\n    from kvedit.sdk.stream import _x\n")
     assert private_imports(planted, "kvedit.bench.l2") == {
-            ("kvedit.bench.l2", "kvedit.bench.soak_procs", "_client"),
+        ("kvedit.bench.l2", "kvedit.bench.connector", "_complete"),
+        ("kvedit.bench.l2", "kvedit.bench.soak_procs", "_client"),
         ("kvedit.bench.l2", "kvedit.sdk.stream", "_x")}
 
 
