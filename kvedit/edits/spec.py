@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvedit.edits.base import DropPolicy
+from kvedit.edits.expected_attention import ExpectedAttention
 from kvedit.edits.kvzip import KVzip
 from kvedit.edits.policies import (
     DropMiddle,
@@ -32,6 +33,7 @@ POLICIES: dict[str, type[DropPolicy]] = {
     "key_norm": KeyNorm, "snapkv_proxy": SnapKVProxy, "keydiff": KeyDiff,
     "leverage": LeverageScore, "random": RandomDrop, "snapkv": SnapKV, "tova": TOVA,
     "kvzip": KVzip,
+    "expected_attention": ExpectedAttention,
 }
 
 
