@@ -187,6 +187,7 @@ def test_kvedit_against_kvpress_is_judged_on_the_samples_kvpress_answered():
 
 
 def test_groups_split_until_each_fits_what_the_server_can_be_given(tiny_model, tmp_path):
+    from kvedit.harness.eval import memory
     from kvedit.harness.eval.run import EvalConfig, _Run
     from kvedit.harness.eval.tokenizer import load
 
@@ -197,11 +198,15 @@ def test_groups_split_until_each_fits_what_the_server_can_be_given(tiny_model, t
     assert [len(g) for g in run.groups] == [4, 4]   # a round: 2 seeds x 2 tasks
     one = run._need(run.groups[0][:1])
     assert run._need(run.groups[0]) == pytest.approx(4 * one, rel=0.05)
-    split = run._fit(run.groups, 2.5 * one)
+    split = memory.fit(run.groups, 2.5 * one, run._need)
     assert [len(g) for g in split] == [2, 2, 2, 2]
     assert [s for g in split for s in g] == [s for g in run.groups for s in g]  # same order
-    assert run._fit(run.groups, None) == run.groups
-    assert [len(g) for g in run._fit(run.groups, 0.5 * one)] == [1] * 8  # never below one
+    assert memory.fit(run.groups, None, run._need) == run.groups
+    assert [len(g) for g in memory.fit(run.groups, 0.5 * one, run._need)] == [1] * 8
+    # the context pass's rows and cells edited at once add to a group's need
+    more = memory.group_need(tiny_model, run.dtype, run.groups[0], context_rows=512,
+                             cells_at_once=4)
+    assert more > run._need(run.groups[0])
 
 
 def test_the_side_by_side_chart_draws_a_policy_that_answered_nothing(tmp_path):

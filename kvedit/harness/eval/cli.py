@@ -83,6 +83,9 @@ def register(sub) -> None:
                    help="requests in flight per batch (default 16 on CPU, 64 on a GPU)")
     p.add_argument("--modify-concurrency", type=int, default=None, metavar="N",
                    help="streams edited at once (default 2 on CPU, 4 on a GPU host)")
+    p.add_argument("--cells-at-once", type=int, default=None, metavar="N",
+                   help="policy x ratio cells of a group run at once, their requests batched "
+                        "together on the engine (default 1 on CPU, 4 on a GPU host)")
     p.add_argument("--edit-device", default="auto",
                    help="where policies run their edit (scores, gather, re-rotation): auto (CUDA "
                         "when this process sees one), cpu, or a torch device such as cuda:0")
@@ -189,7 +192,7 @@ def _main(args) -> int:
             raise SystemExit(f"--deadline-s must be positive, got {args.deadline_s}")
         if args.group_size is not None and args.group_size <= 0:
             raise SystemExit(f"--group-size must be positive, got {args.group_size}")
-        for name in ("in_flight", "modify_concurrency"):
+        for name in ("in_flight", "modify_concurrency", "cells_at_once"):
             if getattr(args, name) is not None and getattr(args, name) <= 0:
                 raise SystemExit(f"--{name.replace('_', '-')} must be positive, got "
                                  f"{getattr(args, name)}")
@@ -208,7 +211,7 @@ def _main(args) -> int:
                          deadline_s=args.deadline_s, group_size=args.group_size,
                          noop=not args.no_noop, in_flight=args.in_flight,
                          modify_concurrency=args.modify_concurrency,
-                         edit_device=args.edit_device, reference_site=args.reference_site,
+                         cells_at_once=args.cells_at_once, edit_device=args.edit_device, reference_site=args.reference_site,
                          reference_share=args.reference_share)
         out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
         out.mkdir(parents=True, exist_ok=True)

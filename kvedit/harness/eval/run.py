@@ -14,9 +14,10 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvedit.harness.eval import memory
 from kvedit.harness.eval.policyspec import (  # noqa: F401  (the eval's names, used by cli/demo)
-    _value, header_sink, label, make_policy, needs_queries, needs_reconstruction, parse_spec,
-    query_aware, reconstruction_for, sink_policies,
+    _value, header_sink, label, make_policy, needs_context, needs_queries, needs_reconstruction,
+    parse_spec, query_aware, reconstruction_for, sink_policies,
 )
 from kvedit.harness.eval.schedule import Deadline, mean, rounds
 from kvedit.harness.eval.tally import Tally
@@ -63,6 +64,9 @@ class EvalConfig:
     in_flight: int | None = None   # requests at once per batch; None: 16 on CPU, 64 on a GPU
     # Streams edited at once (BatchedStream's modify_concurrency); None: 2 on CPU, 4 on a GPU.
     modify_concurrency: int | None = None
+    # Cells of a group run at once (AccuracyRun.cells): their requests share the engine's
+    # batches. None: 1 on CPU (two cores gain nothing), 4 on a GPU.
+    cells_at_once: int | None = None
     # Where policies run their edit (DropPolicy.edit_device): "auto" = CUDA when this
     # process sees one, else where the KV is (the host).
     edit_device: str = "auto"
@@ -110,7 +114,12 @@ class _Run:
 
         self.cfg, self.model_dir, self.tok, self.log, self.t0 = cfg, model_dir, tok, log, t0
         self.out = out
-        self.dtype = engine_dtype()  # before _fit, which sizes groups by it
+        from kvedit.harness.experiment import block_size
+        from kvedit.sdk.context_pass import ROWS
+
+        self.dtype = engine_dtype()  # before memory.fit, which sizes groups by it
+        self.context_rows = ROWS if needs_context(cfg.policies) else 0
+        self.at_once = cfg.cells_at_once or (1 if block_size() == 128 else 4)
         self.samples = [s for seed in cfg.seeds
                         for s in suite(tok, cfg.tasks, cfg.lengths, cfg.samples, seed=seed)]
         self.sink = header_sink(self.samples, cfg.keep_header)
@@ -120,7 +129,8 @@ class _Run:
                              f"({cfg.chunk_size}): it would be editable")
         per_round = len(cfg.seeds) * len(cfg.tasks) * len(cfg.lengths)
         size = cfg.group_size or (per_round if cfg.deadline_s else len(self.samples))
-        self.groups = self._fit(rounds(self.samples, size), l1_budget())
+        self.groups = memory.fit(rounds(self.samples, size), memory.l1_budget(), self._need,
+                                 log)
         # The accuracy phase's deadline: the run's, less the kvpress arm's share.
         share = cfg.reference_share if cfg.reference else 0.0
         self.deadline = Deadline(None if cfg.deadline_s is None
@@ -140,40 +150,10 @@ class _Run:
         self.edit_device = _edit_device(cfg.edit_device)
 
     def _need(self, group: list) -> float:
-        """Bytes of L1 a group needs: its original chunks (held while the group runs) and
-        captured queries (the question's; KVzip's pass: ~the context's rows), one cell's
-        edited chunks, with KVzip the pass's own chunks (the repeat and the second copy of
-        the context, stored before they are deleted: were they not counted, LRU would evict
-        the pass's queries under them), and half as much again to spare."""
-        cfg = json.loads((self.model_dir / "config.json").read_text())
-        layers, heads = cfg["num_hidden_layers"], cfg.get("num_key_value_heads")
-        qheads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // qheads
-        from kvedit.layout import DTYPE_SIZES
-
-        width = DTYPE_SIZES[self.dtype]
-        kv_token = 2 * layers * (heads or qheads) * head_dim * width      # K and V
-        q_row = layers * qheads * head_dim * width
-        context = sum(s.length for s in group)
-        rows, copies = sum(len(s.prompt_ids) - s.length for s in group), 2
-        if needs_reconstruction(self.cfg.policies):
-            rows, copies = rows + context, 3
-        return 1.5 * (copies * context * kv_token + rows * q_row)
-
-    def _fit(self, groups: list[list], budget: float | None) -> list[list]:
-        """Groups whose L1 need is past `budget` (bytes the machine can give the server)
-        split in halves until they fit (or hold one sample)."""
-        out: list[list] = []
-        for g in groups:
-            if budget is not None and len(g) > 1 and self._need(g) > budget:
-                half = (len(g) + 1) // 2
-                out += self._fit([g[:half], g[half:]], budget)
-            else:
-                out.append(g)
-        if len(out) > len(groups):
-            self.log(f"groups split to fit the kvedit server's memory ({budget / 1e9:.0f} GB "
-                     f"to give): {len(groups)} -> {len(out)}")
-        return out
+        """Bytes of L1 `group` needs (memory.group_need)."""
+        return memory.group_need(self.model_dir, self.dtype, group,
+                                 reconstruction=needs_reconstruction(self.cfg.policies),
+                                 context_rows=self.context_rows, cells_at_once=self.at_once)
 
     def server_gb(self) -> float:
         """L1 for the server eval starts: the largest group's need (_need); at least 2 GB."""
@@ -257,8 +237,6 @@ class _Run:
 
     def _group(self, ctx, completion, k: int, group: list) -> bool:
         """Run one group whole (as far as the deadline lets cells start); False: stop."""
-        from tqdm.auto import tqdm
-
         from kvedit.harness.eval.runner import AccuracyRun, Cell, NoOp, Reload
 
         cfg, log = self.cfg, self.log
@@ -272,36 +250,17 @@ class _Run:
         acc = AccuracyRun(ctx, completion, group, self.tok.decode, progress=False,
                           capture=needs_queries(cfg.policies),
                           reconstruction=reconstruction_for(self.tok) if zipped else None,
-                          reuse=cfg.reuse, in_flight=self.in_flight,
-                          modify_concurrency=self.modify_concurrency)
+                          context_rows=self.context_rows or None, reuse=cfg.reuse,
+                          in_flight=self.in_flight, modify_concurrency=self.modify_concurrency)
         log(f"group {k + 1}/{len(self.groups)} ({len(group)} samples): prefill" +
-            (", KVzip's reconstruction pass" if zipped else "") + ", baseline")
+            (", KVzip's reconstruction pass" if zipped else "") +
+            (", the context pass" if self.context_rows else "") + ", baseline")
         try:
             records, info = acc.baseline()
             self._add_baseline(records, info)
             todo = ([(Cell("noop", 0.0), NoOp()), (Cell("noop_control", 0.0), Reload())]
                     if cfg.noop else []) + [(c, None) for c in self.cells]
-            times: list[float] = []
-            bar = tqdm(todo, desc=f"group {k + 1} (policy x ratio)", disable=not cfg.progress)
-            for j, (c, fn) in enumerate(bar):
-                # The same cell in the group before (scaled to this group's size), else the
-                # mean of this group's cells so far.
-                last = prev[-1]["cells_s"] if prev else []
-                guess = last[j] * len(group) / prev[-1]["samples"] if j < len(last) \
-                    else mean(times)
-                if not self.deadline.allows(guess, f"cell {c.label} of group {k + 1}"):
-                    log(f"deadline: {self.deadline.stopped}")
-                    break
-                bar.set_postfix_str(c.label)
-                recs, info = acc.cell(fn or self.policy(c.policy, c.ratio), c)
-                times.append(info["seconds"])
-                if fn is not None:
-                    tally = self.noop_tallies.setdefault(c.policy, Tally(c.policy, 0.0))
-                    tally.add(recs, info, len(group))
-                else:
-                    self.tallies[c.label].add(recs, info, len(group))
-                self._append(recs)
-                self.checkpoint()
+            times = self._cells(acc, todo, len(group), k, prev)
         finally:
             acc.close()
         if self.deadline.stopped is None:
@@ -313,6 +272,41 @@ class _Run:
              "baseline_s": info_s(self.base_info_last), "cells_s": times})
         self.checkpoint()
         return self.deadline.stopped is None
+
+    def _cells(self, acc, todo: list, size: int, k: int, prev: list) -> list[float]:
+        """Run `todo` ((Cell, fn or None) pairs) in waves of `at_once` cells, each wave only
+        if the deadline lets it end in time (judged by its slowest cell: the same cell in
+        the group before, scaled to this group's size, else the mean of this group's cells
+        so far). Returns every cell's seconds (the cells of a wave overlap)."""
+        from tqdm.auto import tqdm
+
+        from kvedit.harness.eval.runner import Cell
+
+        last, times = (prev[-1]["cells_s"] if prev else []), []
+        bar = tqdm(total=len(todo), desc=f"group {k + 1} (policy x ratio)",
+                   disable=not self.cfg.progress)
+        for w0 in range(0, len(todo), self.at_once):
+            wave: list[tuple[Cell, object]] = todo[w0:w0 + self.at_once]
+            guesses = [last[j] * size / prev[-1]["samples"] if j < len(last) else mean(times)
+                       for j in range(w0, w0 + len(wave))]
+            known = [g for g in guesses if g is not None]
+            what = " + ".join(c.label for c, _ in wave)
+            if not self.deadline.allows(max(known) if known else None,
+                                        f"cell {what} of group {k + 1}"):
+                self.log(f"deadline: {self.deadline.stopped}")
+                break
+            bar.set_postfix_str(what)
+            results = acc.cells([(fn or self.policy(c.policy, c.ratio), c) for c, fn in wave])
+            for (c, fn), (recs, info) in zip(wave, results):
+                times.append(info["seconds"])
+                tally = self.tallies[c.label] if fn is None else \
+                    self.noop_tallies.setdefault(c.policy, Tally(c.policy, 0.0))
+                tally.add(recs, info, size)
+                self._append(recs)
+            bar.update(len(wave))
+            self.checkpoint()
+        bar.close()
+        return times
 
     def _add_baseline(self, records: list[dict], info: dict) -> None:
         self.base_records += records
@@ -414,6 +408,7 @@ class _Run:
                        "dtype": self.dtype,
                        "in_flight": getattr(self, "in_flight", None),
                        "modify_concurrency": getattr(self, "modify_concurrency", None),
+                       "cells_at_once": self.at_once,
                        "header_sink": ({"tokens": self.sink, "policies": [
                            label(k) for k in cfg.policies
                            if parse_spec(k)[0] in sink_policies()]}
@@ -511,26 +506,6 @@ def engine_dtype() -> str:
     except OSError:
         return "bfloat16"
     return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
-
-
-def l1_budget() -> float | None:
-    """Bytes this machine can give the kvedit server's L1 (a shared-memory segment): 80% of
-    what /dev/shm has free and 60% of the memory available, whichever is less (None where
-    neither can be read)."""
-    import os
-
-    from kvedit.launch.vllm import mem_available_bytes
-
-    caps = []
-    try:
-        st = os.statvfs("/dev/shm")
-        caps.append(0.8 * st.f_bavail * st.f_frsize)
-    except OSError:
-        pass
-    avail = mem_available_bytes()
-    if avail is not None:
-        caps.append(0.6 * avail)
-    return min(caps) if caps else None
 
 
 def info_s(info: dict | None) -> float | None:
