@@ -92,6 +92,9 @@ def register(sub) -> None:
     p.add_argument("--no-keep-header", action="store_true",
                    help="policies with a `sink` option use their own default instead of "
                         "keeping the prompt's header (template opening + instruction)")
+    p.add_argument("--pool", default=None, metavar="DIR,DIR,...",
+                   help="run nothing: pool the answers of earlier runs' --out directories "
+                        "into one set of figures (written to --out/results.json)")
     p.add_argument("--out", default=None, help="output dir (default runs/eval-<time>)")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.add_argument("--no-gain", action="store_true", help="skip the decode-gain arms")
@@ -162,7 +165,29 @@ def _engines_kw(args, cfg, log) -> dict:
     return kw
 
 
+def _pool(args) -> int:
+    from kvedit.harness.eval import gating
+    from kvedit.harness.eval.pooled import pool
+
+    try:
+        result = pool([Path(d) for d in _list(args.pool, str, "pool")])
+    except ValueError as e:
+        raise SystemExit(f"--pool: {e}")
+    out = Path(args.out or f"runs/eval-pooled-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    log(gating.table(result["gated"]))
+    log(f"acceptance (gated): {json.dumps(result['gated']['acceptance'])}")
+    log(f"wrote {out / 'results.json'}")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
 def _main(args) -> int:
+    if args.pool:
+        return _pool(args)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         from kvedit.harness.eval.run import EvalConfig, run_eval

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvedit.harness.eval import memory
+from kvedit.harness.eval.pooled import with_reference
 from kvedit.harness.eval.policyspec import (  # noqa: F401  (the eval's names, used by cli/demo)
     _value, header_sink, label, make_policy, needs_context, needs_queries, needs_reconstruction,
     parse_spec, query_aware, reconstruction_for, sink_policies,
@@ -378,20 +379,8 @@ class _Run:
         g = gating.gated(self.base_records, rows, cfg.seeds, aware=query_aware)
         reference = self.reference_result
         if reference is not None:
-            # kvedit's cells on the samples the kvpress arm answered (it may stop earlier)
-            same = {gating.key({**r, "question": 0}) for r in self.reference_records}
-
-            def answered(recs):
-                return [r for r in report.main_records(recs) if gating.key(r) in same]
-
-            _, mine = report.summarize(self.base_records, rows, answered)
-            reference["side_by_side"] = report.side_by_side(mine, reference)
-            pairs = gating.gated_pairs(self.base_records)
-            reference["gated_results"] = gating.reference_gated(self.reference_records, pairs)
-            reference["kvedit_gated"] = gating.gated(
-                [r for r in self.base_records if gating.key(r) in same],
-                [{**c, "records": answered(c["records"])} for c in rows], cfg.seeds,
-                aware=query_aware)["results"]
+            with_reference(reference, self.reference_records, self.base_records, rows,
+                           cfg.seeds)
         g["acceptance"] = gating.acceptance(g, query_aware, noop, reference)
         self.timings["total_s"] = time.perf_counter() - self.t0
         for row in results:
