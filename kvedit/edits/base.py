@@ -291,8 +291,7 @@ class DropPolicy:
         if drop == 0:
             return self._all(kv, layout, units.tokens)
         if self.budget != "uniform":  # [L, H_kv, S] with -1 where a head's pads go
-            window = self.captured_window(kv, layout, queries, query_start)
-            return budgets.selection(self, kv, layout, window)[0]
+            return self._adaptive(kv, layout, queries, query_start)[0]
         scores = self._scores(kv, units, layout, queries, query_start)
         if self.per_head:
             keep = units.tokens - min(drop * units.size, units.tokens - 1)
@@ -388,8 +387,8 @@ class DropPolicy:
             raise ValueError(f"{type(self).__name__}(per_head=True) needs the model layout "
                              "(head_dim, chunk_size): run it through the SDK or pass layout=...")
         if self.budget != "uniform":
-            window = self.captured_window(kv, layout, queries, query_start)
-            return budgets.edit(self, kv, tokens, layout, window)
+            idx, nulls = self._adaptive(kv, layout, queries, query_start)
+            return budgets.store(kv, tokens, idx, nulls, layout, self.rerotate)
         T = kv.shape[2]
         units = self.units(T, layout)
         keep = T - min(self.num_drop(units) * units.size, T - 1)
@@ -407,6 +406,16 @@ class DropPolicy:
         ids = torch.as_tensor(list(tokens) if not isinstance(tokens, torch.Tensor) else tokens,
                               dtype=torch.int64, device=idx.device)
         return out, ids[idx]
+
+    def _adaptive(self, kv, layout, queries, query_start) -> tuple[torch.Tensor, torch.Tensor]:
+        """(idx [L, H_kv, S] with -1 pads, null keys): the `budget` selection (budgets.py),
+        the pads' null keys from the policy's own queries."""
+        window = self.captured_window(kv, layout, queries, query_start)
+        T = kv.shape[2]
+        units = self.units(T, layout)
+        keep = T - min(self.num_drop(units) * units.size, T - 1)
+        scores = self._protect(units.expand(self.unit_scores(kv, units, layout, window)))
+        return budgets.selection(scores, keep, self.budget, self.alpha, window.queries, layout)
 
     def _equal_counts(self, what: str) -> None:
         if self.budget != "uniform":

@@ -111,18 +111,15 @@ def null_keys(queries: torch.Tensor, num_kv_heads: int, head_dim: int, iters: in
     return torch.where(found[..., None], keys, torch.zeros_like(keys)), found
 
 
-def selection(policy, kv: torch.Tensor, layout, window) -> tuple[torch.Tensor, torch.Tensor]:
-    """(idx [L, H, S] with -1 pads, null keys [L, H, d]) of `policy`'s head-adaptive
-    selection of `kv` [2, L, T, D]: its scores per (layer, head), its budget's counts, the
-    pads' null keys from the window's queries. The last S mod chunk_size tokens are kept in
-    every head (vLLM recomputes those slots from one token id each)."""
-    T = kv.shape[2]
-    units = policy.units(T, layout)
-    keep = T - min(policy.num_drop(units) * units.size, T - 1)
-    scores = policy._protect(units.expand(policy.unit_scores(kv, units, layout, window)))
-    H, d = kv.shape[3] // layout.head_dim, layout.head_dim
-    counts = head_counts(scores, keep, policy.budget, policy.alpha)
-    nulls, found = null_keys(window.queries.to(kv.device), H, d)
+def selection(scores: torch.Tensor, keep: int, budget: str, alpha: float,
+              queries: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(idx [L, H, S] with -1 pads, null keys [L, H, d]) of a head-adaptive selection from
+    per-token `scores` [L, H, T] (protected tokens inf): `budget`'s counts, the pads' null
+    keys from `queries` [L, W, Hq*d]. The last S mod chunk_size tokens are kept in every
+    head (vLLM recomputes those slots from one token id each)."""
+    T = scores.shape[-1]
+    counts = head_counts(scores, keep, budget, alpha)
+    nulls, found = null_keys(queries.to(scores.device), scores.shape[1], layout.head_dim)
     counts = torch.where(found, counts, counts.max())  # no null key: that head keeps S tokens
     tail = int(counts.max()) % layout.chunk_size
     if tail:
@@ -132,12 +129,12 @@ def selection(policy, kv: torch.Tensor, layout, window) -> tuple[torch.Tensor, t
     return ragged_indices(scores, counts), nulls
 
 
-def edit(policy, kv: torch.Tensor, tokens, layout, window) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kv [2, L, S, D], token ids [L, H, S]): the selection stored in S slots per head, the
-    pads holding the null key and a zero value, every key shifted back by T - S (logical
-    positions: each keeps its distance to what follows; the null keys move with them, so the
-    queries that come later stay as far from them as the sample was)."""
-    idx, nulls = selection(policy, kv, layout, window)
+def store(kv: torch.Tensor, tokens, idx: torch.Tensor, nulls: torch.Tensor, layout,
+          rerotate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv [2, L, S, D], token ids [L, H, S]): the selection `idx` stored in S slots per
+    head, the pads holding the null key and a zero value, every key shifted back by T - S
+    (logical positions: each keeps its distance to what follows; the null keys move with
+    them, so the queries that come later stay as far from them as the sample was)."""
     L, H, S = idx.shape
     d, T = layout.head_dim, kv.shape[2]
     out = heads.gather(kv, idx.clamp(min=0), d)
@@ -146,7 +143,7 @@ def edit(policy, kv: torch.Tensor, tokens, layout, window) -> tuple[torch.Tensor
         k, v = out[0].view(L, S, H, d), out[1].view(L, S, H, d)
         k[pad] = nulls[:, None].expand(L, S, H, d)[pad].to(k.dtype)
         v[pad] = 0
-    if policy.rerotate:
+    if rerotate:
         rotate_keys(out[0], torch.full((S,), S - T, device=kv.device), layout.rope, d)
     ids = torch.as_tensor(list(tokens) if not isinstance(tokens, torch.Tensor) else tokens,
                           dtype=torch.int64, device=idx.device)

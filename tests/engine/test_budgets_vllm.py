@@ -100,9 +100,10 @@ def test_a_head_adaptive_edit_decodes_as_each_heads_kept_tokens_alone(ctx, post,
     batch.modify(fn)
     idx = fn.idx
     S = idx.shape[-1]
-    kept_entries = int((idx >= 0).sum())
     L, H = idx.shape[:2]
-    assert kept_entries == L * H * (2 * C - math.floor(0.6 * 2 * C))   # the nominal entries
+    # the allocation's entries, or more where a head found no null key (random weights:
+    # not every head's queries share a half-space) and keeps real tokens in its pads
+    assert int((idx >= 0).sum()) >= L * H * (2 * C - math.floor(0.6 * 2 * C))
     assert bool((idx < 0).any()), "some head should keep fewer tokens than the slots"
     tail = S % C
     assert len(s.tokens) == S - tail

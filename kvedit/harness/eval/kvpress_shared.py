@@ -30,7 +30,10 @@ import kvpress
 from kvpress import AdaKVPress, KVzipPress
 from kvpress.presses.scorer_press import ScorerPress
 
-MAX_BATCH = 8  # rows decoded at once (CPU memory: one 4k float32 cache is ~0.25 GB a row)
+# Rows decoded at once: a 4k float32 cache of Qwen2.5-1.5B is ~0.25 GB a row, and a decode
+# step's cache concatenation holds two copies; a CPU host also holds the float32 model.
+MAX_BATCH = 8
+MAX_BATCH_CPU = 4
 
 
 def shareable(press) -> bool:
@@ -127,8 +130,9 @@ def answer(model, tokenizer, rows: list, question: list[int], start: int,
     """Greedy answers of `rows` [(per-layer (keys, values), masks or None)], each cache of
     one length, to `question` at positions start.., in batches of MAX_BATCH."""
     texts: list[str] = []
-    for b0 in range(0, len(rows), MAX_BATCH):
-        texts += _batch(model, tokenizer, rows[b0:b0 + MAX_BATCH], question, start, max_tokens)
+    size = MAX_BATCH if model.device.type == "cuda" else MAX_BATCH_CPU
+    for b0 in range(0, len(rows), size):
+        texts += _batch(model, tokenizer, rows[b0:b0 + size], question, start, max_tokens)
     return texts
 
 
