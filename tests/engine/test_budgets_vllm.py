@@ -1,4 +1,4 @@
-"""A head-adaptive edit through the real vLLM (tiny Qwen3, float32): the heads keep different
+"""A head-adaptive edit through the real vLLM (SmolLM2, float32): the heads keep different
 numbers of tokens, stored in the slots of the largest with null keys in front of the others'
 (kvedit.edits.budgets), and vLLM decodes on it as if each head attended to its kept tokens
 alone: what kvpress's masked attention computes.
@@ -14,17 +14,43 @@ from __future__ import annotations
 import math
 import uuid
 
+import pytest
 import torch
 
 from kvedit.edits import KeyNorm
 from kvedit.sdk.batch import BatchedStream
+from kvedit.sdk.context import connect
 from kvedit.sdk.context_pass import capture_context
+from kvedit.sdk.openai import openai_completion
 from kvedit.sdk.stream import create_request
 from tests.engine.test_per_head_vllm import distinct_tokens
-from tests.fixtures_vllm import GREEDY
+from tests.fixtures_vllm import CHUNK, GREEDY, extra_connector_config
 
-C = 256
+C = CHUNK
 N_OUT = 6
+
+
+@pytest.fixture(scope="module")
+def smollm2_f32(smollm2_model, kv_server):
+    """SmolLM2 in float32 (the reference's precision). Real weights: the tiny model's random
+    ones give no head a half-space of queries, so it would store no null key at all."""
+    from kvedit.launch.vllm import start_vllm
+
+    with start_vllm(smollm2_model, server=kv_server, served_model_name="smollm2-f32",
+                    dtype="float32", kv_cache_gib=1, max_model_len=2048, chunk_size=CHUNK,
+                    dev_mode=True, connector_config=extra_connector_config()) as vp:
+        yield vp
+
+
+@pytest.fixture(scope="module")
+def ctx(smollm2_f32, kv_server):
+    with connect(kv_server.url, kv_server.http_url, smollm2_f32.model, timeout=60) as ctx:
+        yield ctx
+
+
+@pytest.fixture(scope="module")
+def post(smollm2_f32):
+    return openai_completion(smollm2_f32.base_url, smollm2_f32.model)
 
 
 class Recording:
@@ -90,7 +116,8 @@ def reference(model_dir, prompt, region, kept, tail, n_out):
     return tokens, lps
 
 
-def test_a_head_adaptive_edit_decodes_as_each_heads_kept_tokens_alone(ctx, post, tiny_model):
+def test_a_head_adaptive_edit_decodes_as_each_heads_kept_tokens_alone(ctx, post,
+                                                                      smollm2_model):
     prompt = distinct_tokens(2 * C + 40, 7)
     s = create_request(ctx, post, prompt, f"ad-{uuid.uuid4().hex[:8]}")
     batch = BatchedStream([s], progress=False)
@@ -101,15 +128,15 @@ def test_a_head_adaptive_edit_decodes_as_each_heads_kept_tokens_alone(ctx, post,
     idx = fn.idx
     S = idx.shape[-1]
     L, H = idx.shape[:2]
-    # the allocation's entries, or more where a head found no null key (random weights:
-    # not every head's queries share a half-space) and keeps real tokens in its pads
+    # the allocation's entries, or more where a head found no null key (its queries share
+    # no half-space) and keeps real tokens in its pads
     assert int((idx >= 0).sum()) >= L * H * (2 * C - math.floor(0.6 * 2 * C))
     assert bool((idx < 0).any()), "some head should keep fewer tokens than the slots"
     tail = S % C
     assert len(s.tokens) == S - tail
     first = s.output_token_ids[0]
     batch.decode({**GREEDY, "max_tokens": N_OUT})
-    want, want_lp = reference(tiny_model, prompt + [first], 2 * C, idx, tail, N_OUT)
+    want, want_lp = reference(smollm2_model, prompt + [first], 2 * C, idx, tail, N_OUT)
     assert s.output_token_ids[1:] == want
     torch.testing.assert_close(torch.tensor(s.logprobs[-N_OUT:]), torch.tensor(want_lp),
                                atol=2e-3, rtol=0)
