@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvedit.edits.anchored import PromptAnchored
 from kvedit.edits.base import DropPolicy
 from kvedit.edits.expected_attention import ExpectedAttention
 from kvedit.edits.kvzip import KVzip
@@ -32,8 +33,7 @@ POLICIES: dict[str, type[DropPolicy]] = {
     "drop_middle": DropMiddle, "uniform": UniformDrop, "streaming_llm": StreamingLLM,
     "key_norm": KeyNorm, "snapkv_proxy": SnapKVProxy, "keydiff": KeyDiff,
     "leverage": LeverageScore, "random": RandomDrop, "snapkv": SnapKV, "tova": TOVA,
-    "kvzip": KVzip,
-    "expected_attention": ExpectedAttention,
+    "kvzip": KVzip, "expected_attention": ExpectedAttention, "prompt_anchored": PromptAnchored,
 }
 
 
