@@ -162,11 +162,11 @@ def test_a_tally_adds_groups_into_one_row():
 
 
 def test_partial_results_are_written_whole(tmp_path):
-    from kvedit.harness.eval.run import _write_json
+    from kvedit.harness.eval.result import write_json
 
     path = tmp_path / "results.json"
-    _write_json(path, {"partial": True, "n": 1})
-    _write_json(path, {"partial": False, "n": 2})
+    write_json(path, {"partial": True, "n": 1})
+    write_json(path, {"partial": False, "n": 2})
     assert json.loads(path.read_text()) == {"partial": False, "n": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no temp file left
 
@@ -188,25 +188,29 @@ def test_kvedit_against_kvpress_is_judged_on_the_samples_kvpress_answered():
 
 def test_groups_split_until_each_fits_what_the_server_can_be_given(tiny_model, tmp_path):
     from kvedit.harness.eval import memory
-    from kvedit.harness.eval.run import EvalConfig, _Run
+    from kvedit.harness.eval.run import EvalConfig
+    from kvedit.harness.eval.sizing import Sizing
+    from kvedit.harness.eval.tasks import suite
     from kvedit.harness.eval.tokenizer import load
 
     cfg = EvalConfig(model=str(tiny_model), tasks=["passkey", "docqa"], lengths=[1024],
                      samples=2, seeds=[0, 1], policies=["keydiff"], ratios=[0.5],
                      deadline_s=100.0)
-    run = _Run(cfg, tiny_model, load(tiny_model), lambda *a: None, 0.0, tmp_path)
-    assert [len(g) for g in run.groups] == [4, 4]   # a round: 2 seeds x 2 tasks
-    one = run._need(run.groups[0][:1])
-    assert run._need(run.groups[0]) == pytest.approx(4 * one, rel=0.05)
-    split = memory.fit(run.groups, 2.5 * one, run._need)
+    tok = load(tiny_model)
+    samples = [s for seed in cfg.seeds for s in suite(tok, cfg.tasks, cfg.lengths, 2, seed=seed)]
+    sz = Sizing(cfg, tiny_model, tok, samples, lambda *a: None)
+    assert [len(g) for g in sz.groups] == [4, 4]   # a round: 2 seeds x 2 tasks
+    one = sz.need(sz.groups[0][:1])
+    assert sz.need(sz.groups[0]) == pytest.approx(4 * one, rel=0.05)
+    split = memory.fit(sz.groups, 2.5 * one, sz.need)
     assert [len(g) for g in split] == [2, 2, 2, 2]
-    assert [s for g in split for s in g] == [s for g in run.groups for s in g]  # same order
-    assert memory.fit(run.groups, None, run._need) == run.groups
-    assert [len(g) for g in memory.fit(run.groups, 0.5 * one, run._need)] == [1] * 8
+    assert [s for g in split for s in g] == [s for g in sz.groups for s in g]  # same order
+    assert memory.fit(sz.groups, None, sz.need) == sz.groups
+    assert [len(g) for g in memory.fit(sz.groups, 0.5 * one, sz.need)] == [1] * 8
     # the context pass's rows and cells edited at once add to a group's need
-    more = memory.group_need(tiny_model, run.dtype, run.groups[0], context_rows=512,
+    more = memory.group_need(tiny_model, sz.dtype, sz.groups[0], context_rows=512,
                              cells_at_once=4)
-    assert more > run._need(run.groups[0])
+    assert more > sz.need(sz.groups[0])
 
 
 def test_the_side_by_side_chart_draws_a_policy_that_answered_nothing(tmp_path):

@@ -94,7 +94,7 @@ def dtype(args, prompts: Prompts) -> str:
         return args.dtype
     if prompts.model_dir is None:
         return "bfloat16"
-    from kvedit.harness.eval.run import engine_dtype
+    from kvedit.harness.eval.sizing import engine_dtype
 
     return engine_dtype()
 

@@ -126,7 +126,7 @@ def policy_names(text: str) -> list[str]:
     dataclass options, `snapkv:per_head=off:positions=compact` (several spellings of one
     policy run side by side)."""
     from kvedit.edits import POLICIES
-    from kvedit.harness.eval.run import parse_spec
+    from kvedit.harness.eval.policyspec import parse_spec
 
     if text == "all":
         return list(POLICIES)

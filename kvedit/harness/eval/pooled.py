@@ -15,7 +15,6 @@ from pathlib import Path
 
 from kvedit.harness.eval import gating, report
 from kvedit.harness.eval.policyspec import label, query_aware
-from kvedit.harness.eval.stats import accuracy
 
 NOOP = ("noop", "noop_control")
 
