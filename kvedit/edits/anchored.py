@@ -99,6 +99,7 @@ class PromptAnchored(DropPolicy):
     from_layer: float = 0.5     # layers that rank the prompt (per_head: every layer)
     redundancy: float = 1.0     # generated tokens: weight of R-KV redundancy against recency
     needs_queries: ClassVar[bool] = True
+    queries_from: ClassVar[str | None] = "prompt"
     # The queries are needed once, when the prompt is computed (the engine keeps no query
     # ring during decode, and its window's tokens need no protection: they are kept as the
     # prompt's window).

@@ -45,7 +45,7 @@ from typing import ClassVar
 
 import torch
 
-from kvedit.edits import heads
+from kvedit.edits import budgets, heads
 from kvedit.edits.attention import Window, check_window
 from kvedit.edits.rope import rerotate, rotate_keys
 from kvedit.layout import ModelLayout
@@ -113,12 +113,23 @@ class DropPolicy:
     # host edit beside a GPU engine: the attention of a window over a long context, and the
     # gather and re-rotation of a 16k-token cache, are GPU work.
     edit_device: str | None = None
+    # Tokens per (layer, KV head) with per_head (budgets.py): "uniform" (equal counts),
+    # "layer" (AdaKV: a layer's total shared by its heads) or "global" (one ranking over every
+    # layer and head, KVzip's); the unequal ones are stored with null-key pads, in as many
+    # slots as the largest head keeps. `alpha`: every head keeps at least that share of T'.
+    budget: str = "uniform"
+    alpha: float = 0.2
     # True: the policy scores from the request's captured queries; the SDK then fetches them
     # (the request must be created with capture_queries=W) and passes them to __call__.
+    # An unequal `budget` needs queries too (its pads' null keys), from the context.
     needs_queries: ClassVar[bool] = False
     # True: those queries are a reconstruction pass's (KVzip, kvedit.sdk.kvzip), not the
     # prompt's own: the policy does not see the question (query-agnostic).
     needs_reconstruction: ClassVar[bool] = False
+    # Whose queries: "prompt" (the prompt's last W tokens as captured by its prefill: the
+    # question when it ends the prompt), "reconstruction" (KVzip's pass) or "context" (the
+    # edited context's own last rows, kvedit.sdk.context_pass: no question); None: none.
+    queries_from: ClassVar[str | None] = None
     # True: those queries rank the prompt once, when it is computed (kvedit.edits.anchored);
     # a decode-time budget then keeps no query ring and needs no protection for the window.
     queries_at_prefill: ClassVar[bool] = False
@@ -141,6 +152,23 @@ class DropPolicy:
         if self.protect_last < 0:
             raise ValueError(f"{type(self).__name__}.protect_last must be >= 0 tokens, "
                              f"got {self.protect_last}")
+        self._check_budget()
+
+    def _check_budget(self) -> None:
+        who = type(self).__name__
+        if self.budget not in budgets.BUDGETS or not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"{who}.budget must be one of {budgets.BUDGETS} and alpha in "
+                             f"[0, 1], got budget={self.budget!r}, alpha={self.alpha}")
+        if self.budget == "uniform":
+            return
+        if not self.per_head or self.where != "logical":
+            raise ValueError(f"{who}(budget={self.budget!r}) selects per (layer, KV head) at "
+                             f"logical positions: set per_head=True and leave positions "
+                             f"'logical' (got per_head={self.per_head}, "
+                             f"positions={self.positions!r})")
+        if not type(self).needs_queries:  # the pads' null keys need a sample of queries
+            self.needs_queries = True
+            self.queries_from = "context"
 
     # -- what a policy implements -------------------------------------------------------
     def score(self, kv: torch.Tensor, units: Units, layout: ModelLayout | None) -> torch.Tensor:
@@ -265,6 +293,8 @@ class DropPolicy:
         drop = self.num_drop(units)
         if drop == 0:
             return self._all(kv, layout, units.tokens)
+        if self.budget != "uniform":  # [L, H_kv, S] with -1 where a head's pads go
+            return self._adaptive(kv, layout, queries, query_start)[0]
         scores = self._scores(kv, units, layout, queries, query_start)
         if self.per_head:
             keep = units.tokens - min(drop * units.size, units.tokens - 1)
@@ -284,6 +314,7 @@ class DropPolicy:
         protected ones first; `ratio` is not used (a policy whose scores depend on it, such
         as DropMiddle, scores with the ratio it was given)."""
         self._check_kv(kv)
+        self._equal_counts("select")
         T = kv.shape[2]
         if not 0 < keep <= T:
             raise ValueError(f"{type(self).__name__}.select: keep must be in [1, {T}] (the "
@@ -298,6 +329,7 @@ class DropPolicy:
         """This policy as an edit fn that keeps at most `max_tokens` of the kv it is given:
         the ratio that drops just enough units (what a budget's edit needs between decode
         rounds, kvedit.sdk.driver); kv already that short is returned as it is."""
+        self._equal_counts("keeping")
         def fit(kv, tokens, layout=None):
             units = self.units(kv.shape[2], layout)
             keep = max_tokens // units.size
@@ -357,6 +389,9 @@ class DropPolicy:
         if layout is None:
             raise ValueError(f"{type(self).__name__}(per_head=True) needs the model layout "
                              "(head_dim, chunk_size): run it through the SDK or pass layout=...")
+        if self.budget != "uniform":
+            idx, nulls = self._adaptive(kv, layout, queries, query_start)
+            return budgets.store(kv, tokens, idx, nulls, layout, self.rerotate)
         T = kv.shape[2]
         units = self.units(T, layout)
         keep = T - min(self.num_drop(units) * units.size, T - 1)
@@ -380,6 +415,22 @@ class DropPolicy:
         ids = torch.as_tensor(list(tokens) if not isinstance(tokens, torch.Tensor) else tokens,
                               dtype=torch.int64, device=idx.device)
         return out, ids[idx]
+
+    def _adaptive(self, kv, layout, queries, query_start) -> tuple[torch.Tensor, torch.Tensor]:
+        """(idx [L, H_kv, S] with -1 pads, null keys): the `budget` selection (budgets.py),
+        the pads' null keys from the policy's own queries."""
+        window = self.captured_window(kv, layout, queries, query_start)
+        T = kv.shape[2]
+        units = self.units(T, layout)
+        keep = T - min(self.num_drop(units) * units.size, T - 1)
+        scores = self._protect(units.expand(self.unit_scores(kv, units, layout, window)))
+        return budgets.selection(scores, keep, self.budget, self.alpha, window.queries, layout)
+
+    def _equal_counts(self, what: str) -> None:
+        if self.budget != "uniform":
+            raise ValueError(f"{type(self).__name__}.{what} keeps an exact number of slots per "
+                             f"head; budget={self.budget!r} keeps as many as its largest head "
+                             "needs (kvedit.edits.budgets): use budget='uniform'")
 
     @property
     def where(self) -> str:

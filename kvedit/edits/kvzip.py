@@ -43,6 +43,7 @@ class KVzip(DropPolicy):
     block_bytes: int = 256 << 20
     needs_queries: ClassVar[bool] = True
     needs_reconstruction: ClassVar[bool] = True
+    queries_from: ClassVar[str | None] = "reconstruction"
 
     def __post_init__(self):
         super().__post_init__()

@@ -86,6 +86,7 @@ class SnapKV(DropPolicy):
     span: int = 10
     block_bytes: int = 256 << 20  # temporary float32 logits per block of layers
     needs_queries: ClassVar[bool] = True
+    queries_from: ClassVar[str | None] = "prompt"
 
     def __post_init__(self):
         super().__post_init__()

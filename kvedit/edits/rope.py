@@ -198,3 +198,21 @@ def rerotate(kv: torch.Tensor, old_positions, new_positions, layout: ModelLayout
     lo, hi = int(moved[0]), int(moved[-1]) + 1  # identity rotations outside [lo, hi) are skipped
     rotate_keys(kv[0, :, lo:hi], delta[lo:hi], rope, head_dim)
     return kv
+
+
+def mean_rotation(rope: RopeParams, head_dim: int, start: int, count: int) -> torch.Tensor:
+    """float32 [head_dim, head_dim]: the mean of the rotations of positions start ..
+    start+count-1, acting on a column vector (`R @ x` rotates x as RoPE rotates a query or
+    key at such a position, on average). Dims past rotary_dim stay as they are. Expected
+    Attention (kvedit.edits.expected_attention) averages a query's rotation over the
+    positions still to come this way, as kvpress does."""
+    dim = rotary_dim(rope, head_dim)
+    freqs = inv_freq(rope, head_dim).double()
+    angle = torch.arange(start, start + count, dtype=torch.float64)[:, None] * freqs
+    cos, sin = angle.cos().mean(0), angle.sin().mean(0)        # [dim/2]
+    R = torch.eye(head_dim, dtype=torch.float64)
+    half = torch.arange(dim // 2)
+    a, b = (half, half + dim // 2) if rope.is_neox else (2 * half, 2 * half + 1)
+    R[a, a], R[b, b] = cos, cos
+    R[a, b], R[b, a] = -sin, sin   # a' = a cos - b sin, b' = b cos + a sin (rotate_keys)
+    return R.float()

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvedit.edits.anchored import PromptAnchored
 from kvedit.edits.base import DropPolicy
+from kvedit.edits.expected_attention import ExpectedAttention
 from kvedit.edits.kvzip import KVzip
 from kvedit.edits.policies import (
     DropMiddle,
@@ -32,7 +33,7 @@ POLICIES: dict[str, type[DropPolicy]] = {
     "drop_middle": DropMiddle, "uniform": UniformDrop, "streaming_llm": StreamingLLM,
     "key_norm": KeyNorm, "snapkv_proxy": SnapKVProxy, "keydiff": KeyDiff,
     "leverage": LeverageScore, "random": RandomDrop, "snapkv": SnapKV, "tova": TOVA,
-    "kvzip": KVzip, "prompt_anchored": PromptAnchored,
+    "kvzip": KVzip, "expected_attention": ExpectedAttention, "prompt_anchored": PromptAnchored,
 }
 
 

@@ -101,7 +101,7 @@ def _model(args) -> tuple[Path, str]:
 def run_demo(args) -> tuple[dict, Path]:
     """The whole demo; returns (summary, output dir)."""
     import kvedit
-    from kvedit.harness.eval.run import header_sink
+    from kvedit.harness.eval.policyspec import header_sink
     from kvedit.harness.eval.runner import query_window
     from kvedit.harness.eval.tasks import TASKS
     from kvedit.harness.experiment import engines, run_arm, warm_up

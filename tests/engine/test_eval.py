@@ -196,7 +196,7 @@ def test_the_header_sink_goes_to_every_policy_with_a_sink_and_only_to_those():
     from dataclasses import replace
 
     from kvedit.edits import POLICIES
-    from kvedit.harness.eval.run import header_sink, make_policy, sink_policies
+    from kvedit.harness.eval.policyspec import header_sink, make_policy, sink_policies
     from kvedit.harness.eval.tasks import Sample
 
     with_sink = set(sink_policies())

@@ -41,3 +41,28 @@ def test_kvpress_arm_answers_the_eval_prompts(smollm2_model):
         got = next(r["output"] for r in base if r["index"] == s.index)
         assert got.strip() == want.strip().split("<|im_end|>")[0].strip()
     assert PRESSES["KeyNorm"][0] == "KnormPress"
+
+
+def test_one_shared_prefill_answers_as_every_press_on_its_own(smollm2_model):
+    """The worker's shared path (one prefill for the presses of a sample, their answers
+    decoded in batches; kvpress_shared.py) against kvpress's pipeline run press by press,
+    on the same prompts: the same answer from every arm."""
+    from kvedit.harness.eval import reference as R
+
+    tok = load(smollm2_model)
+    samples = suite(tok, ["passkey", "multikey"], [512], 1, seed=0)
+    arm_list = R.arms(["key_norm", "keydiff:per_head=on:budget=layer", "snapkv", "tova",
+                       "kvzip", "expected_attention"], [0.5, 0.75], samples[0].header)
+    assert {a["press"] for a in arm_list} == {None, "KnormPress", "AdaKVPress", "SnapKVPress",
+                                              "TOVAPress", "KVzipPress",
+                                              "ExpectedAttentionPress"}
+    rt = R.runtime(None)
+
+    def answers(alone: bool) -> dict:
+        lines = R.run_workers(rt.python, R.job(samples, tok, smollm2_model, arm_list,
+                                               alone=alone), 1, env_extra=rt.env)
+        return {(x["id"], x["arm"]): x["answers"][0] for x in lines}
+
+    shared, alone = answers(False), answers(True)
+    assert len(shared) == len(samples) * len(arm_list)
+    assert shared == alone

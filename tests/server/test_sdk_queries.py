@@ -380,3 +380,32 @@ def test_a_pass_whose_queries_the_server_refuses_fails_in_reconstruct():
             assert s.queries is None and not ctx.query_refs
         finally:
             engine.client.close()
+
+
+def test_the_context_pass_gives_the_contexts_own_last_rows(ctx, engine, kv_server):
+    """capture_context: one request of the stream's region alone asking for its last rows,
+    whose queries the stream then holds; modify hands them over with the position of row 0
+    inside the context, and they are deleted after the edit."""
+    from kvedit.sdk.context_pass import ContextPassError, capture_context
+
+    p = prompt(3 * C + 40)           # a question of 40 tokens after three chunks
+    s = create_request(ctx, engine, p, cache_salt="ctxpass", name="ctxpass")
+    batch = BatchedStream([s], progress=False)
+    batch.prefill({"max_tokens": 1})
+    asked = len(engine.asked)
+    m = capture_context(batch, rows=48)
+    assert engine.asked[asked][CAPTURE_FIELD] == 48   # the pass asked for 48 rows ...
+    region = p[:3 * C]
+    qk = query_key(namespace(MODEL, LAYOUT, "ctxpass"), region, 48)   # ... of the region
+    assert s.queries is not None and s.queries.key == qk and m.num_streams == 1
+    fn = Recorder()
+    batch.modify(fn)
+    got = fn.got[0]
+    assert torch.equal(got["queries"], FakeEngine.queries(qk, 48))
+    assert got["query_start"] == 3 * C - 48   # inside the context, never the question
+    assert ctx.client.fetch_queries(MODEL, qk) is None
+    short = create_request(ctx, engine, prompt(C - 5), name="short")
+    with pytest.raises(ContextPassError, match=r"\(short\): it holds no full chunk"):
+        capture_context(BatchedStream([short], progress=False), rows=16)
+    with pytest.raises(ContextPassError, match=r"rows must be in \[1, 4096\]"):
+        capture_context(BatchedStream([s], progress=False), rows=0)

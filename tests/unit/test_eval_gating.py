@@ -162,11 +162,11 @@ def test_a_tally_adds_groups_into_one_row():
 
 
 def test_partial_results_are_written_whole(tmp_path):
-    from kvedit.harness.eval.run import _write_json
+    from kvedit.harness.eval.result import write_json
 
     path = tmp_path / "results.json"
-    _write_json(path, {"partial": True, "n": 1})
-    _write_json(path, {"partial": False, "n": 2})
+    write_json(path, {"partial": True, "n": 1})
+    write_json(path, {"partial": False, "n": 2})
     assert json.loads(path.read_text()) == {"partial": False, "n": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no temp file left
 
@@ -187,21 +187,30 @@ def test_kvedit_against_kvpress_is_judged_on_the_samples_kvpress_answered():
 
 
 def test_groups_split_until_each_fits_what_the_server_can_be_given(tiny_model, tmp_path):
-    from kvedit.harness.eval.run import EvalConfig, _Run
+    from kvedit.harness.eval import memory
+    from kvedit.harness.eval.run import EvalConfig
+    from kvedit.harness.eval.sizing import Sizing
+    from kvedit.harness.eval.tasks import suite
     from kvedit.harness.eval.tokenizer import load
 
     cfg = EvalConfig(model=str(tiny_model), tasks=["passkey", "docqa"], lengths=[1024],
                      samples=2, seeds=[0, 1], policies=["keydiff"], ratios=[0.5],
                      deadline_s=100.0)
-    run = _Run(cfg, tiny_model, load(tiny_model), lambda *a: None, 0.0, tmp_path)
-    assert [len(g) for g in run.groups] == [4, 4]   # a round: 2 seeds x 2 tasks
-    one = run._need(run.groups[0][:1])
-    assert run._need(run.groups[0]) == pytest.approx(4 * one, rel=0.05)
-    split = run._fit(run.groups, 2.5 * one)
+    tok = load(tiny_model)
+    samples = [s for seed in cfg.seeds for s in suite(tok, cfg.tasks, cfg.lengths, 2, seed=seed)]
+    sz = Sizing(cfg, tiny_model, tok, samples, lambda *a: None)
+    assert [len(g) for g in sz.groups] == [4, 4]   # a round: 2 seeds x 2 tasks
+    one = sz.need(sz.groups[0][:1])
+    assert sz.need(sz.groups[0]) == pytest.approx(4 * one, rel=0.05)
+    split = memory.fit(sz.groups, 2.5 * one, sz.need)
     assert [len(g) for g in split] == [2, 2, 2, 2]
-    assert [s for g in split for s in g] == [s for g in run.groups for s in g]  # same order
-    assert run._fit(run.groups, None) == run.groups
-    assert [len(g) for g in run._fit(run.groups, 0.5 * one)] == [1] * 8  # never below one
+    assert [s for g in split for s in g] == [s for g in sz.groups for s in g]  # same order
+    assert memory.fit(sz.groups, None, sz.need) == sz.groups
+    assert [len(g) for g in memory.fit(sz.groups, 0.5 * one, sz.need)] == [1] * 8
+    # the context pass's rows and cells edited at once add to a group's need
+    more = memory.group_need(tiny_model, sz.dtype, sz.groups[0], context_rows=512,
+                             cells_at_once=4)
+    assert more > sz.need(sz.groups[0])
 
 
 def test_the_side_by_side_chart_draws_a_policy_that_answered_nothing(tmp_path):
@@ -215,3 +224,78 @@ def test_the_side_by_side_chart_draws_a_policy_that_answered_nothing(tmp_path):
              "kvedit": 1.0, "kvedit_ci": list(full)}]
     path = side_by_side_chart(rows, tmp_path / "c.png", "bfloat16")
     assert path.stat().st_size > 0
+
+
+def test_head_adaptive_is_judged_against_the_same_scorer_with_equal_counts_at_075():
+    base = [rec("passkey", 4096, i, True) for i in range(10)]
+    for r in base:
+        r["kept_fraction"] = 1.0
+
+    def slots(c, kept):
+        for r in c["records"]:
+            r["kept_fraction"] = kept
+        return c
+
+    cells = [slots(cell(base, "KeyDiff:per_head=True", 0.75, {(0, 0), (1, 0)}), 0.25),
+             slots(cell(base, "KeyDiff:per_head=True:budget=layer", 0.75, {(0, 0)}), 0.4),
+             slots(cell(base, "KeyNorm:per_head=True", 0.75, set()), 0.25),
+             slots(cell(base, "KeyNorm:per_head=True:budget=layer", 0.75, {(3, 0)}), 0.4)]
+    g = gating.gated(base, cells, [0])
+    a = gating.acceptance(g, lambda p: False)["head_adaptive_vs_uniform_at_0.75"]
+    rows = a["rows"]
+    assert rows["KeyDiff:per_head=True:budget=layer 0.75"]["difference"] == pytest.approx(0.1)
+    assert rows["KeyDiff:per_head=True:budget=layer 0.75"]["slots"] == pytest.approx([0.4, 0.25])
+    assert rows["KeyNorm:per_head=True:budget=layer 0.75"]["difference"] == pytest.approx(-0.1)
+    assert a["ok"] is False   # KeyNorm's adaptive cell lost one
+
+
+def test_every_shared_policy_is_judged_inside_its_presss_interval():
+    base = [rec("passkey", 4096, i, True) for i in range(20)]
+    mine = gating.gated(base, [cell(base, "KeyDiff", 0.5, {(5, 0)}),
+                               cell(base, "KVzip", 0.75, {(i, 0) for i in range(12)})],
+                       [0])["results"]
+    press = [{**r, "press": p, "policy": pol, "ratio": x, "ok": ok(r["index"])}
+             for r in base for pol, p, x, ok in (
+                 ("KeyDiff", "KeyDiffPress", 0.5, lambda i: i != 3),
+                 ("KVzip", "KVzipPress", 0.75, lambda i: i < 18))]
+    reference = {"results": [{"ratio": 0.5}, {"ratio": 0.75}],
+                 "gated_results": gating.reference_gated(press, {("passkey", 4096)}),
+                 "kvedit_gated": mine}
+    got = gating.acceptance(gating.gated(base, [], [0]), lambda p: False,
+                            reference=reference)["kvedit_inside_kvpress"]
+    assert got["rows"]["KeyDiff 0.5"]["inside"]        # 19/20 against 19/20
+    kvzip = got["rows"]["KVzip 0.75"]                  # 8/20 against 18/20
+    assert not kvzip["inside"] and kvzip["kvedit"] < kvzip["kvpress"][2][0]
+    assert got["ok"] is False
+
+
+def test_runs_pooled_from_their_answers(tmp_path):
+    from kvedit.harness.eval.pooled import pool
+
+    for seed, flips in ((0, {(1, 0)}), (1, set())):
+        d = tmp_path / f"s{seed}"
+        d.mkdir()
+        base = [rec("passkey", 4096, i, True, seed=seed) for i in range(5)]
+        for r in base:
+            r["kept_fraction"] = 1.0
+        c = cell(base, "keydiff:per_head=on", 0.5, {(i, seed) for i, _ in flips})
+        for r in c["records"]:
+            r["kept_fraction"] = 0.5
+        lines = base + c["records"]
+        (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        (d / "results.json").write_text(json.dumps({"model": "m"}))
+    out = pool([tmp_path / "s0", tmp_path / "s1"])
+    assert out["baseline"]["n"] == 10 and out["baseline"]["correct"] == 10
+    row = out["results"][0]
+    assert row["policy"] == "KeyDiff:per_head=True" and row["correct"] == 9 and row["n"] == 10
+    assert row["kept_fraction"] == 0.5
+    assert [s["seed"] for s in out["seeds"]] == [0, 1]
+    assert out["gated"]["results"][0]["relative_accuracy"] == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="holds no samples.jsonl"):
+        pool([tmp_path])
+    from kvedit.cli import main   # the command: the same figures, written to --out
+
+    assert main(["eval", "--pool", f"{tmp_path / 's0'},{tmp_path / 's1'}", "--out",
+                 str(tmp_path / "pooled")]) == 0
+    written = json.loads((tmp_path / "pooled" / "results.json").read_text())
+    assert written["results"][0]["correct"] == 9

@@ -21,7 +21,12 @@ pytestmark = pytest.mark.slow  # fresh interpreters
 def fake_site(root, version="0.5.5", pipeline="") -> str:
     pkg = root / "kvpress"
     pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("MARK = 'site'\n")
+    # the names the worker's shared path imports (kvpress_shared.py), as empty classes
+    (pkg / "__init__.py").write_text("MARK = 'site'\nclass AdaKVPress: pass\n"
+                                     "class KVzipPress: pass\n")
+    (pkg / "presses").mkdir()
+    (pkg / "presses" / "__init__.py").write_text("")
+    (pkg / "presses" / "scorer_press.py").write_text("class ScorerPress: pass\n")
     (pkg / "pipeline.py").write_text(pipeline or "class KVPressTextGenerationPipeline: pass\n")
     info = root / f"kvpress-{version}.dist-info"
     info.mkdir()
@@ -59,7 +64,7 @@ SLOW_PIPELINE = """
 import time
 class KVPressTextGenerationPipeline:
     def __init__(self, model, tokenizer):
-        pass
+        self.model, self.tokenizer = model, tokenizer
     def _forward(self, inputs, max_new_tokens, press, cache):
         time.sleep(0.3)
         return ["answer"]
@@ -72,9 +77,11 @@ def test_the_worker_starts_no_sample_past_its_deadline(tmp_path, tiny_model):
     samples = [{"id": i, "context": [5, 6, 7], "split": 0, "questions": [[8, 9]],
                 "max_tokens": 2} for i in range(200)]
     deadline = time.time() + 40.0   # the imports and the model load come out of it
+    # "alone": every arm through the pipeline's step (the stand-in's waits), not the shared
+    # prefill
     run = subprocess.run([sys.executable, str(R.WORKER)], input=json.dumps(
         {"model_dir": str(tiny_model), "threads": 1, "deadline": deadline, "arms": arms,
-         "samples": samples}), capture_output=True, text=True, timeout=300,
+         "samples": samples, "alone": True}), capture_output=True, text=True, timeout=300,
         env={**R.os.environ, "PYTHONPATH": site})
     assert run.returncode == 0, run.stderr[-2000:]
     assert time.time() < deadline + 5   # 200 samples x 2 arms x 0.3 s would take 120 s

@@ -134,7 +134,9 @@ def test_every_policy_selects_per_head_with_equal_counts(name):
     T = 6 * C
     kv = rand(2, L, T, HKV * HD, seed=8)
     pol = POLICIES[name](0.5, granularity="token", per_head=True)
-    kw = {"queries": rand(L, 3, HKV * GROUP * HD, seed=9), "query_start": T} \
+    # the context's own rows for a policy that scores with them, else the question's after it
+    start = T - 3 if pol.queries_from == "context" else T
+    kw = {"queries": rand(L, 3, HKV * GROUP * HD, seed=9), "query_start": start} \
         if pol.needs_queries else {}
     idx = pol.keep_indices(kv, LAYOUT, **kw)
     assert idx.shape == (L, HKV, T // 2)

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvedit.edits import (POLICIES, TOVA, DropPolicy, KeyNorm, SnapKV, SnapKVProxy, Window,
-                          window_attention)
+from kvedit.edits import (POLICIES, TOVA, DropPolicy, KeyNorm, PromptAnchored, SnapKV,
+                          SnapKVProxy, Window, window_attention)
 from kvedit.edits.attention import check_window
 from kvedit.layout import ModelLayout, RopeParams
 
@@ -160,7 +160,10 @@ def test_needs_queries_flags_and_errors():
     assert SnapKV.needs_queries and TOVA.needs_queries
     assert not any(cls.needs_queries for cls in (DropPolicy, KeyNorm, SnapKVProxy))
     assert {name for name, cls in POLICIES.items() if cls.needs_queries} == {
-        "snapkv", "tova", "kvzip", "prompt_anchored"}
+        "snapkv", "tova", "kvzip", "expected_attention", "prompt_anchored"}
+    assert {cls.queries_from for cls in POLICIES.values()} == {
+        None, "prompt", "reconstruction", "context"}
+    assert PromptAnchored.queries_from == "prompt"
     kv = rand(2, L, 16, HKV * HD)
     with pytest.raises(ValueError, match=r"capture_queries=W"):
         SnapKV(0.5)(kv, list(range(16)), layout=LAYOUT)

@@ -17,7 +17,7 @@ from kvedit.harness.eval import reference as R
 
 def test_arms_pair_every_shared_policy_at_every_ratio_with_the_header_sink():
     arms = R.arms(["SnapKV", "KeyNorm", "StreamingLLM", "KVzip", "DropMiddle"], [0.5, 0.75], 49)
-    assert arms[0] == {"press": None, "ratio": 0.0, "policy": None,
+    assert arms[0] == {"press": None, "ratio": 0.0, "policy": None, "policies": [None],
                        "question_in_context": False}
     got = {(a["policy"], a["ratio"]): a for a in arms[1:]}
     assert set(got) == {(p, r) for p in ("SnapKV", "KeyNorm", "StreamingLLM", "KVzip", "AdaKV")
@@ -32,6 +32,30 @@ def test_arms_pair_every_shared_policy_at_every_ratio_with_the_header_sink():
     assert got["SnapKV", 0.5]["kwargs"] == {"window_size": "question"}
     assert got["AdaKV", 0.5]["kwargs"] == {"inner": "SnapKVPress", "window_size": "question"}
     assert R.arms(["StreamingLLM"], [0.5], None)[1]["kwargs"] == {"n_sink": 4}
+
+
+def test_options_pair_with_the_press_configured_alike_and_share_its_arm():
+    sink = 49
+    assert R.pairing("keydiff:per_head=on", sink) == ("KeyDiffPress", {}, False)
+    assert R.pairing("keydiff:per_head=on:budget=layer", sink) == (
+        "AdaKVPress", {"inner": "KeyDiffPress"}, False)
+    assert R.pairing("snapkv:per_head=on:budget=layer", sink) == (
+        "AdaKVPress", {"inner": "SnapKVPress", "window_size": "question"}, True)
+    assert R.pairing("expected_attention:per_head=on", sink) == (
+        "ExpectedAttentionPress", {"n_sink": 49}, False)
+    assert R.pairing("kvzip:per_head=on:budget=global", sink) == (
+        "KVzipPress", {"n_sink": 49}, False)
+    assert R.pairing("kvzip:per_head=on:budget=layer", sink) == (
+        "KVzipPress", {"n_sink": 49, "layerwise": True}, False)
+    for none in ("kvzip:per_head=on", "keydiff:per_head=on:budget=global",
+                 "snapkv:span=1", "keydiff:per_head=on:budget=layer:alpha=0.5", "drop_middle"):
+        assert R.pairing(none, sink) is None, none   # configured unlike any press
+    arms = R.arms(["keydiff", "keydiff:per_head=on", "keydiff:per_head=on:budget=layer"],
+                  [0.5], sink)
+    keydiff = [a for a in arms if a["press"] == "KeyDiffPress"]
+    assert len(keydiff) == 1 and keydiff[0]["policies"] == ["KeyDiff", "KeyDiff:per_head=True"]
+    ada = [a for a in arms if a["policy"] == "KeyDiff:per_head=True:budget=layer"]
+    assert ada[0]["press"] == "AdaKVPress" and ada[0]["kwargs"] == {"inner": "KeyDiffPress"}
 
 
 def test_job_sends_the_eval_token_ids_and_the_question_split():

@@ -94,7 +94,7 @@ def dtype(args, prompts: Prompts) -> str:
         return args.dtype
     if prompts.model_dir is None:
         return "bfloat16"
-    from kvedit.harness.eval.run import engine_dtype
+    from kvedit.harness.eval.sizing import engine_dtype
 
     return engine_dtype()
 
@@ -153,7 +153,7 @@ def _token_bytes(prompts: Prompts, dt: str) -> int:
 
 
 def _l1_available() -> float | None:
-    from kvedit.harness.eval.run import l1_budget
+    from kvedit.harness.eval.memory import l1_budget
 
     b = l1_budget()
     return None if b is None else b / GB

@@ -83,12 +83,18 @@ def register(sub) -> None:
                    help="requests in flight per batch (default 16 on CPU, 64 on a GPU)")
     p.add_argument("--modify-concurrency", type=int, default=None, metavar="N",
                    help="streams edited at once (default 2 on CPU, 4 on a GPU host)")
+    p.add_argument("--cells-at-once", type=int, default=None, metavar="N",
+                   help="policy x ratio cells of a group run at once, their requests batched "
+                        "together on the engine (default 1 on CPU, 4 on a GPU host)")
     p.add_argument("--edit-device", default="auto",
                    help="where policies run their edit (scores, gather, re-rotation): auto (CUDA "
                         "when this process sees one), cpu, or a torch device such as cuda:0")
     p.add_argument("--no-keep-header", action="store_true",
                    help="policies with a `sink` option use their own default instead of "
                         "keeping the prompt's header (template opening + instruction)")
+    p.add_argument("--pool", default=None, metavar="DIR,DIR,...",
+                   help="run nothing: pool the answers of earlier runs' --out directories "
+                        "into one set of figures (written to --out/results.json)")
     p.add_argument("--out", default=None, help="output dir (default runs/eval-<time>)")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.add_argument("--no-gain", action="store_true", help="skip the decode-gain arms")
@@ -120,7 +126,7 @@ def policy_names(text: str) -> list[str]:
     dataclass options, `snapkv:per_head=off:positions=compact` (several spellings of one
     policy run side by side)."""
     from kvedit.edits import POLICIES
-    from kvedit.harness.eval.run import parse_spec
+    from kvedit.harness.eval.policyspec import parse_spec
 
     if text == "all":
         return list(POLICIES)
@@ -159,7 +165,29 @@ def _engines_kw(args, cfg, log) -> dict:
     return kw
 
 
+def _pool(args) -> int:
+    from kvedit.harness.eval import gating
+    from kvedit.harness.eval.pooled import pool
+
+    try:
+        result = pool([Path(d) for d in _list(args.pool, str, "pool")])
+    except ValueError as e:
+        raise SystemExit(f"--pool: {e}")
+    out = Path(args.out or f"runs/eval-pooled-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    log(gating.table(result["gated"]))
+    log(f"acceptance (gated): {json.dumps(result['gated']['acceptance'])}")
+    log(f"wrote {out / 'results.json'}")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
 def _main(args) -> int:
+    if args.pool:
+        return _pool(args)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         from kvedit.harness.eval.run import EvalConfig, run_eval
@@ -189,7 +217,7 @@ def _main(args) -> int:
             raise SystemExit(f"--deadline-s must be positive, got {args.deadline_s}")
         if args.group_size is not None and args.group_size <= 0:
             raise SystemExit(f"--group-size must be positive, got {args.group_size}")
-        for name in ("in_flight", "modify_concurrency"):
+        for name in ("in_flight", "modify_concurrency", "cells_at_once"):
             if getattr(args, name) is not None and getattr(args, name) <= 0:
                 raise SystemExit(f"--{name.replace('_', '-')} must be positive, got "
                                  f"{getattr(args, name)}")
@@ -208,7 +236,7 @@ def _main(args) -> int:
                          deadline_s=args.deadline_s, group_size=args.group_size,
                          noop=not args.no_noop, in_flight=args.in_flight,
                          modify_concurrency=args.modify_concurrency,
-                         edit_device=args.edit_device, reference_site=args.reference_site,
+                         cells_at_once=args.cells_at_once, edit_device=args.edit_device, reference_site=args.reference_site,
                          reference_share=args.reference_share)
         out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
         out.mkdir(parents=True, exist_ok=True)

@@ -65,11 +65,19 @@ def _block(base_records, cells: list[dict], keep) -> dict:
         for n in lengths}}, "results": []}
     for c in cells:
         recs = [r for r in c["records"] if keep(r)]
-        row = {"policy": c["policy"], "ratio": c["ratio"], **_relative(recs, ok)}
+        row = {"policy": c["policy"], "ratio": c["ratio"], **_relative(recs, ok),
+               "kept_fraction": _kept(recs)}
         row["by_length"] = {str(n): _relative([r for r in recs if r["length"] == n], ok)
                             for n in lengths}
         out["results"].append(row)
     return out
+
+
+def _kept(records) -> float | None:
+    """The context's share the edits kept (slots), over `records` weighted by length."""
+    tokens = sum(r["length"] for r in records if "kept_fraction" in r)
+    return sum(r["kept_fraction"] * r["length"] for r in records if "kept_fraction" in r) \
+        / tokens if tokens else None
 
 
 def gated(base_records, cells: list[dict], seeds: list[int], *, aware=None,
@@ -196,9 +204,52 @@ def acceptance(g: dict, aware, noop: dict | None = None, reference: dict | None 
                                          "target": ">= 0.9 x the seed's full KV",
                                          "ok": all(v is not None and v >= 0.9
                                                    for v in per.values())}
+    adaptive = budget_pairs(results)
+    if adaptive:
+        rows = {f"{a['policy']} {a['ratio']:g}": {
+            "difference": a["accuracy"] - u["accuracy"],
+            "slots": [a.get("kept_fraction"), u.get("kept_fraction")]}
+            for u, a in adaptive if a["accuracy"] is not None and u["accuracy"] is not None}
+        at = [v["difference"] for k, v in rows.items() if k.endswith(" 0.75")]
+        out["head_adaptive_vs_uniform_at_0.75"] = {
+            "rows": rows, "ok": all(d >= 0 for d in at) if at else None,
+            "target": ">= the same scorer with equal counts per head, at 0.75 (slots: the "
+                      "kept fraction of each, adaptive first: it keeps its largest head's)"}
     if reference and reference.get("results"):
         out["kvedit_vs_kvpress_best"] = _versus_kvpress(results, reference)
+        out["kvedit_inside_kvpress"] = _inside_kvpress(reference)
     return out
+
+
+def budget_pairs(results) -> list[tuple[dict, dict]]:
+    """(uniform per head, head-adaptive) rows of the same policy, options and ratio."""
+    def split(label: str):
+        name, *opts = label.split(":")
+        budget = next((o for o in opts if o.startswith("budget=")), "budget=uniform")
+        return (name, tuple(o for o in opts if not o.startswith("budget="))), budget
+
+    rows = {}
+    for r in results:
+        base, budget = split(r["policy"])
+        rows[(base, r["ratio"], budget)] = r
+    return [(rows[(b, x, "budget=uniform")], r) for (b, x, k), r in rows.items()
+            if k != "budget=uniform" and (b, x, "budget=uniform") in rows]
+
+
+def _inside_kvpress(reference) -> dict:
+    """Every policy kvpress also has against its press, on the gated pairs of the samples
+    kvpress answered: kvedit's accuracy inside the press's 95% interval."""
+    mine = {(r["policy"], r["ratio"]): r for r in reference.get("kvedit_gated", [])}
+    rows = {}
+    for t in reference.get("gated_results", []):
+        m = mine.get((t["policy"], t["ratio"]))
+        if m is None or m["accuracy"] is None or not t["ci"]:
+            continue
+        rows[f"{t['policy']} {t['ratio']:g}"] = {
+            "kvedit": m["accuracy"], "kvpress": [t["press"], t["accuracy"], t["ci"]],
+            "inside": t["ci"][0] - 1e-12 <= m["accuracy"] <= t["ci"][1] + 1e-12}
+    return {"rows": rows, "ok": all(v["inside"] for v in rows.values()) if rows else None,
+            "target": "kvedit inside kvpress's 95% interval on the same prompts, per policy"}
 
 
 def _versus_kvpress(results, reference) -> dict:

@@ -84,20 +84,32 @@ def make_policy(name: str, ratio: float, granularity: str, sink: int | None = No
     return policy(name, ratio=ratio, granularity=granularity, sink=sink, **{**kw, **opts})
 
 
+def sources(policies: list[str]) -> set[str]:
+    """Where the policies' queries come from (`DropPolicy.queries_from` of each, as built
+    with its options: a head-adaptive budget makes a query-free policy want the context's)."""
+    out = set()
+    for spec in policies:
+        pol = make_policy(spec, 0.5, "token")
+        if pol.needs_queries:
+            out.add(getattr(pol, "queries_from", None) or "prompt")
+    return out
+
+
 def needs_queries(policies: list[str]) -> bool:
     """Some policy scores from the prompt's captured queries: the prefills must capture
     them."""
-    from kvedit.edits import POLICIES
-
-    classes = [POLICIES[parse_spec(n)[0]] for n in policies]
-    return any(c.needs_queries and not c.needs_reconstruction for c in classes)
+    return "prompt" in sources(policies)
 
 
 def needs_reconstruction(policies: list[str]) -> bool:
     """Some policy scores from KVzip's reconstruction pass: run it once per sample."""
-    from kvedit.edits import POLICIES
+    return "reconstruction" in sources(policies)
 
-    return any(POLICIES[parse_spec(n)[0]].needs_reconstruction for n in policies)
+
+def needs_context(policies: list[str]) -> bool:
+    """Some policy scores with the context's own queries (Expected Attention, a head-adaptive
+    budget's null keys): run the context pass once per sample."""
+    return "context" in sources(policies)
 
 
 def query_aware(policy_label: str) -> bool:
@@ -106,7 +118,7 @@ def query_aware(policy_label: str) -> bool:
 
     name = policy_label.split(":")[0]
     cls = next(c for c in POLICIES.values() if c.__name__ == name)
-    return cls.needs_queries and not cls.needs_reconstruction
+    return cls.needs_queries and cls.queries_from == "prompt"
 
 
 def reconstruction_for(tok):

@@ -21,13 +21,18 @@ Pairs (kvedit policy: kvpress press, as configured here):
   that drops as many tokens as the eval drops of the context;
 - KeyDiff: KeyDiffPress; KeyNorm: KnormPress; LeverageScore: LeveragePress;
   RandomDrop: RandomPress;
-- StreamingLLM: StreamingLLMPress and KVzip: KVzipPress with `n_sink` = the eval's header
-  sink (the same rule kvedit's policies get);
-- AdaKV: AdaKVPress(SnapKVPress) with the question, kvpress-only: head-adaptive budgets,
-  which vLLM's uniform block tables cannot hold (docs/eval.md).
+- StreamingLLM: StreamingLLMPress, KVzip: KVzipPress and ExpectedAttention:
+  ExpectedAttentionPress, with `n_sink` = the eval's header sink (the same rule kvedit's
+  policies get);
+- a head-adaptive budget (`budget=layer`): AdaKVPress around the scorer's press; KVzip's
+  `budget=global` is KVzipPress itself, `budget=layer` KVzipPress(layerwise=True)
+  (`pairing` says which options pair with what);
+- AdaKV: AdaKVPress(SnapKVPress) with the question, kvpress-only.
 kvpress keeps different tokens per KV head (equal counts per layer; KVzipPress and AdaKV
-rank globally, so counts differ per head) and keeps the original positions (no
-re-rotation); differences are discussed in docs/eval.md.
+rank across heads, so counts differ per head) and keeps the original positions (masked
+keys; no re-rotation); kvedit stores unequal counts with null-key pads
+(kvedit.edits.budgets). Differences are discussed in docs/eval.md. The worker shares one
+prefill between the presses of a sample (kvpress_shared.py).
 """
 from __future__ import annotations
 
@@ -61,6 +66,7 @@ PRESSES = {
     "RandomDrop": ("RandomPress", {}, False),
     "StreamingLLM": ("StreamingLLMPress", {"n_sink": "sink"}, False),
     "KVzip": ("KVzipPress", {"n_sink": "sink"}, False),
+    "ExpectedAttention": ("ExpectedAttentionPress", {"n_sink": "sink"}, False),
 }
 EXTRA = {"AdaKV": ("AdaKVPress", {"inner": "SnapKVPress", "window_size": "question"}, True)}
 
@@ -167,17 +173,61 @@ def _build(target: Path, python: Path, done: Path, log) -> Path:
     return python
 
 
+def pairing(spec: str, sink: int | None) -> tuple[str, dict, bool] | None:
+    """(press, kwargs, question in context) of a kvedit --policies entry or class name, or
+    None where kvpress has no press configured alike. Presses select per KV head, so
+    `per_head` and `positions` pair with the same press; `budget="layer"` is AdaKVPress
+    around the scorer's press (its alpha_safeguard 0.2 is kvedit's `alpha` default); KVzip's
+    `budget="global"` (and, as before, KVzip per token) is KVzipPress, `"layer"` KVzipPress
+    with `layerwise`; any other option configures the policy unlike the press."""
+    from kvedit.edits import POLICIES
+    from kvedit.harness.eval.policyspec import parse_spec
+
+    name, opts = parse_spec(spec) if spec in POLICIES or ":" in spec else (None, {})
+    cls = POLICIES[name].__name__ if name else spec
+    if cls not in {**PRESSES, **EXTRA}:
+        return None
+    press, kwargs, question = {**PRESSES, **EXTRA}[cls]
+    kwargs = {k: (sink or 4) if v == "sink" else v for k, v in kwargs.items()}
+    per_head, budget = opts.pop("per_head", False), opts.pop("budget", "uniform")
+    opts.pop("positions", None)
+    if opts and set(opts) != {"alpha"} or opts.get("alpha", 0.2) != 0.2:
+        return None
+    if cls == "KVzip":
+        if budget == "layer":
+            return press, {**kwargs, "layerwise": True}, question
+        return None if per_head and budget == "uniform" else (press, kwargs, question)
+    if budget == "layer":
+        return "AdaKVPress", {"inner": press, **kwargs}, question
+    return None if budget == "global" else (press, kwargs, question)
+
+
 def arms(policies: list[str], ratios: list[float], sink: int | None) -> list[dict]:
     """The worker's arms: the unedited baseline, then every press with a kvedit peer (and
-    AdaKV) at every ratio."""
-    out = [{"press": None, "ratio": 0.0, "policy": None, "question_in_context": False}]
-    wanted = [p for p in policies if p in PRESSES] + list(EXTRA)
-    for name in wanted:
-        press, kwargs, question = {**PRESSES, **EXTRA}[name]
-        kw = {k: (sink or 4) if v == "sink" else v for k, v in kwargs.items()}
+    AdaKV(SnapKV), kvpress-only) at every ratio; `policies` are --policies entries (or class
+    names). Policies that pair with the same press share its arm (`policies`: their labels;
+    `policy`: the first)."""
+    from kvedit.edits import POLICIES
+    from kvedit.harness.eval.policyspec import label
+
+    out = [{"press": None, "ratio": 0.0, "policy": None, "policies": [None],
+            "question_in_context": False}]
+    seen: dict[str, dict] = {}
+    named = [(p, pairing(p, sink)) for p in policies] + [
+        (name, pairing(name, sink)) for name in EXTRA]
+    for spec, paired in named:
+        if paired is None:
+            continue
+        press, kw, question = paired
+        tag = label(spec) if ":" in spec or spec in POLICIES else spec
         for r in ratios:
-            out.append({"press": press, "kwargs": kw, "ratio": r, "policy": name,
-                        "question_in_context": question})
+            key = json.dumps([press, kw, r, question], sort_keys=True)
+            if key in seen:
+                seen[key]["policies"].append(tag)
+                continue
+            seen[key] = {"press": press, "kwargs": kw, "ratio": r, "policy": tag,
+                         "policies": [tag], "question_in_context": question}
+            out.append(seen[key])
     return out
 
 
@@ -190,12 +240,13 @@ def _split(tail: list[int], closing: list[int]) -> int:
 
 
 def job(samples, tok, model_dir: Path, arm_list: list[dict], *, threads: int = 1,
-        deadline: float | None = None) -> dict:
+        deadline: float | None = None, alone: bool = False) -> dict:
     """The worker's input. `deadline`: epoch seconds after which it starts no sample that
-    would end past it (judged by its samples so far)."""
+    would end past it (judged by its samples so far); `alone`: every press on its own
+    prefill through kvpress's pipeline (else one prefill shared, kvpress_shared.py)."""
     closing = tok.encode(tok.after_user)
     return {"model_dir": str(model_dir), "threads": threads, "deadline": deadline,
-            "arms": arm_list, "samples": [
+            "alone": alone, "arms": arm_list, "samples": [
         {"id": i, "context": s.prompt_ids[:s.length],
          "split": _split(list(s.questions[0].tail), closing),
          "questions": [list(q.tail) for q in s.questions[:1]], "max_tokens": s.max_tokens}
@@ -241,7 +292,7 @@ def run_reference(cfg, model_dir: Path, samples, tok, sink: int | None, *, log=p
     from kvedit.harness.eval.report import summarize
 
     ratios = cfg.reference_ratios or cfg.ratios
-    arm_list = arms([_class(p) for p in cfg.policies if ":" not in p], ratios, sink)
+    arm_list = arms(list(cfg.policies), ratios, sink)
     rt = runtime(getattr(cfg, "reference_site", None), log)
     gpu = bool(rt.env) and _cuda()
     workers = workers or (1 if gpu else max(1, min(2, os.cpu_count() or 1)))
@@ -250,18 +301,20 @@ def run_reference(cfg, model_dir: Path, samples, tok, sink: int | None, *, log=p
         f"({rt.where}, {'CUDA bfloat16' if gpu else 'CPU float32'})")
     lines = run_workers(rt.python, job(samples, tok, model_dir, arm_list, threads=threads,
                                        deadline=deadline), workers, log, rt.env)
-    by_arm: dict[int, list[dict]] = {}
+    by_arm: dict[tuple, list[dict]] = {}
     for line in lines:
         s, a = samples[line["id"]], arm_list[line["arm"]]
         text = line["answers"][0]
-        by_arm.setdefault(line["arm"], []).append(
-            {"seed": s.seed, "task": s.task, "length": s.length, "depth": s.depth,
-             "index": s.index, "press": a["press"], "policy": a["policy"],
-             "ratio": a["ratio"], "ok": s.correct(text), "answer": list(s.answers),
-             "output": text})
-    base, rows = summarize(by_arm.get(0, []), [
-        {"policy": a["policy"], "ratio": a["ratio"], "press": a["press"],
-         "records": by_arm.get(i, [])} for i, a in enumerate(arm_list) if i > 0])
+        for policy in a["policies"]:   # one record per kvedit policy the press pairs with
+            by_arm.setdefault((line["arm"], policy), []).append(
+                {"seed": s.seed, "task": s.task, "length": s.length, "depth": s.depth,
+                 "index": s.index, "press": a["press"], "policy": policy,
+                 "ratio": a["ratio"], "ok": s.correct(text), "answer": list(s.answers),
+                 "output": text})
+    base, rows = summarize(by_arm.get((0, None), []), [
+        {"policy": p, "ratio": a["ratio"], "press": a["press"],
+         "records": by_arm.get((i, p), [])}
+        for i, a in enumerate(arm_list) if i > 0 for p in a["policies"]])
     keep = ("policy", "press", "ratio", "accuracy", "ci", "correct", "n", "by_task")
     done = len({line["id"] for line in lines})
     return {"kvpress": KVPRESS_VERSION, "precision": "bfloat16" if gpu else "float32",
@@ -276,10 +329,3 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _class(key: str) -> str:
-    from kvedit.edits import POLICIES
-
-    return POLICIES[key].__name__ if key in POLICIES else key
-

@@ -7,10 +7,12 @@ ratio, a fresh stream of the same prompt and salt finds those chunks in the kved
 The original chunks stay referenced by the prefill streams, so one prefill serves every
 policy; each policy's edited chunks are deleted once its answers are in.
 
-Where a policy's queries come from: a query-aware policy (SnapKV, TOVA) gets the queries
-vLLM captured for the prompt's tail (the question) during the prefill; KVzip
-(`needs_reconstruction`) gets those of one reconstruction pass per sample
-(`kvedit.sdk.kvzip`), run once after the prefill by streams that hold them for every cell.
+Where a policy's queries come from (its `queries_from`): a query-aware policy (SnapKV,
+TOVA: "prompt") gets the queries vLLM captured for the prompt's tail (the question) during
+the prefill; KVzip ("reconstruction") those of one reconstruction pass per sample
+(`kvedit.sdk.kvzip`), and Expected Attention or a head-adaptive budget's null keys
+("context") those of one pass over the context alone (`kvedit.sdk.context_pass`): each
+pass runs once after the prefill, by streams that hold its queries for every cell.
 
 Reuse (SCBench style): a sample with several questions (one per needle) is edited once, for
 its first question, and then every other question is asked of the same edited cache: a new
@@ -25,6 +27,7 @@ survives, stored or recomputed.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -91,31 +94,38 @@ class AccuracyRun:
 
     def __init__(self, ctx, completion, samples: list[Sample], decode, *, progress: bool = True,
                  capture: bool = False, reconstruction: Reconstruction | None = None,
-                 reuse: bool = False, in_flight: int = IN_FLIGHT, modify_concurrency: int = 2):
+                 context_rows: int | None = None, reuse: bool = False,
+                 in_flight: int = IN_FLIGHT, modify_concurrency: int = 2):
         self.ctx, self.completion, self.samples = ctx, completion, samples
         self.in_flight, self.modify_concurrency = in_flight, modify_concurrency
         self.decode_text = decode  # token ids -> text (the model's tokenizer)
         self.progress = progress
         self.capture = capture  # some policy needs queries: the prefill captures them
         self.reconstruction = reconstruction  # some policy needs KVzip's pass
+        self.context_rows = context_rows      # some policy needs the context's own queries
         self.reuse = reuse      # ask every question of multi-question samples too
         self.salts = [f"eval-{uuid.uuid4().hex[:8]}-{i}" for i in range(len(samples))]
         self.max_tokens = max(s.max_tokens for s in samples)
         self._held = None
-        self._zip = None        # streams holding each sample's reconstruction queries
+        # by queries_from: streams holding each sample's pass queries ("reconstruction",
+        # "context")
+        self._passes: dict = {}
 
-    def _batch(self, capture: bool = False, zipped: bool = False):
+    def _batch(self, source: str | None = None):
+        """Fresh streams of every sample; `source` says where their queries come from:
+        "prompt" captures the tail at their prefill, a pass's name shares its queries."""
         import kvedit
-        from kvedit.sdk.kvzip import share_queries
+        from kvedit.sdk.passes import share_queries
 
         batch = kvedit.BatchedStream(progress=self.progress, max_concurrency=self.in_flight,
                                      modify_concurrency=self.modify_concurrency)
         for i, (s, salt) in enumerate(zip(self.samples, self.salts)):
-            kw = {"capture_queries": query_window(s, self.ctx.chunk_size)} if capture else {}
+            kw = ({"capture_queries": query_window(s, self.ctx.chunk_size)}
+                  if source == "prompt" else {})
             st = batch.add(kvedit.create_request(self.ctx, self.completion, s.prompt_ids,
                                                  cache_salt=salt, name=self._name(s), **kw))
-            if zipped:
-                share_queries(self._zip.streams[i], st)
+            if source in self._passes:
+                share_queries(self._passes[source].streams[i], st)
         return batch
 
     @staticmethod
@@ -126,17 +136,24 @@ class AccuracyRun:
         """Prefill every sample (chunks stored, queries captured if asked), run KVzip's
         reconstruction pass if asked, and decode the unedited streams."""
         t0 = time.perf_counter()
-        batch = self._batch(self.capture)
+        batch = self._batch("prompt" if self.capture else None)
         pre = batch.prefill(greedy(1))
         info = {"prefill_s": pre.duration, "prefill_tokens": pre.input_tokens}
         if self.reconstruction is not None:
             from kvedit.sdk.kvzip import reconstruct
 
-            self._zip = self._batch()
-            r = reconstruct(self._zip, self.reconstruction.repeat_ids,
+            self._passes["reconstruction"] = self._batch()
+            r = reconstruct(self._passes["reconstruction"], self.reconstruction.repeat_ids,
                             start=self.reconstruction.start)
             info.update(reconstruct_s=r.duration, reconstruct_tokens=r.input_tokens,
                         reconstruct_cached_tokens=r.cached_tokens)
+        if self.context_rows:
+            from kvedit.sdk.context_pass import capture_context
+
+            self._passes["context"] = self._batch()
+            r = capture_context(self._passes["context"], self.context_rows)
+            info.update(context_pass_s=r.duration, context_pass_tokens=r.input_tokens,
+                        context_pass_cached_tokens=r.cached_tokens)
         asks, where = None, []
         if self.reuse:
             contexts = [(s.prompt_ids[:len(s.prompt_ids) - len(s.questions[0].tail)], salt)
@@ -156,15 +173,32 @@ class AccuracyRun:
     def cell(self, policy, cell: Cell) -> tuple[list[dict], dict]:
         """Answers of every sample after `policy` edited its KV (and, with reuse, of every
         further question from the same edited KV)."""
-        zipped = getattr(policy, "needs_reconstruction", False)
-        capture = policy.needs_queries and not zipped
-        if (capture and not self.capture) or (zipped and self._zip is None):
-            raise ValueError(f"{cell.label} needs captured queries: build AccuracyRun with "
-                             "capture=True (or reconstruction=...) so the prefill gets them")
-        batch = self._batch(capture, zipped)
+        return self.cells([(policy, cell)])[0]
+
+    def cells(self, pairs) -> list[tuple[list[dict], dict]]:
+        """`cell` for every (policy, cell) of `pairs` at once: their edits and decodes
+        overlap on the engine (a GPU batches the cells' requests together), each cell on its
+        own fresh streams. Results in the order of `pairs`."""
+        from kvedit.sdk.loop import run_sync
+
+        async def all_of():
+            return await asyncio.gather(*(self.acell(p, c) for p, c in pairs))
+
+        return run_sync(all_of())
+
+    async def acell(self, policy, cell: Cell) -> tuple[list[dict], dict]:
+        """`cell` on the SDK's loop (every stream of the run is made and released there)."""
+        source = (getattr(policy, "queries_from", None) or "prompt") if policy.needs_queries \
+            else None
+        if (source == "prompt" and not self.capture) or (
+                source not in (None, "prompt") and source not in self._passes):
+            raise ValueError(f"{cell.label} needs the queries of {source!r}: build "
+                             "AccuracyRun with capture=True, reconstruction=... or "
+                             "context_rows=... so the prefill or its pass gets them")
+        batch = self._batch(source)
         t0 = time.perf_counter()
         control = isinstance(policy, Reload)
-        mod = None if control else batch.modify(policy)
+        mod = None if control else await batch.amodify(policy)
         chunk = self.ctx.chunk_size
         kept = []
         for s, st in zip(self.samples, batch):
@@ -175,14 +209,16 @@ class AccuracyRun:
         # baseline's).
         ask = self.reuse and not isinstance(policy, (NoOp, Reload))
         asks, where = self._asks(self._contexts(batch)) if ask else (None, [])
-        dec = self._decode(batch, greedy(self.max_tokens), asks)
+        dec = await self._adecode(batch, greedy(self.max_tokens), asks)
         records = [self._record(s, st.output_token_ids, cell, k)
                    for s, st, k in zip(self.samples, batch, kept)]
         if isinstance(policy, (NoOp, Reload)) and getattr(self, "baseline_outputs", None):
             for r, base in zip(records, self.baseline_outputs):
                 r["same_as_baseline"] = r["output"] == base
-        records += self._answers(asks, where, cell, kept)
-        self._release(batch)
+        records += self._answers(asks, where, cell, kept, release=False)
+        for b in (batch, asks):
+            if b is not None:
+                await self._arelease(b)
         context = sum(editable(s, chunk) for s in self.samples)
         edit = {} if mod is None else {
             "tokens_before": mod.tokens_before, "tokens_after": mod.tokens_after,
@@ -217,29 +253,30 @@ class AccuracyRun:
         return (asks if where else None), where
 
     def _decode(self, batch, params: dict, asks):
+        """The synchronous `_adecode`."""
+        from kvedit.sdk.loop import run_sync
+
+        return run_sync(self._adecode(batch, params, asks))
+
+    async def _adecode(self, batch, params: dict, asks):
         """Decode `batch` and the further questions `asks` at once: one wave of requests on
         the engine instead of two (a GPU batches them; the edited chunks load once into its
         prefix cache for both). Returns the main batch's decode Metrics."""
         if asks is None:
-            return batch.decode(params)
-        import asyncio
+            return await batch.adecode(params)
+        dec, _ = await asyncio.gather(batch.adecode(params),
+                                      asks.adecode(greedy(self.max_tokens)))
+        return dec
 
-        from kvedit.sdk.loop import run_sync
-
-        async def both():
-            dec, _ = await asyncio.gather(batch.adecode(params),
-                                          asks.adecode(greedy(self.max_tokens)))
-            return dec
-
-        return run_sync(both())
-
-    def _answers(self, asks, where, cell: Cell, kept: list[float]) -> list[dict]:
-        """The further questions' records (and their chunks released)."""
+    def _answers(self, asks, where, cell: Cell, kept: list[float],
+                 release: bool = True) -> list[dict]:
+        """The further questions' records (and their chunks released, unless not asked)."""
         if asks is None:
             return []
         out = [self._record(self.samples[i], st.output_token_ids, cell, kept[i], j)
                for (i, j), st in zip(where, asks)]
-        self._release(asks)
+        if release:
+            self._release(asks)
         return out
 
     def _record(self, s: Sample, output_ids, cell: Cell, kept: float, question: int = 0) -> dict:
@@ -254,18 +291,22 @@ class AccuracyRun:
 
     def _release(self, batch) -> None:
         """Delete the edited chunks no other stream references (the originals stay held)."""
-        keys = [k for st in batch for k in st.keys]
-        dead = self.ctx.unref(keys)
+        dead = self.ctx.unref([k for st in batch for k in st.keys])
         if dead:
             self.ctx.client.delete(self.ctx.model, dead)
 
+    async def _arelease(self, batch) -> None:
+        """`_release` on the SDK's loop (the delete in the context's pool)."""
+        dead = self.ctx.unref([k for st in batch for k in st.keys])
+        if dead:
+            await self.ctx.call(self.ctx.client.delete, self.ctx.model, dead)
+
     def close(self) -> None:
-        for name in ("_held", "_zip"):
-            batch = getattr(self, name)
+        for batch in [self._held, *self._passes.values()]:
             if batch is not None:
                 self._release(batch)
                 release_queries(batch)
-                setattr(self, name, None)
+        self._held, self._passes = None, {}
 
 
 def release_queries(batch) -> None:
