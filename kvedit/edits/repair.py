@@ -94,6 +94,12 @@ class Repair(DropPolicy):
         except TypeError as e:
             raise ValueError(f"{who}.{role}_args {args!r} for {name!r}: {e}") from None
 
+    @property
+    def base_policy(self) -> DropPolicy:
+        """The query-agnostic policy at this ratio: what compresses a cache before its
+        question is known (and what this Repair mends)."""
+        return self._base
+
     def restored(self, keep: int) -> int:
         """Of `keep` kept tokens, how many the question chooses."""
         if self.restore <= 1:

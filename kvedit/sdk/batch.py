@@ -25,7 +25,7 @@ from kvedit.sdk.metrics import Metrics, RunMetrics, add_generation, add_modify
 from kvedit.sdk.modify import modify_stream
 from kvedit.sdk.originals import Originals
 from kvedit.sdk.queries import expect
-from kvedit.sdk.repair import IfEvicted, Repair, RepairMetrics, repair_stream
+from kvedit.sdk.repair import IfEvicted, RepairMetrics, check_how, repair_stream
 from kvedit.sdk.stream import Stream
 
 
@@ -146,7 +146,7 @@ class BatchedStream:
                     await originals.abandon(kept)
                 raise
             if kept is not None:
-                await originals.admit(s, kept, after, fn)
+                await originals.admit(s, kept, after)
 
         await self._each("modify", self.streams, work, m)
         return m
@@ -164,16 +164,18 @@ class BatchedStream:
         await self._each("decode", live, work, m)
         return m
 
-    async def arepair(self, how: Repair | None = None, *, originals: Originals,
+    async def arepair(self, how, *, originals: Originals,
                       sampling_params=None, first_token: bool = False,
                       window: int | None = None, if_evicted: IfEvicted = "skip",
                       wait_timeout: float | None = None) -> RepairMetrics:
         """Mend every stream compressed with `modify(fn, originals=...)` for what was
         appended to it since (the new question), from its original (kvedit.sdk.repair):
-        `how` a kvedit.edits.Repair (None: the compressing policy as its base, the question
-        re-selecting the budget), `first_token` keeps the capture pass's answer token,
+        `how` the query-aware edit that re-selects (a kvedit.edits.Repair naming the policy
+        that compressed the streams), fitted to each stream's compressed size;
+        `first_token` keeps the capture pass's answer token,
         `window` captures only the last rows of the turn, `if_evicted` "skip" or
         "recompute" an original no longer in the server."""
+        check_how(how)
         m = RepairMetrics("repair", num_streams=len(self.streams))
         http = asyncio.Semaphore(self.max_concurrency)
         cpu = self._cpu_slots()
@@ -239,7 +241,7 @@ class BatchedStream:
         return run_sync(self.amodify(fn, keep_old=keep_old, wait_timeout=wait_timeout,
                                      originals=originals))
 
-    def repair(self, how: Repair | None = None, *, originals: Originals, sampling_params=None,
+    def repair(self, how, *, originals: Originals, sampling_params=None,
                first_token: bool = False, window: int | None = None,
                if_evicted: IfEvicted = "skip",
                wait_timeout: float | None = None) -> RepairMetrics:

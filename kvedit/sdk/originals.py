@@ -34,7 +34,6 @@ class Original:
     salt: str
     keys: list[bytes]            # rank 0's (the context deletes every rank's with them)
     nbytes: int                  # host memory its chunks take, every rank
-    base: Any = None             # the edit that compressed it (a policy: repair's default base)
     held: bool = True            # False: let go (budget); a repair must recompute it
 
 
@@ -77,11 +76,10 @@ class Originals:
         size = n * sum(layout.chunk_bytes for layout in ctx.layouts)
         return Original(ctx, list(stream.prompt[:n * c]), stream.cache_salt, keys, size)
 
-    async def admit(self, stream: Stream, original: Original, after: int, base) -> None:
+    async def admit(self, stream: Stream, original: Original, after: int) -> None:
         """`stream` was edited from `original`; `after` tokens of its sequence follow the
         edited region (they followed the original region too). Lets older originals go
         past the budget."""
-        original.base = base
         self._forget(stream)
         self._records[stream] = Record(original, list(stream.prompt[:len(stream.prompt) - after]))
         self._lru[id(original)] = original

@@ -11,9 +11,11 @@ any new turn) has been appended to the stream, `repair_stream`:
    chunks before the window from the server (the original: a host-to-device copy), vLLM
    computes only the tail, and answers one token (computed on the full original);
 2. **re-selects within the same budget** (`modify` of that request's original region with
-   a `kvedit.edits.Repair` policy and those queries): the compressed stream's own base
-   policy keeps its best tokens, the question's ranking fills the share `restore` of the
-   budget from the rest, exactly as many tokens as the compressed region held;
+   the caller's query-aware edit, fitted to exactly as many tokens as the compressed region
+   held, and those queries): with a `kvedit.edits.Repair` naming the compressing policy as
+   its base, the base keeps its best tokens and the question's ranking fills the share
+   `restore` of the budget from the rest (the SDK names no policy: the edit says what it
+   keeps, `Fits` makes it keep that many);
 3. **swaps** the stream onto the repaired region (its compressed chunks are released; the
    original stays in the ledger for the next question). The stream decodes on it next.
 
@@ -36,23 +38,16 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from kvedit.edits.base import DropPolicy
-from kvedit.edits.repair import Repair
-from kvedit.edits.spec import to_spec
 from kvedit.query_contract import MAX_WINDOW
+from kvedit.sdk.contracts import Fits, wants_queries
 from kvedit.sdk.errors import StreamError
-from kvedit.sdk.metrics import Metrics, add_generation, add_modify
+from kvedit.sdk.metrics import Metrics, add_modify
 from kvedit.sdk.modify import modify_stream
 from kvedit.sdk.originals import Originals, Record
 from kvedit.sdk.stream import Stream
 
 log = logging.getLogger("kvedit.sdk")
 IfEvicted = Literal["skip", "recompute"]
-# The share of the budget the question re-selects when the caller names no Repair.
-DEFAULT_RESTORE = 1.0
-# Options of the compressing policy that Repair carries itself (not in base_args).
-_OWN = ("ratio", "granularity", "chunk_size", "per_head", "protect_last", "positions",
-        "edit_device", "sink")
 
 
 class RepairError(StreamError):
@@ -61,34 +56,22 @@ class RepairError(StreamError):
 
 @dataclass
 class RepairMetrics(Metrics):
-    """Metrics("repair"): the capture passes (input/cached tokens, their TTFT), the
-    re-selections (modify's counters), and per stream what happened."""
+    """Metrics("repair"): the capture passes (input/cached tokens; `ttft` per stream from
+    its repair's start to the capture pass's answer token), the re-selections (modify's
+    counters), and per stream what happened."""
     streams_repaired: int = 0
     streams_evicted: int = 0         # skipped: the original was no longer in the server
     recomputed_tokens: int = 0       # original tokens the capture passes computed again
     capture_s: float = 0.0           # summed over streams
 
 
-def policy_for(rec: Record, how: Repair | None) -> Repair:
-    """The Repair that keeps exactly as many tokens as the stream's compressed region:
-    `how` (its ratio replaced), or one built on the policy that compressed the stream."""
-    T, k = len(rec.original.tokens), len(rec.current)
-    ratio = (T - k + 0.5) / T   # int(ratio * T) == T - k: exactly k kept
-    if how is None:
-        base = rec.original.base
-        if not isinstance(base, DropPolicy) or base.needs_queries:
-            raise ValueError(f"it was compressed by {type(base).__name__}, not a query-"
-                             f"agnostic kvedit.edits policy: pass repair a Repair(base=...) "
-                             f"naming one")
-        spec = to_spec(base, leave_out=_OWN)
-        how = Repair(base=spec.name, base_args=spec.args, restore=DEFAULT_RESTORE,
-                     per_head=base.per_head, protect_last=base.protect_last,
-                     positions=base.positions, edit_device=base.edit_device,
-                     sink=getattr(base, "sink", 0))
-    if not isinstance(how, Repair):
-        raise TypeError(f"repair takes a kvedit.edits.Repair (or None), got "
-                        f"{type(how).__name__}")
-    return dataclasses.replace(how, ratio=ratio)
+def check_how(how) -> None:
+    """TypeError unless `how` can repair: an edit that scores with the question's queries
+    and can be fitted to a budget (`Fits`: kvedit.edits.Repair)."""
+    if not isinstance(how, Fits) or not wants_queries(how):
+        raise TypeError(f"repair needs an edit that scores with the question's queries and "
+                        f"can be fitted to a budget (a kvedit.edits.Repair naming the policy "
+                        f"that compressed the streams), got {type(how).__name__}")
 
 
 def window_for(following: int, window: int | None) -> int:
@@ -96,11 +79,12 @@ def window_for(following: int, window: int | None) -> int:
     return max(1, min(following, window or following, MAX_WINDOW))
 
 
-async def repair_stream(stream: Stream, ledger: Originals, how: Repair | None, *, params,
+async def repair_stream(stream: Stream, ledger: Originals, how, *, params,
                         cpu_slots, m: RepairMetrics, first_token: bool = False,
                         window: int | None = None, if_evicted: IfEvicted = "skip",
                         wait_timeout: float = 60.0) -> None:
-    """Repair one stream for what follows its compressed region (module docstring)."""
+    """Repair one stream for what follows its compressed region (module docstring); `how`
+    passed check_how."""
     rec = ledger.record(stream)
     if rec is None:
         raise RepairError(stream, "it has no original kept: compress it with modify(fn, "
@@ -113,10 +97,7 @@ async def repair_stream(stream: Stream, ledger: Originals, how: Repair | None, *
     if not following:
         raise RepairError(stream, "nothing follows its compressed region: append the new "
                                   "question (stream.append) before repairing")
-    try:
-        fn = policy_for(rec, how)
-    except ValueError as e:
-        raise RepairError(stream, str(e)) from None
+    fn = how.keeping(n)      # the same budget: as many tokens as the compressed region
     original, ctx = rec.original, stream.ctx
     have = await ctx.call(ctx.client.lookup, ctx.model, original.keys)
     if have < len(original.keys):
@@ -132,6 +113,7 @@ async def repair_stream(stream: Stream, ledger: Originals, how: Repair | None, *
         ledger.readmit(original)
         m.recomputed_tokens += (len(original.keys) - have) * ctx.chunk_size
         ledger.counts["recomputed_tokens"] += (len(original.keys) - have) * ctx.chunk_size
+    start = time.perf_counter()
     w = window_for(len(following), window)
     probe = Stream(ctx, stream.post_completion, original.tokens + following, original.salt,
                    name=f"{stream.name or stream.id}/repair", capture_queries=w)
@@ -139,7 +121,11 @@ async def repair_stream(stream: Stream, ledger: Originals, how: Repair | None, *
         t0 = time.perf_counter()
         gen = await probe.generate(params, max_tokens=1, capture_queries=w)
         m.capture_s += time.perf_counter() - t0
-        add_generation(m, gen)
+        m.input_tokens += gen.prompt_tokens
+        m.output_tokens += len(gen.token_ids)
+        m.add_cached(gen.cached_tokens)
+        if gen.ttft is not None:   # from the repair's start: what first_token=True waits
+            m.ttft.append(t0 - start + gen.ttft)
         probe.kv_tokens = len(original.tokens)   # re-select the original region only
         add_modify(m, await modify_stream(probe, fn, cpu_slots=cpu_slots,
                                           wait_timeout=wait_timeout))

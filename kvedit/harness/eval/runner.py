@@ -156,6 +156,12 @@ class AccuracyRun:
     def cell(self, policy, cell: Cell) -> tuple[list[dict], dict]:
         """Answers of every sample after `policy` edited its KV (and, with reuse, of every
         further question from the same edited KV)."""
+        from kvedit.edits.repair import Repair
+
+        if isinstance(policy, Repair):  # reuse with repair: its own cell kind
+            from kvedit.harness.eval import repair_cell
+
+            return repair_cell.run(self, policy, cell)
         zipped = getattr(policy, "needs_reconstruction", False)
         capture = policy.needs_queries and not zipped
         if (capture and not self.capture) or (zipped and self._zip is None):
