@@ -165,14 +165,15 @@ class BatchedStream:
         return m
 
     async def arepair(self, how, *, originals: Originals,
-                      sampling_params=None, first_token: bool = False,
+                      sampling_params=None, first_token: bool = True,
                       window: int | None = None, if_evicted: IfEvicted = "skip",
                       wait_timeout: float | None = None) -> RepairMetrics:
         """Mend every stream compressed with `modify(fn, originals=...)` for what was
         appended to it since (the new question), from its original (kvedit.sdk.repair):
         `how` the query-aware edit that re-selects (a kvedit.edits.Repair naming the policy
         that compressed the streams), fitted to each stream's compressed size;
-        `first_token` keeps the capture pass's answer token,
+        `first_token` (default) keeps the capture pass's answer token as the answer's
+        first (False: every answer token is decoded on the repaired cache),
         `window` captures only the last rows of the turn, `if_evicted` "skip" or
         "recompute" an original no longer in the server."""
         check_how(how)
@@ -242,7 +243,7 @@ class BatchedStream:
                                      originals=originals))
 
     def repair(self, how, *, originals: Originals, sampling_params=None,
-               first_token: bool = False, window: int | None = None,
+               first_token: bool = True, window: int | None = None,
                if_evicted: IfEvicted = "skip",
                wait_timeout: float | None = None) -> RepairMetrics:
         return run_sync(self.arepair(how, originals=originals, sampling_params=sampling_params,

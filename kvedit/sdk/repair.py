@@ -19,10 +19,13 @@ any new turn) has been appended to the stream, `repair_stream`:
 3. **swaps** the stream onto the repaired region (its compressed chunks are released; the
    original stays in the ledger for the next question). The stream decodes on it next.
 
-`first_token=True` keeps the token the capture pass answered (computed on the whole
-original, so at least as good as the repaired cache's) as the answer's first token: the
+`first_token=True` (default) keeps the token the capture pass answered as the answer's first
+token: the question is prefilled on its whole original and decoded on the repaired cache,
+as an in-engine budget prefills a prompt whole and compacts it before decoding. The
 question's time to first token is then the capture pass's, and the repair's cost moves to
-the second token. False (default): every answer token is decoded on the repaired cache.
+the second token. False: every answer token is decoded on the repaired cache (the eval's
+strict measure), so the first one waits for the whole repair and a second prefill of the
+question.
 
 Atomic per stream: until the swap nothing of the stream changes; a failure raises
 RepairError naming the stream, whose compressed cache stays as it was. An original no
@@ -80,7 +83,7 @@ def window_for(following: int, window: int | None) -> int:
 
 
 async def repair_stream(stream: Stream, ledger: Originals, how, *, params,
-                        cpu_slots, m: RepairMetrics, first_token: bool = False,
+                        cpu_slots, m: RepairMetrics, first_token: bool = True,
                         window: int | None = None, if_evicted: IfEvicted = "skip",
                         wait_timeout: float = 60.0) -> None:
     """Repair one stream for what follows its compressed region (module docstring); `how`

@@ -68,7 +68,7 @@ def test_a_compressed_stream_is_repaired_from_its_original_for_the_new_question(
     squeezed_keys = list(s.keys)
     assert len(s.prompt) == N // 2 + 20 + 1          # compressed context, question, 1 token
     s.append(ids(12, 7))                              # the new question
-    m = batch.repair(HOW, originals=ledger, sampling_params=GREEDY)
+    m = batch.repair(HOW, originals=ledger, sampling_params=GREEDY, first_token=False)
     assert m.streams_repaired == 1 and m.cached_tokens >= N   # the capture pass loaded it
     want = expected(ctx, hf_queries, s, original_kv)
     assert s.prompt[:N // 2] == want                  # the same budget, re-selected
@@ -88,11 +88,11 @@ def test_each_question_is_repaired_from_the_original_not_from_the_last_repair(
     batch, (original_kv,) = compressed(ctx, post, ledger, 2)
     s = batch.streams[0]
     s.append(ids(10, 8))
-    batch.repair(HOW, originals=ledger, sampling_params=GREEDY)
+    batch.repair(HOW, originals=ledger, sampling_params=GREEDY, first_token=False)
     first = list(s.prompt[:N // 2])
     batch.decode({**GREEDY, "max_tokens": 2})
     s.append(ids(10, 9))                              # a second question on the same cache
-    batch.repair(HOW, originals=ledger, sampling_params=GREEDY)
+    batch.repair(HOW, originals=ledger, sampling_params=GREEDY, first_token=False)
     assert s.prompt[:N // 2] == expected(ctx, hf_queries, s, original_kv)
     assert s.prompt[:N // 2] != first
     assert ctx.client.lookup(ctx.model, ledger.record(s).original.keys) == N // C
@@ -109,7 +109,7 @@ def test_one_compressed_cache_serves_every_question_each_repaired_for_its_own(
     for o in others:
         ledger.share(main, o)
     asks = BatchedStream(others, progress=False)
-    asks.repair(HOW, originals=ledger, sampling_params=GREEDY)
+    asks.repair(HOW, originals=ledger, sampling_params=GREEDY, first_token=False)
     for o in others:
         assert o.prompt[:N // 2] == expected(ctx, hf_queries, o, original_kv,
                                              original=main.prompt_token_ids[:N])
@@ -130,9 +130,10 @@ def test_the_budget_lets_the_oldest_original_go_and_its_repair_is_skipped_or_rec
     assert ctx.client.lookup(ctx.model, original_keys) == 0      # its chunks were deleted
     s.append(ids(9, 10))
     before = list(s.prompt)
-    m = first.repair(HOW, originals=ledger, sampling_params=GREEDY)
+    m = first.repair(HOW, originals=ledger, sampling_params=GREEDY, first_token=False)
     assert m.streams_evicted == 1 and m.streams_repaired == 0 and s.prompt == before
-    m = first.repair(HOW, originals=ledger, sampling_params=GREEDY, if_evicted="recompute")
+    m = first.repair(HOW, originals=ledger, sampling_params=GREEDY, if_evicted="recompute",
+                     first_token=False)
     assert m.streams_repaired == 1 and m.recomputed_tokens == N
     assert s.prompt[:N // 2] == expected(ctx, hf_queries, s, kv1)
     assert ledger.report()["let_go"] == 2            # the second one went to make room
@@ -147,7 +148,7 @@ def test_an_original_the_server_evicted_is_reported_and_the_stream_kept(ctx, pos
     ctx.client.delete(ctx.model, rec.original.keys[1:2])   # as the server's LRU would
     s.append(ids(8, 11))
     before = list(s.prompt)
-    m = batch.repair(HOW, originals=ledger, sampling_params=GREEDY)
+    m = batch.repair(HOW, originals=ledger, sampling_params=GREEDY, first_token=False)
     assert m.streams_evicted == 1 and s.prompt == before
     assert ledger.report()["evicted_seen"] == 1
     assert batch.decode({**GREEDY, "max_tokens": 2}).output_tokens == 2
@@ -163,7 +164,7 @@ def test_first_token_is_the_capture_passs_answer_on_the_whole_original(ctx, post
     plain = BatchedStream([create_request(ctx, post, full, f"plain-{uuid.uuid4().hex}")],
                           progress=False)
     plain.decode({**GREEDY, "max_tokens": 1})
-    batch.repair(HOW, originals=ledger, sampling_params=GREEDY, first_token=True)
+    batch.repair(HOW, originals=ledger, sampling_params=GREEDY)        # first_token: default
     assert s.output_token_ids[-1] == plain.streams[0].output_token_ids[0]
     assert len(s.prompt) == kept + 20 + 1 + 11 + 1
     batch.decode({**GREEDY, "max_tokens": 2})
@@ -183,7 +184,7 @@ def test_a_failed_repair_names_the_stream_and_changes_nothing(ctx, post):
     before, keys = list(s.prompt), list(s.keys)
     with pytest.raises(RepairError, match=r"stream \d+ \(r0\).*scorer exploded"):
         batch.repair(Broken(base="key_norm", restore=0.5), originals=ledger,
-                     sampling_params=GREEDY)
+                     sampling_params=GREEDY, first_token=False)
     assert s.prompt == before and s.keys == keys
     assert ctx.client.lookup(ctx.model, keys) == len(keys)
     assert ctx.client.lookup(ctx.model, ledger.record(s).original.keys) == N // C

@@ -43,9 +43,10 @@ def run(acc, policy, cell) -> tuple[list[dict], dict]:
     for (i, _), st in zip(where, asks or []):
         ledger.share(main.streams[i], st)
     t1 = time.perf_counter()
-    fixed = [main.repair(policy, originals=ledger, sampling_params=greedy(1))]
+    fixed = [main.repair(policy, originals=ledger, sampling_params=greedy(1), first_token=False)]
     if asks is not None:
-        fixed.append(asks.repair(policy, originals=ledger, sampling_params=greedy(1)))
+        fixed.append(asks.repair(policy, originals=ledger, sampling_params=greedy(1),
+                                 first_token=False))
     t2 = time.perf_counter()
     dec = acc._decode(main, greedy(acc.max_tokens), asks)
     records = [acc._record(s, st.output_token_ids, cell, k)
