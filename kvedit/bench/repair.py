@@ -18,7 +18,9 @@ one compressed cache, one per arm, the arms' order alternating between rounds:
 
 Each request is alone on the engine (TTFT, not throughput). The ratios are per round, the
 JSON gives their medians; the repair's time is split into its capture pass, its
-re-selection (retrieve, Repair's scores and gather, store) and the rest.
+re-selection (retrieve, Repair's scores and gather, store) and the rest; the connector's
+loads (vLLM's log) say how much of each arm's TTFT went to copying chunks into vLLM's
+blocks (the capture pass loads the whole original, the plain question the compressed cache).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import uuid
 
 from kvedit.harness.vocab import greedy
 from kvedit.sdk.loop import run_sync
+from kvedit.vllm.transfer.copier_stats import load_lines
 
 
 def register(bsub) -> None:
@@ -64,7 +67,21 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, 8000) for _ in range(n)]
 
 
-def _round(ctx, post, rng, args, k: int) -> dict:
+class Loads:
+    """The connector's loads (vLLM's log, one line per load with stats_interval_s 0) since
+    the last reading: how long loading chunks into vLLM's blocks took a request."""
+
+    def __init__(self, log_path):
+        self.path, self.seen = log_path, 0
+
+    def since(self) -> tuple[float, float]:
+        """(milliseconds, MB) of the loads logged since the last call."""
+        lines = load_lines(self.path.read_text()) if self.path else []
+        new, self.seen = lines[self.seen:], len(lines)
+        return sum(x["total_ms"] for x in new), sum(x["mb"] for x in new)
+
+
+def _round(ctx, post, rng, args, k: int, loads: Loads) -> dict:
     """One round (module docstring): the two arms on one compressed cache."""
     import kvedit
     from kvedit.edits import KeyDiff, Repair
@@ -88,15 +105,19 @@ def _round(ctx, post, rng, args, k: int) -> dict:
 
     def plain():
         b = ask()
+        loads.since()
         out["no_repair_ttft_s"] = b.decode(greedy(1)).ttft[0]
+        out["no_repair_load_ms"], out["no_repair_load_mb"] = loads.since()
         b.release()
 
     def repaired():
         b = ask()
+        loads.since()
         t0 = time.perf_counter()
         m = b.repair(Repair(restore=args.restore, per_head=args.per_head), originals=ledger,
                      sampling_params=greedy(1), first_token=True)
         total = time.perf_counter() - t0
+        out["capture_load_ms"], out["capture_load_mb"] = loads.since()
         dec = b.decode(greedy(1))
         out.update(repair_first_token_s=m.ttft[0], repair_s=total,
                    repaired_first_token_s=total + dec.ttft[0], capture_s=m.capture_s,
@@ -129,15 +150,20 @@ def _main(args) -> int:
     dtype = args.dtype or engine_dtype()
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
+    longest = args.context + 4 * args.question + 256
+    # one request at a time, and the prefix cache's blocks of the round before: a small
+    # pool (a 1.5B model in float32 leaves little of a shared 24 GiB box)
     with engines(model=str(model_dir), served_model_name=served, dtype=dtype,
-                 max_model_len=args.context + 4 * args.question + 256,
-                 l1_size_gb=args.l1_size_gb, vllm_args=args.vllm_arg, log=log) as eng:
+                 kv_tokens=4 * longest, max_model_len=longest,
+                 l1_size_gb=args.l1_size_gb, vllm_args=args.vllm_arg, log=log,
+                 connector_config={"stats_interval_s": 0}) as eng:
         with kvedit.connect(eng.url, eng.http_url, eng.model, timeout=180) as ctx:
             post = kvedit.openai_completion(eng.vllm_url, eng.model)
-            _round(ctx, post, rng, args, 1)       # warm-up: first-call costs of every path
+            loads = Loads(eng.log_path)
+            _round(ctx, post, rng, args, 1, loads)   # warm-up: first-call costs of every path
             rounds = []
             for k in range(args.rounds):
-                rounds.append(_round(ctx, post, rng, args, k))
+                rounds.append(_round(ctx, post, rng, args, k, loads))
                 r = rounds[-1]
                 log(f"round {k + 1}/{args.rounds}: TTFT no repair {r['no_repair_ttft_s']:.3f} s,"
                     f" repair first token {r['repair_first_token_s']:.3f} s "
