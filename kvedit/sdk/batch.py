@@ -63,7 +63,7 @@ class BatchedStream:
     def __len__(self) -> int:
         return len(self.streams)
 
-    def _window(self, s: Stream) -> int:
+    def query_window(self, s: Stream) -> int:
         """The query window s's prefill asks for: its own setting, else the batch's."""
         return self.capture_queries if s.capture_queries is None else s.capture_queries
 
@@ -74,7 +74,7 @@ class BatchedStream:
         return tqdm(total=total, desc=desc, unit="stream", disable=not self.progress,
                     leave=False)
 
-    async def _each(self, phase: str, streams, work, m: Metrics) -> None:
+    async def each(self, phase: str, streams, work, m: Metrics) -> None:
         """Run work(stream) for all streams under a progress bar, timing the phase into
         m.duration; raise the stream errors once all have finished."""
         bar = self._bar(phase, len(streams))
@@ -104,7 +104,7 @@ class BatchedStream:
                 raise r
         raise_batch(phase, errors, len(streams))
 
-    def _cpu_slots(self) -> asyncio.Semaphore:
+    def cpu_slots(self) -> asyncio.Semaphore:
         """Bounds the CPU side of modify; each slot may keep one reusable retrieve buffer and
         one new_kv output."""
         for ctx in {id(s.ctx): s.ctx for s in self.streams}.values():
@@ -121,9 +121,9 @@ class BatchedStream:
         async def work(s: Stream):
             async with http:
                 add_generation(m, await s.generate(sampling_params, max_tokens=1,
-                                                   capture_queries=self._window(s)))
+                                                   capture_queries=self.query_window(s)))
 
-        await self._each("prefill", self.streams, work, m)
+        await self.each("prefill", self.streams, work, m)
         return m
 
     async def amodify(self, fn, *, keep_old: bool = False, wait_timeout: float | None = None,
@@ -132,7 +132,7 @@ class BatchedStream:
         `originals`: each stream's region before the edit stays in the server, in that
         ledger, so `repair` can mend the stream for a later question (kvedit.sdk.repair)."""
         m = Metrics("modify", num_streams=len(self.streams))
-        cpu = self._cpu_slots()
+        cpu = self.cpu_slots()
         wait = self.wait_timeout if wait_timeout is None else wait_timeout
 
         async def work(s: Stream):
@@ -148,7 +148,7 @@ class BatchedStream:
             if kept is not None:
                 await originals.admit(s, kept, after)
 
-        await self._each("modify", self.streams, work, m)
+        await self.each("modify", self.streams, work, m)
         return m
 
     async def adecode(self, sampling_params=None) -> Metrics:
@@ -161,7 +161,7 @@ class BatchedStream:
             async with http:
                 add_generation(m, await s.generate(sampling_params))
 
-        await self._each("decode", live, work, m)
+        await self.each("decode", live, work, m)
         return m
 
     async def arepair(self, how, *, originals: Originals,
@@ -179,7 +179,7 @@ class BatchedStream:
         check_how(how)
         m = RepairMetrics("repair", num_streams=len(self.streams))
         http = asyncio.Semaphore(self.max_concurrency)
-        cpu = self._cpu_slots()
+        cpu = self.cpu_slots()
         wait = self.wait_timeout if wait_timeout is None else wait_timeout
 
         async def work(s: Stream):
@@ -188,7 +188,7 @@ class BatchedStream:
                                     m=m, first_token=first_token, window=window,
                                     if_evicted=if_evicted, wait_timeout=wait)
 
-        await self._each("repair", self.streams, work, m)
+        await self.each("repair", self.streams, work, m)
         return m
 
     async def arun(self, prefill_params, fn, decode_params, *, keep_old: bool = False,
@@ -213,13 +213,13 @@ class BatchedStream:
         rm = RunMetrics(len(self.streams))
         parts, spans = rm.parts, rm.spans
         http = asyncio.Semaphore(self.max_concurrency)
-        cpu = self._cpu_slots()
+        cpu = self.cpu_slots()
 
         async def work(s: Stream):
             async with http:
                 with spans["prefill"]:
                     add_generation(parts["prefill"], await s.generate(
-                        prefill_params, 1, capture_queries=self._window(s)))
+                        prefill_params, 1, capture_queries=self.query_window(s)))
             with spans["modify"]:
                 add_modify(parts["modify"], await modify_stream(
                     s, fn, cpu_slots=cpu, keep_old=keep_old, wait_timeout=wait))
@@ -228,7 +228,7 @@ class BatchedStream:
                     add_generation(parts["decode"], await s.generate(decode_params))
 
         try:
-            await self._each("run", self.streams, work, rm.run)
+            await self.each("run", self.streams, work, rm.run)
         finally:
             rm.close()
         return rm.result()
