@@ -35,7 +35,6 @@ again by the capture pass (`"recompute"`: a prefill of the original).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ from kvedit.sdk.contracts import Fits, wants_queries
 from kvedit.sdk.errors import StreamError
 from kvedit.sdk.metrics import Metrics, add_modify
 from kvedit.sdk.modify import modify_stream
-from kvedit.sdk.originals import Originals, Record
+from kvedit.sdk.originals import Originals
 from kvedit.sdk.stream import Stream
 
 log = logging.getLogger("kvedit.sdk")
