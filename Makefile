@@ -5,12 +5,13 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.kvedit-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo bench clean redis-server
+.PHONY: setup test test-fast test-l2 demo bench clean redis-server
 
 setup: $(STAMP) redis-server
 
-# The L2 tier's tests start their own redis-server (docs/l2.md): install it when missing and we
-# can (root with apt); otherwise say so once (those tests then skip with the same hint).
+# The L2 tier's tests start their own redis-server, and the cluster tier's a Redis Cluster made
+# with redis-cli (Debian's redis-server brings redis-tools; docs/l2.md): install it when missing
+# and we can (root with apt); otherwise say so once (those tests then skip with the same hint).
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -36,6 +37,12 @@ test: setup
 # still run everything.
 test-fast: setup
 	$(BIN)/python -m pytest -ra -m "not vllm and not slow" tests/unit tests/server $(PYTEST_ARGS)
+
+# The second tier alone: one Redis and a Redis Cluster (3 masters + 3 replicas, real failovers);
+# part of `make test` too.
+test-l2: setup
+	$(BIN)/python -m pytest -ra tests/unit/test_l2_url.py tests/server/test_l2.py \
+	  tests/server/test_l2_mac.py tests/server/test_l2_cluster.py $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/kvedit demo

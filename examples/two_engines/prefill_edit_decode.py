@@ -1,7 +1,8 @@
 """Two engines, one tier: prefill on engine A, edit the KV, decode on engine B.
 
 Disaggregated prefill and decode with an edit in between. Each vLLM has its own kvedit
-server; the two servers share one Redis as their second tier (`kvedit server --l2-url`):
+server; the two servers share one Redis, or one Redis Cluster (--cluster), as their second
+tier (`kvedit server --l2-url`):
 
     vLLM A --connector--> server A --write-behind--> Redis <--promotion-- server B <-- vLLM B
        prefill              edit (SDK, on A)                                decode
@@ -20,10 +21,13 @@ are compared token by token. One vLLM runs at a time, so this fits a small machi
 hosts, run A and B side by side (give both servers the same --l2-url).
 
     python examples/two_engines/prefill_edit_decode.py --reference          # all local
+    python examples/two_engines/prefill_edit_decode.py --reference --cluster   # on a cluster
     python examples/two_engines/prefill_edit_decode.py --redis-url redis://host:6379/0
+    python examples/two_engines/prefill_edit_decode.py --redis-url redis+cluster://h1:7000,h2:7000
 
 By default it builds the tiny random-weight Qwen3 (kvedit tiny-model) and starts its own
-redis-server (`make setup` installs it); --model-dir serves another model.
+redis-server, or with --cluster a cluster of 3 masters + 3 replicas (`make setup` installs
+redis-server); --model-dir serves another model.
 """
 from __future__ import annotations
 
@@ -39,14 +43,15 @@ from kvedit.launch.vllm import start_vllm
 from kvedit.client.l2_wait import wait_l2_written
 from kvedit.launch.server import start_server
 from kvedit.launch.redis import RedisProcess
+from kvedit.launch.redis_cluster import RedisClusterProcess
 
 SERVED = "tiny-qwen3"
 
 
-def _status_l2(server) -> dict:
+def _status(server) -> dict:
     import urllib.request
     with urllib.request.urlopen(server.http_url + "/status", timeout=10) as r:
-        return json.load(r)["l2"]
+        return json.load(r)
 
 
 def _streams(ctx, post, prompts, salt: str) -> kvedit.BatchedStream:
@@ -57,13 +62,15 @@ def _streams(ctx, post, prompts, salt: str) -> kvedit.BatchedStream:
 
 
 def run(model_dir, prompts: list[list[int]], params: dict, redis_url: str | None,
-        reference: bool, kv_cache_gib: float = 0.25) -> dict:
+        reference: bool, kv_cache_gib: float = 0.25, cluster: bool = False) -> dict:
     out: dict = {"prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts]}
     vllm_kw = dict(served_model_name=SERVED, dtype="float32", kv_cache_gib=kv_cache_gib,
                    max_model_len=4096, dev_mode=True)
     with contextlib.ExitStack() as stack:
         if redis_url is None:
-            redis_url = stack.enter_context(RedisProcess()).url
+            redis_url = stack.enter_context(RedisClusterProcess() if cluster
+                                            else RedisProcess()).url
+        out["l2_scheme"] = redis_url.split("://", 1)[0]
         l2 = ["--l2-url", redis_url, "--l2-lookup-wait", "1.5"]
         sa = stack.enter_context(start_server(0.5, extra_args=l2))
         sb = stack.enter_context(start_server(0.5, extra_args=l2))
@@ -90,9 +97,11 @@ def run(model_dir, prompts: list[list[int]], params: dict, redis_url: str | None
             for s in batch.streams:
                 s.post_completion = post_b
             batch.decode(params)
+            # B's connector follows B's keys (a watch lives as long as its engine)
+            out["server_b_key_watches"] = _status(sb)["counters"]["key_watches"]
         out["two_engine_outputs"] = [s.output_token_ids for s in batch.streams]
         out["decode_cached_tokens"] = [s.generations[-1].cached_tokens for s in batch.streams]
-        out["server_b_l2"] = _status_l2(sb)
+        out["server_b_l2"] = _status(sb)["l2"]
     if reference:
         out["outputs_equal_single_engine"] = (out["two_engine_outputs"]
                                               == out["single_engine_outputs"])
@@ -102,7 +111,11 @@ def run(model_dir, prompts: list[list[int]], params: dict, redis_url: str | None
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--redis-url", default=None,
-                    help="shared Redis (default: start a throwaway redis-server here)")
+                    help="shared Redis or cluster, redis://... or redis+cluster://h1:p1,... "
+                         "(default: start a throwaway redis-server here)")
+    ap.add_argument("--cluster", action="store_true",
+                    help="without --redis-url: start a throwaway Redis Cluster (3 masters + 3 "
+                         "replicas) instead of one redis-server")
     ap.add_argument("--model-dir", default=None, help="default: the tiny random Qwen3")
     ap.add_argument("--num-prompts", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=1100)
@@ -116,7 +129,7 @@ def main() -> None:
                for _ in range(args.num_prompts)]
     params = {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.max_tokens}
     res = run(args.model_dir or default_tiny_model(), prompts, params, args.redis_url,
-              args.reference)
+              args.reference, cluster=args.cluster)
     if args.json:
         print(json.dumps(res))
         return

@@ -15,6 +15,7 @@ BENCH_MODULES = [
     "kvedit.bench.loop",        # server: Hello latency while max-size requests run vs idle
     "kvedit.bench.l2",          # server: Redis second tier vs redis-py, write modes, L2-hit TTFT
     "kvedit.bench.repair",      # SDK: a question's TTFT with repair of its cache vs without
+    "kvedit.bench.route",       # routing by KV events (vllm-router): cached share, TTFT per policy
 ]
 
 

@@ -42,10 +42,12 @@ import random
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
-from kvedit.harness.vocab import greedy
-from kvedit.request_params import RequestAsks
+from kvedit.bench.engine_calls import complete_one as _complete
+from kvedit.bench.engine_calls import post_json
+from kvedit.bench.engine_calls import prefill_tput as _prefill_tput
+from kvedit.bench.engine_calls import tree_cpu_seconds as _tree_cpu_seconds
 
 
 def register(bsub) -> None:
@@ -72,8 +74,10 @@ def register(bsub) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=1.0,
                    help="KV cache of each vLLM (default 1; a long prompt on a large model "
                         "needs more)")
-    p.add_argument("--server-gb", type=float, default=2.0,
-                   help="memory of the kvedit server we start (default 2)")
+    p.add_argument("--server-gb", type=float, default=None,
+                   help="kvedit server memory (default 2; 0.25 with --kv-events: it evicts)")
+    p.add_argument("--kv-events", action="store_true",
+                   help="only KV events for routers: cost on / off, exact removals")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                    help="one more argument for both vLLMs we start, repeatable; e.g. "
                         "--vllm-arg=--load-format --vllm-arg=dummy")
@@ -85,11 +89,14 @@ def register(bsub) -> None:
 
 
 def run(args) -> int:
+    if args.kv_events:
+        from kvedit.bench.connector_events import run as events_run
+        return events_run(args)
     result = (paged_bench(chunks=args.chunks, separate_layers=args.separate_layers)
               if args.paged else
               vllm_bench(args.tokens, args.prompts, args.rounds, model=args.model,
                          dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
-                         server_gb=args.server_gb, vllm_args=args.vllm_arg,
+                         server_gb=args.server_gb or 2.0, vllm_args=args.vllm_arg,
                          window=args.query_window if args.query_capture else 0,
                          store_commit=args.store_commit))
     print(json.dumps(result, indent=None if args.json else 2))
@@ -110,24 +117,14 @@ def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
     """
     import torch
 
-    from kvedit.vllm.transfer.gpu_memory import pin_host
     from kvedit.vllm.paged import PagedKV
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     kind, block = ("cuda", 16) if device == "cuda" else ("cpu", 128)
     tokens = chunk * chunks
     nblocks = 2 * tokens // block
-    perm = (0, 1, 3, 2, 4) if kind == "cuda" else (0, 1, 2, 3, 4)  # LBNHC / LBHNC
-    logical = (num_layers, nblocks, kv_heads, block, 2 * head_dim)
-    if separate_layers:
-        lperm, lshape = tuple(i - 1 for i in perm[1:]), logical[1:]  # one layer's order
-        bufs = [torch.randn([lshape[i] for i in lperm], dtype=torch.bfloat16, device=device)
-                for _ in range(num_layers)]
-        layers = [b.permute(*[lperm.index(i) for i in range(4)]) for b in bufs]
-    else:
-        buf = torch.randn([logical[i] for i in perm], dtype=torch.bfloat16, device=device)
-        view = buf.permute(*[perm.index(i) for i in range(5)])
-        layers = [view[i] for i in range(num_layers)]
+    layers = _paged_layers(kind, (num_layers, nblocks, kv_heads, block, 2 * head_dim), device,
+                           separate_layers)
     paged = PagedKV(layers, kind, head_dim, block)
     narrow = PagedKV(layers, kind, head_dim, block, wide=False)
     block_ids = torch.randperm(nblocks)[: tokens // block].tolist()
@@ -138,18 +135,7 @@ def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
     dev = list(staged.unbind(0))
     nbytes = staged.numel() * staged.element_size()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-    def timed(fn, reps: int = 5) -> float:
-        fn()
-        sync()
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            best = min(best, time.perf_counter() - t0)
-        return nbytes / best / 1e9
-
+    timed = _rate_timer(nbytes, sync)
     out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
            "layout": kind, "block_size": block, "chunk_bytes": nbytes // chunks,
            "chunks": chunks, "separate_layers": separate_layers,
@@ -163,27 +149,8 @@ def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
     # Baseline: a plain contiguous copy of the same bytes on the same device.
     src = [torch.empty_like(d) for d in dev]
     out["memcpy_GBps"] = timed(lambda: [d.copy_(s) for s, d in zip(src, dev)])
-    if device == "cuda":  # through a /dev/shm mapping, as the server's segment is used
-        host = _shm_tensors(len(dev), shape, torch.bfloat16)
-
-        def store():
-            for s, d, h in zip(slots, dev, host):
-                paged.gather(s, d)
-                h.copy_(d)
-
-        def load():
-            for s, d, h in zip(slots, dev, host):
-                paged.scatter(s, d.copy_(h))
-        out["store_to_shm_GBps"], out["load_from_shm_GBps"] = timed(store), timed(load)
-        t0 = time.perf_counter()
-        out["shm_pinned"] = pin_host(host[0])
-        out["pin_seconds"] = time.perf_counter() - t0
-        out["store_to_pinned_shm_GBps"] = timed(store)
-        out["load_from_pinned_shm_GBps"] = timed(load)
-        # The baseline the copy target is against: the same bytes as plain copies
-        # between the GPU and pinned host memory (no gather, no server).
-        out["pinned_d2h_GBps"] = timed(lambda: [h.copy_(d) for d, h in zip(dev, host)])
-        out["pinned_h2d_GBps"] = timed(lambda: [d.copy_(h) for d, h in zip(dev, host)])
+    if device == "cuda":
+        out.update(_host_copies(paged, slots, dev, shape, timed))
     for async_store in (True, False):
         res = _through_server(paged, block_ids, shape, chunk, chunks, sync, nbytes,
                               async_store=async_store)
@@ -195,6 +162,67 @@ def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,
         out["load_via_server_vs_pinned_copy"] = out["load_via_server_GBps"] / out["pinned_h2d_GBps"]
         out["targets"] = {"store_via_server_vs_pinned_copy": ">= 0.8",
                           "load_via_server_vs_pinned_copy": ">= 0.8"}
+    return out
+
+
+def _paged_layers(kind: str, logical: tuple, device: str, separate_layers: bool) -> list:
+    """Per-layer views of random bf16 paged KV, `logical` (layers, blocks, heads, block,
+    2 * head_dim) in the backend's memory order: FlashAttention's NHD on CUDA, the CPU
+    backend's HND on CPU; one allocation per layer or one for all layers."""
+    import torch
+
+    perm = (0, 1, 3, 2, 4) if kind == "cuda" else (0, 1, 2, 3, 4)  # LBNHC / LBHNC
+    if separate_layers:
+        lperm, lshape = tuple(i - 1 for i in perm[1:]), logical[1:]  # one layer's order
+        bufs = [torch.randn([lshape[i] for i in lperm], dtype=torch.bfloat16, device=device)
+                for _ in range(logical[0])]
+        return [b.permute(*[lperm.index(i) for i in range(4)]) for b in bufs]
+    buf = torch.randn([logical[i] for i in perm], dtype=torch.bfloat16, device=device)
+    view = buf.permute(*[perm.index(i) for i in range(5)])
+    return [view[i] for i in range(logical[0])]
+
+
+def _rate_timer(nbytes: int, sync):
+    """timed(fn, reps=5) -> GB/s of `nbytes` over fn's best of `reps` runs, after a warm-up."""
+    def timed(fn, reps: int = 5) -> float:
+        fn()
+        sync()
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            best = min(best, time.perf_counter() - t0)
+        return nbytes / best / 1e9
+    return timed
+
+
+def _host_copies(paged, slots: list, dev: list, shape, timed) -> dict:
+    """CUDA only: paged <-> host through a /dev/shm mapping, as the server's segment is used,
+    pageable then pinned, and the plain pinned copies of the same bytes (the baseline the
+    copy target is against: no gather, no server)."""
+    import torch
+
+    from kvedit.vllm.transfer.gpu_memory import pin_host
+
+    host = _shm_tensors(len(dev), shape, torch.bfloat16)
+
+    def store():
+        for s, d, h in zip(slots, dev, host):
+            paged.gather(s, d)
+            h.copy_(d)
+
+    def load():
+        for s, d, h in zip(slots, dev, host):
+            paged.scatter(s, d.copy_(h))
+    out = {"store_to_shm_GBps": timed(store), "load_from_shm_GBps": timed(load)}
+    t0 = time.perf_counter()
+    out["shm_pinned"] = pin_host(host[0])
+    out["pin_seconds"] = time.perf_counter() - t0
+    out["store_to_pinned_shm_GBps"] = timed(store)
+    out["load_from_pinned_shm_GBps"] = timed(load)
+    out["pinned_d2h_GBps"] = timed(lambda: [h.copy_(d) for d, h in zip(dev, host)])
+    out["pinned_h2d_GBps"] = timed(lambda: [d.copy_(h) for d, h in zip(dev, host)])
     return out
 
 
@@ -254,34 +282,36 @@ def _through_server(paged, block_ids: list[int], shape, chunk: int, n: int, sync
         staged = torch.empty((n, *shape), dtype=paged.dtype, device=paged.device)
 
         def best(fn, setup=None) -> float:
-            times = []
-            for i in range(reps + 1):  # the first is a warm-up
-                if setup:
-                    setup()
-                sync()
-                t0 = time.perf_counter()
-                fn()
-                sync()
-                if i:
-                    times.append(time.perf_counter() - t0)
-            return min(times)
+            return _best_seconds(fn, sync, reps, setup)
 
-        t_store = best(store, fresh)
-        t_load = best(load)
-        t_store_rpc = best(store_rpc_only, fresh)
-        t_load_rpc = best(load_rpc_only)
-        t_gather = best(lambda: paged.gather_chunks(batch, staged))
-        t_scatter = best(lambda: paged.scatter_chunks(batch, staged))
+        t = {"store_total": best(store, fresh), "load_total": best(load),
+             "store_server_round_trips": best(store_rpc_only, fresh),
+             "load_server_round_trips": best(load_rpc_only),
+             "store_gathers": best(lambda: paged.gather_chunks(batch, staged)),
+             "load_scatters": best(lambda: paged.scatter_chunks(batch, staged))}
         copier.close()
         return {"transfer_mode": client.transfer_mode,
-                "store_via_server_GBps": nbytes / t_store / 1e9,
-                "load_via_server_GBps": nbytes / t_load / 1e9,
-                "breakdown_ms": {
-                    "store_total": 1e3 * t_store, "store_server_round_trips": 1e3 * t_store_rpc,
-                    "store_gathers": 1e3 * t_gather,
-                    "load_total": 1e3 * t_load, "load_server_round_trips": 1e3 * t_load_rpc,
-                    "load_scatters": 1e3 * t_scatter},
+                "store_via_server_GBps": nbytes / t["store_total"] / 1e9,
+                "load_via_server_GBps": nbytes / t["load_total"] / 1e9,
+                "breakdown_ms": {k: 1e3 * t[k] for k in (
+                    "store_total", "store_server_round_trips", "store_gathers",
+                    "load_total", "load_server_round_trips", "load_scatters")},
                 **({"server_shm_pin_attempted": True} if copier.pinned else {})}
+
+
+def _best_seconds(fn, sync, reps: int, setup=None) -> float:
+    """fn's best time of `reps` runs after a warm-up run; `setup` before each, untimed."""
+    times = []
+    for i in range(reps + 1):  # the first is a warm-up
+        if setup:
+            setup()
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def _device_name() -> str:
@@ -312,51 +342,6 @@ def _shm_tensors(n: int, shape, dtype) -> list:
 
 
 # ---- real vLLM ----------------------------------------------------------------------------
-def post_json(base_url: str, body: dict) -> dict:
-    """POST `body` as JSON to `base_url` -> the JSON reply (kvedit bench serve uses it too)."""
-    import urllib.request
-
-    req = urllib.request.Request(base_url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read())
-
-
-def _complete(vp, prompt: list[int], capture: int = 0) -> tuple[float, dict]:
-    """One max_tokens=1 request; `capture` > 0 asks for its last `capture` queries."""
-    body = {"model": vp.model, "prompt": prompt, **greedy(1)}
-    if capture:
-        body["kv_transfer_params"] = RequestAsks(capture=capture).to_params()
-    t0 = time.perf_counter()
-    r = post_json(vp.base_url + "/v1/completions", body)
-    return time.perf_counter() - t0, r["usage"]
-
-
-def _prefill_tput(vp, prompts: list[list[int]], capture: int = 0) -> float:
-    """Tokens/s of prefilling `prompts` sent at once (vLLM batches them)."""
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        list(pool.map(lambda p: _complete(vp, p, capture), prompts))
-    return sum(map(len, prompts)) / (time.perf_counter() - t0)
-
-
-def _tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` and its descendants (vLLM's API server and
-    engine core): what a batch cost in work, much less disturbed by other load on a shared
-    machine than its wall time."""
-    import psutil  # a vLLM dependency
-
-    total = 0.0
-    root = psutil.Process(pid)
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            t = proc.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def _query_bytes(server, model: str, prompt: list[int], window: int) -> int:
     """Size of the query object stored for `prompt` (0 when there is none)."""
     from kvedit.client import KVClient
@@ -374,7 +359,6 @@ def vllm_bench(tokens: int, n_prompts: int, rounds: int, *, model: str | None = 
     from kvedit.client import KVClient
     from kvedit.harness.tiny_model import default_tiny_model
     from kvedit.launch.vllm import kv_transfer_config, start_vllm
-    from kvedit.keys import request_keys
     from kvedit.launch.server import start_server
     from kvedit.vllm.transfer.copier_stats import load_lines
 
@@ -396,45 +380,20 @@ def vllm_bench(tokens: int, n_prompts: int, rounds: int, *, model: str | None = 
         print("kvedit bench connector: servers up, measuring", file=sys.stderr)
         for vp in (with_conn, without):  # warm-up (first requests pay one-off costs)
             _prefill_tput(vp, [fresh() for _ in range(2)])
-        recompute, hit, hit_tokens, local = [], [], [], []
-        tput: dict[str, list[float]] = {"with": [], "without": [], "capture": [],
-                                        "no_capture": []}
-        cpu: dict[str, list[float]] = {"capture": [], "no_capture": []}  # CPU s per batch
-        last: list[int] = []
         if window:
             _prefill_tput(with_conn, [fresh() for _ in range(2)], window)  # warm capture
+        m = _Measured()
         for r in range(rounds):
-            # ABBA order, fresh prompts each time (no prefix hit anywhere).
-            for name in (("without", "with") if r % 2 == 0 else ("with", "without")):
-                vp = with_conn if name == "with" else without
-                tput[name].append(_prefill_tput(vp, [fresh() for _ in range(n_prompts)]))
-            # Query capture on every request vs on none, same vLLM: two pairs per round in
-            # ABBA order (this ratio is the one most exposed to noise: it is near 1).
-            for name in ("capture", "no_capture", "no_capture", "capture") if window else ():
-                prompts = [fresh() for _ in range(n_prompts)]
-                c0 = _tree_cpu_seconds(with_conn.pid)
-                tput[name].append(_prefill_tput(with_conn, prompts,
-                                                window if name == "capture" else 0))
-                cpu[name].append(_tree_cpu_seconds(with_conn.pid) - c0)
-                if name == "capture":
-                    last = prompts[-1]
-            for _ in range(n_prompts):
-                p = fresh()
-                recompute.append(_complete(with_conn, p)[0])
-                post_json(with_conn.base_url + "/reset_prefix_cache", {})
-                # a hit's time, not a wait for the commit of the request just before
-                keys = request_keys(with_conn.model, client.get_layout(with_conn.model), p)
-                client.lookup(with_conn.model, keys, wait_timeout=30.0)
-                dt, usage = _complete(with_conn, p)
-                hit.append(dt)
-                hit_tokens.append(usage["prompt_tokens_details"]["cached_tokens"])
-                local.append(_complete(with_conn, p)[0])  # vLLM's own prefix cache
-        query_bytes = _query_bytes(server, with_conn.model, last, window) if window else 0
+            _prefill_round(m, r, with_conn, without, fresh, n_prompts, window)
+            _ttft_round(m, with_conn, client, fresh, n_prompts)
+        query_bytes = _query_bytes(server, with_conn.model, m.last, window) if window else 0
         # the hits' loads; the local repeats load one chunk too: the one holding the
         # prompt's last, partial vLLM block, which vLLM's prefix cache does not keep
         lines = load_lines(with_conn.log_path.read_text())
         most = max((x["chunks"] for x in lines), default=0)
-        loads = [x for x in lines if x["chunks"] == most][-len(hit):]
+        loads = [x for x in lines if x["chunks"] == most][-len(m.hit):]
+    recompute, hit, hit_tokens, local, tput, cpu = (m.recompute, m.hit, m.hit_tokens, m.local,
+                                                     m.tput, m.cpu)
     # Each ratio is taken within a pair measured back to back (so both sides saw about the
     # same load from other work on a shared machine); the median ratio is reported.
     med = statistics.median
@@ -456,6 +415,57 @@ def vllm_bench(tokens: int, n_prompts: int, rounds: int, *, model: str | None = 
         "targets": {"hit_ttft_vs_recompute": "<= 0.3", "prefill_with_store_vs_without": ">= 0.9",
                     "prefill_with_query_capture_vs_without": ">= 0.95"},
     }
+
+
+@dataclass
+class _Measured:
+    """vllm_bench's samples, appended round by round."""
+    recompute: list[float] = field(default_factory=list)    # TTFT, fresh prompt
+    hit: list[float] = field(default_factory=list)          # TTFT, loaded from the server
+    hit_tokens: list[int] = field(default_factory=list)     # the hits' cached tokens
+    local: list[float] = field(default_factory=list)        # TTFT, vLLM's own prefix cache
+    tput: dict[str, list[float]] = field(default_factory=lambda: {
+        "with": [], "without": [], "capture": [], "no_capture": []})
+    cpu: dict[str, list[float]] = field(default_factory=lambda: {   # CPU s per batch
+        "capture": [], "no_capture": []})
+    last: list[int] = field(default_factory=list)           # the last captured prompt
+
+
+def _prefill_round(m: _Measured, r: int, with_conn, without, fresh, n_prompts: int,
+                   window: int) -> None:
+    """One round's prefill batches: with the connector vs without, in ABBA order, fresh
+    prompts each time (no prefix hit anywhere); then query capture on every request vs on
+    none, same vLLM: two pairs in ABBA order (this ratio is the one most exposed to noise:
+    it is near 1)."""
+    for name in (("without", "with") if r % 2 == 0 else ("with", "without")):
+        vp = with_conn if name == "with" else without
+        m.tput[name].append(_prefill_tput(vp, [fresh() for _ in range(n_prompts)]))
+    for name in ("capture", "no_capture", "no_capture", "capture") if window else ():
+        prompts = [fresh() for _ in range(n_prompts)]
+        c0 = _tree_cpu_seconds(with_conn.pid)
+        m.tput[name].append(_prefill_tput(with_conn, prompts,
+                                          window if name == "capture" else 0))
+        m.cpu[name].append(_tree_cpu_seconds(with_conn.pid) - c0)
+        if name == "capture":
+            m.last = prompts[-1]
+
+
+def _ttft_round(m: _Measured, with_conn, client, fresh, n_prompts: int) -> None:
+    """One round's TTFTs per fresh prompt: computed, then (vLLM's prefix cache reset) loaded
+    from the server, then from vLLM's own prefix cache."""
+    from kvedit.keys import request_keys
+
+    for _ in range(n_prompts):
+        p = fresh()
+        m.recompute.append(_complete(with_conn, p)[0])
+        post_json(with_conn.base_url + "/reset_prefix_cache", {})
+        # a hit's time, not a wait for the commit of the request just before
+        keys = request_keys(with_conn.model, client.get_layout(with_conn.model), p)
+        client.lookup(with_conn.model, keys, wait_timeout=30.0)
+        dt, usage = _complete(with_conn, p)
+        m.hit.append(dt)
+        m.hit_tokens.append(usage["prompt_tokens_details"]["cached_tokens"])
+        m.local.append(_complete(with_conn, p)[0])  # vLLM's own prefix cache
 
 
 def _connector_config(config: str, store_commit: str) -> str:

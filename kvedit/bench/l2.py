@@ -18,14 +18,18 @@ Qwen3-8B-shaped chunks (36 layers, 8 KV heads, head_dim 128, bf16, 256 tokens = 
   sight of it) / a fresh prompt recomputed on B. Target <= 0.3.
 Ratios divide paths run alternately in each round (noise hits both sides); the best round of
 each side counts. No torch at module level (CLI start-up).
+With --cluster: the same store and fetch paths on a Redis Cluster against one Redis, in the
+same run, plus keys per master and a failover phase (kvedit/bench/l2_cluster.py).
 """
 from __future__ import annotations
 
 import json
 import os
 import statistics
-import sys
 import time
+
+from kvedit.bench.l2_paths import (ServerPair, qwen3_8b_layout, random_chunks, ttft_two_engines,
+                                   wait_counter)
 
 MIB = 1 << 20
 
@@ -39,6 +43,13 @@ def register(bsub) -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds per path; the best counts")
     p.add_argument("--vllm", action="store_true",
                    help="also l2_hit_ttft_vs_recompute with two tiny-model vLLMs (minutes)")
+    p.add_argument("--cluster", action="store_true",
+                   help="instead: a Redis Cluster (3 masters + --replicas each) against one "
+                        "Redis in the same run: store/fetch ratios, keys per master, a "
+                        "failover phase (a master SIGKILLed, one SIGSTOPped for 10 s, under "
+                        "load); with --vllm also the L2-hit TTFT ratio (kvedit/bench/l2_cluster.py)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="--cluster: replicas per master (default 1; 0: no failover phase)")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
     p.set_defaults(func=run)
 
@@ -46,6 +57,10 @@ def register(bsub) -> None:
 def run(args) -> int:
     from kvedit.launch.redis import RedisProcess
 
+    if args.cluster:
+        from kvedit.bench.l2_cluster import run_cluster
+        print(json.dumps(run_cluster(args), indent=None if args.json else 2))
+        return 0
     with RedisProcess() as redis_proc:
         out = {"chunks": args.chunks, "rounds": args.rounds}
         out |= throughput(redis_proc.url, args.chunks, args.rounds)
@@ -59,81 +74,29 @@ def run(args) -> int:
     return 0
 
 
-def _qwen3_8b():
-    from kvedit.layout import ModelLayout
-    return ModelLayout(num_layers=36, num_kv_heads=8, head_dim=128, dtype="bfloat16",
-                       chunk_size=256)
-
-
-def _chunks(layout, n: int):
-    import torch
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(-2**15, 2**15 - 1, layout.chunk_shape, generator=g,
-                          dtype=torch.int16).view(torch.bfloat16) for _ in range(n)]
-
-
-def _wait_counter(client, name: str, value: int, timeout: float = 300.0,
-                  poll: float = 0.02) -> None:
-    """Until the server's stats show counter `name` >= value (ZMQ Stats, an O(1) call, every
-    `poll` s: rarely, as each one takes the server's GIL and lock from the writer thread)."""
-    deadline = time.monotonic() + timeout
-    while client.stats()[name] < value:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"bench l2: {name} stayed below {value}: {client.stats()}")
-        time.sleep(poll)
-
-
 def throughput(url: str, n: int, rounds: int) -> dict:
     import redis
 
-    from kvedit.client import KVClient
-    from kvedit.launch.server import start_server
-    from kvedit.server.l2_redis import layout_tag, redis_key
-
-    layout = _qwen3_8b()
-    data = _chunks(layout, n)
+    layout = qwen3_8b_layout()
+    data = random_chunks(layout, n)
     views = [memoryview(t.view(-1).view(__import__("torch").uint8).numpy()) for t in data]
-    pool_gb = (n * layout.chunk_bytes) / 2**30 + 0.25
     raw = redis.Redis.from_url(url)
-    tag = layout_tag(layout)
     store_s, set_s, fetch_s, get_s, end_to_end_s = [], [], [], [], []
-    args = ["--l2-url", url, "--l2-write-queue-mb", str(2 * n * 36 + 64),
-            "--l2-lookup-wait", "60"]
-    with start_server(pool_gb, extra_args=args) as a, start_server(pool_gb, extra_args=args) as b, \
-            KVClient(a.url) as ca, KVClient(b.url, timeout=120) as cb:
-        for c in (ca, cb):
-            c.register("bench", layout)
-        written = 0
-        for r in range(rounds):
-            keys = [os.urandom(16) for _ in range(n)]
-            busy = ca.stats()["l2_write_seconds"]
-            t0 = time.perf_counter()
-            ca.store("bench", keys, data)          # one commit: the writer takes it from here
-            written += n
-            _wait_counter(ca, "l2_writes", written)
-            end_to_end_s.append(time.perf_counter() - t0)
-            store_s.append(ca.stats()["l2_write_seconds"] - busy)   # the writer's own time
+    with ServerPair(url, layout, n) as pair:
+        for _ in range(rounds):
+            r = pair.round(data)
+            store_s.append(r["store_s"])
+            end_to_end_s.append(r["until_in_l2_s"])
+            fetch_s.append(r["fetch_s"])
             t0 = time.perf_counter()                # baseline: the same bytes, plain SETs
             for i, v in enumerate(views):
                 raw.set(f"bench-raw:{i}", v)
             set_s.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()                # promotion: B's L1 is empty
-            got = cb.lookup("bench", keys)
-            fetch_s.append(time.perf_counter() - t0)
-            if got != n:
-                raise RuntimeError(f"bench l2: promoted {got} of {n} chunks")
-            rkeys = [redis_key("kvedit", "bench", tag, 0, k) for k in keys]
             t0 = time.perf_counter()                # baseline: plain GETs of the same records
-            for k in rkeys:
+            for k in r["rkeys"]:
                 raw.get(k)
             get_s.append(time.perf_counter() - t0)
-            with cb.retrieve("bench", keys[:1]) as got1:   # spot check: byte-exact
-                if not (got1.tensors[0].view(-1).view(__import__("torch").int16)
-                        == data[0].view(-1).view(__import__("torch").int16)).all():
-                    raise RuntimeError("bench l2: a promoted chunk differs from the stored one")
-            ca.delete("bench", keys)
-            cb.delete("bench", keys)
-            raw.delete(*rkeys, *[k + b":m" for k in rkeys])
+            pair.forget(r)
         raw.delete(*[f"bench-raw:{i}" for i in range(n)])
     raw.close()
     gb = n * layout.chunk_bytes / 1e9
@@ -167,7 +130,7 @@ def promotion_overhead(url: str, n: int = 256) -> dict:
             keys = [os.urandom(16) for _ in range(n)]
             before = ca.stats()["l2_writes"]
             ca.store("small", keys, [chunk] * n)
-            _wait_counter(ca, "l2_writes", before + n)
+            wait_counter(ca, "l2_writes", before + n)
             t0 = time.perf_counter()
             if cb.lookup("small", keys) != n:
                 raise RuntimeError("bench l2: small chunks not all promoted")
@@ -185,8 +148,8 @@ def write_modes(redis_proc, n: int) -> dict:
     from kvedit.client import KVClient
     from kvedit.launch.server import start_server
 
-    layout = _qwen3_8b()
-    data = _chunks(layout, n)
+    layout = qwen3_8b_layout()
+    data = random_chunks(layout, n)
     pool_gb = max(1, n // 2) * layout.chunk_bytes / 2**30
     out = {}
     raw = redis.Redis.from_url(redis_proc.url)
@@ -216,48 +179,3 @@ def write_modes(redis_proc, n: int) -> dict:
     out["store_time_evict_vs_commit"] = (out[f"store_s_per_{n}_chunks_write_on_evict"]
                                          / out[f"store_s_per_{n}_chunks_write_on_commit"])
     return out
-
-
-def ttft_two_engines(url: str, tokens: int = 4096, rounds: int = 4) -> dict:
-    """Prompts prefilled on engine A (server A) are served to engine B (server B, empty
-    memory) from L2, vs fresh prompts recomputed on B, in alternation. One vLLM at a time
-    (A stops before B starts): the hand-off goes through Redis alone."""
-    import random
-
-    from kvedit.bench.connector import _complete
-    from kvedit.client import KVClient
-    from kvedit.harness.tiny_model import default_tiny_model
-    from kvedit.launch.vllm import start_vllm
-    from kvedit.launch.server import start_server
-
-    model = default_tiny_model()
-    rng = random.Random(0)
-
-    def fresh() -> list[int]:
-        return [rng.randrange(10, 8000) for _ in range(tokens)]
-
-    kw = dict(max_model_len=max(8192, tokens + 16), dtype="float32", dev_mode=True,
-              kv_cache_gib=0.5)
-    args = ["--l2-url", url, "--l2-lookup-wait", "1.5"]
-    prompts = [fresh() for _ in range(rounds)]
-    hit, recompute, cached = [], [], []
-    with start_server(1.0, extra_args=args) as sa, start_server(1.0, extra_args=args) as sb, \
-            KVClient(sa.url) as ca, KVClient(sb.url) as cb:
-        with start_vllm(model, server=sa, **kw) as va:
-            for p in prompts:                      # prefill on A: stored, written behind
-                _complete(va, p)
-            _wait_counter(ca, "l2_writes", rounds * (tokens // 256))
-        with start_vllm(model, server=sb, **kw) as vb:
-            print("kvedit bench l2: engine B up, measuring", file=sys.stderr)
-            _complete(vb, fresh())                 # warm-up
-            for p in prompts:
-                recompute.append(_complete(vb, fresh())[0])
-                dt, usage = _complete(vb, p)       # B has never seen p: its chunks from L2
-                hit.append(dt)
-                cached.append(usage["prompt_tokens_details"]["cached_tokens"])
-            promoted = cb.stats()["l2_hits"]
-    med = statistics.median
-    return {"ttft_prompt_tokens": tokens, "ttft_model": "tiny-qwen3 (float32, CPU)",
-            "l2_hit_ttft_median_s": med(hit), "recompute_ttft_median_s": med(recompute),
-            "l2_hit_cached_tokens": min(cached), "l2_chunks_promoted_on_b": promoted,
-            "l2_hit_ttft_vs_recompute": med(h / r for h, r in zip(hit, recompute))}

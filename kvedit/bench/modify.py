@@ -33,6 +33,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import dataclass, field
 
 
 def register(bsub) -> None:
@@ -157,14 +158,23 @@ def _streams(ctx, client, n: int, tokens: int, seed: int):
     return batch
 
 
-def run(args) -> int:
-    import torch
+@dataclass
+class _Measured:
+    """What the paired runs gave: each arm's best modify, its paired ratios (and those of its
+    warm-up modifies), every memcpy baseline, and the session's settings as they ran."""
+    results: dict = field(default_factory=dict)
+    ratios: dict = field(default_factory=dict)
+    warmups: dict = field(default_factory=dict)
+    baselines: list = field(default_factory=list)
+    transfer: str = ""
+    track: bool = False
+    pool: object = None
+    fresh: float = 0.0
 
-    from kvedit.client import KVClient
-    from kvedit.launch.server import start_server
+
+def _layout(args):
+    """The arms asked for and the KV layout, checked before anything starts."""
     from kvedit.layout import ModelLayout
-    from kvedit.sdk import glibc_tuning
-    from kvedit.sdk.context import connect
 
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = sorted(set(arms) - set(ARMS))
@@ -175,7 +185,41 @@ def run(args) -> int:
     lay.validate()
     if args.tokens % args.chunk_size:
         raise SystemExit(f"--tokens {args.tokens} must be a multiple of --chunk-size")
-    kv_bytes = args.streams * (args.tokens // args.chunk_size) * lay.chunk_bytes
+    return arms, lay
+
+
+def _paired_runs(ctx, client, args, arms, model: str, kv_bytes: int, got: _Measured) -> None:
+    """identity_cold, then each arm's warm-up and paired runs: a memcpy timed just before
+    each modify, since other work on a shared host makes timings drift."""
+    memcpy = _Memcpy(kv_bytes)
+    seed = 0
+    edits = [("identity_cold", _identity, 0, 1)] + \
+        [(name, ARMS[name], args.warmup, args.repeats) for name in arms]
+    for name, fn, warm, repeats in edits:
+        for i in range(warm + repeats):
+            seed += 1
+            batch = _streams(ctx, client, args.streams, args.tokens, seed)
+            batch.modify_concurrency = args.modify_concurrency
+            base = memcpy.warm()
+            m = batch.modify(fn)
+            client.delete(model, [k for s in batch for k in s.keys])
+            if i < warm:
+                got.warmups.setdefault(name, []).append(base / m.duration)
+                continue
+            got.baselines.append(base)
+            got.ratios.setdefault(name, []).append(base / m.duration)
+            if name not in got.results or m.duration < got.results[name].duration:
+                got.results[name] = m
+    got.transfer, got.track, got.pool = client.transfer_mode, ctx.pool.cow, ctx.fn_pool
+    got.fresh = memcpy.fresh()
+
+
+def _measure(args, arms, lay, kv_bytes: int) -> _Measured:
+    """Start a server (or use --server-url), register the layout, connect, run the pairs."""
+    from kvedit.client import KVClient
+    from kvedit.launch.server import start_server
+    from kvedit.sdk.context import connect
+
     server = None
     if args.server_url:
         url, http_url = args.server_url, None
@@ -184,43 +228,34 @@ def run(args) -> int:
         server = start_server(kv_bytes * 1.5 / 2**30 + 0.25, chunk_size=args.chunk_size)
         url, http_url = server.url, server.http_url
     model = "bench-qwen3-8b-shape"
+    got = _Measured()
     try:
         with KVClient(url) as client:
             client.register(model, lay)
             with connect(url, http_url, model, timeout=10,
                          track_writes=False if args.no_track_writes else None,
                          tune_glibc_heap=args.tune_glibc_heap) as ctx:
-                memcpy = _Memcpy(kv_bytes)
-                results, ratios, warmups, baselines, seed = {}, {}, {}, [], 0
-                edits = [("identity_cold", _identity, 0, 1)] + \
-                    [(name, ARMS[name], args.warmup, args.repeats) for name in arms]
-                for name, fn, warm, repeats in edits:
-                    for i in range(warm + repeats):  # other work on a shared host drifts:
-                        seed += 1                    # pair each modify with a memcpy timed
-                        batch = _streams(ctx, client, args.streams, args.tokens, seed)
-                        batch.modify_concurrency = args.modify_concurrency
-                        base = memcpy.warm()
-                        m = batch.modify(fn)
-                        client.delete(model, [k for s in batch for k in s.keys])
-                        if i < warm:
-                            warmups.setdefault(name, []).append(base / m.duration)
-                            continue
-                        baselines.append(base)
-                        ratios.setdefault(name, []).append(base / m.duration)
-                        if name not in results or m.duration < results[name].duration:
-                            results[name] = m
-                transfer, track = client.transfer_mode, ctx.pool.cow
-                pool = ctx.fn_pool
-                warm, fresh = statistics.median(baselines), memcpy.fresh()
+                _paired_runs(ctx, client, args, arms, model, kv_bytes, got)
     finally:
         if server is not None:
             server.stop()
+    return got
+
+
+def _report(args, lay, kv_bytes: int, got: _Measured) -> dict:
+    """The JSON: the settings as they ran, the memcpy baselines, each arm's figures."""
+    import torch
+
+    from kvedit.sdk import glibc_tuning
+
+    pool, warm, fresh = got.pool, statistics.median(got.baselines), got.fresh
     out = {
         "config": {"streams": args.streams, "tokens": args.tokens, "layout": "qwen3-8b-shape",
                    "num_layers": lay.num_layers, "num_kv_heads": lay.num_kv_heads,
                    "head_dim": lay.head_dim, "dtype": lay.dtype, "chunk_size": lay.chunk_size,
-                   "modify_concurrency": args.modify_concurrency, "transfer_mode": transfer,
-                   "track_writes": track, "repeats": args.repeats, "warmup": args.warmup,
+                   "modify_concurrency": args.modify_concurrency,
+                   "transfer_mode": got.transfer, "track_writes": got.track,
+                   "repeats": args.repeats, "warmup": args.warmup,
                    "tune_glibc_heap": glibc_tuning.tuned(),
                    "fn_pool": {"threads": pool.size, "main_arena": pool.main_arena,
                                "threads_started": pool.probes} if pool else None,
@@ -229,22 +264,29 @@ def run(args) -> int:
         "kv_bytes": kv_bytes,
         "target_modify_vs_memcpy": 0.5,
         "memcpy": {"seconds": warm, "gbps": kv_bytes / warm / 1e9,  # median of pairs
-                   "seconds_all": baselines},
+                   "seconds_all": got.baselines},
         "memcpy_fresh_alloc": {"seconds": fresh, "gbps": kv_bytes / fresh / 1e9},
     }
-    for name, m in results.items():
+    for name, m in got.results.items():
         out[name] = {"seconds": m.duration, "gbps": kv_bytes / m.duration / 1e9,
-                     "modify_vs_memcpy": statistics.median(ratios[name]),
-                     "modify_vs_memcpy_all": ratios[name],
-                     "warmup_vs_memcpy": warmups.get(name, []),
+                     "modify_vs_memcpy": statistics.median(got.ratios[name]),
+                     "modify_vs_memcpy_all": got.ratios[name],
+                     "warmup_vs_memcpy": got.warmups.get(name, []),
                      "bytes_stored": m.bytes_stored, "chunks_stored": m.chunks_stored,
                      "chunks_reused": m.chunks_reused, "chunks_deleted": m.chunks_deleted,
                      "chunks_compared": m.chunks_compared,
                      "salt_changes": m.salt_changes,
                      "profile_summed_s": {"retrieve": m.retrieve_s, "fn": m.fn_s,
                                           "store": m.store_s}}
-    print(json.dumps(out, indent=2))
+    return out
+
+
+def run(args) -> int:
+    arms, lay = _layout(args)
+    kv_bytes = args.streams * (args.tokens // args.chunk_size) * lay.chunk_bytes
+    got = _measure(args, arms, lay, kv_bytes)
+    print(json.dumps(_report(args, lay, kv_bytes, got), indent=2))
     if not args.json:
-        for name, m in results.items():
+        for name, m in got.results.items():
             print(f"\n{name}:\n{m.table()}")
     return 0

@@ -24,12 +24,19 @@ snapshot every ACK_BYTES applied.
 
 Single-threaded: `sync()` reads what has arrived without blocking (call it before using the
 copy); the socket is the caller's KVClient's, closed with it.
+
+A `KeyListener` (optional) hears what the copy learns, from inside `sync()`: each push applied
+while the copy is trusted, and each time a fresh snapshot makes it trusted again (then the
+whole copy, to compare with what the listener believed: changes while it was not trusted are
+not told one by one, as some may have been lost). The connector's KV events
+(kvedit.vllm.tier_events) are such a listener.
 """
 from __future__ import annotations
 
 import logging
 import random
 import time
+from typing import Protocol
 
 import zmq
 
@@ -44,10 +51,21 @@ RETRY_MIN_S, RETRY_MAX_S = 1.0, 60.0   # after a refused subscription
 RCV_HWM = 100_000      # messages queued here before the server drops some (then: resubscribe)
 
 
+class KeyListener(Protocol):
+    def keys_changed(self, added: dict[int, list[bytes]],
+                     removed: dict[int, list[bytes]]) -> None:
+        """A push applied to a trusted copy: keys (by tp rank) that became ready or went."""
+
+    def keys_resynced(self, keys: dict[int, set[bytes]]) -> None:
+        """A fresh snapshot is whole: `keys` is the copy (by tp rank; do not keep it)."""
+
+
 class KeyWatch:
-    def __init__(self, client, model: str, tp_ranks: list[int], clock=time.monotonic):
+    def __init__(self, client, model: str, tp_ranks: list[int], clock=time.monotonic,
+                 listener: KeyListener | None = None):
         self.client = client     # the KVClient whose socket this is
         self.model, self.ranks, self.clock = model, list(tp_ranks), clock
+        self.listener = listener
         self.sock = client.open_socket(rcvhwm=RCV_HWM)
         self._credentials = client.credentials
         self.keys: dict[int, set[bytes]] = {r: set() for r in self.ranks}
@@ -73,12 +91,22 @@ class KeyWatch:
             return False
         return any(k[first] not in self.keys[r] for r, k in zip(self.ranks, keys))
 
+    def holds_all(self, keys: list[list[bytes]], first: int) -> bool:
+        """Whether the copy holds every chunk from `first` on every rank (the copy is of the
+        server's memory: with an L2 under it, anything short of that is asked of the server,
+        whose lookup falls through to L2). False whenever the copy is not trusted."""
+        if not self.trusted:
+            return False
+        return all(x in self.keys[r] for r, k in zip(self.ranks, keys) for x in k[first:])
+
     def sync(self) -> None:
         """Apply what the server sent; renew the watch when due. Never blocks."""
         if self.closed:
             return
         try:
-            while True:
+            # ZMQ_EVENTS first: an empty recv raises zmq.Again, and that exception at every
+            # engine step was most of this method's time (py-spy, vLLM's scheduler)
+            while self.sock.get(zmq.EVENTS) & zmq.POLLIN:
                 try:
                     frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
@@ -163,6 +191,8 @@ class KeyWatch:
                     self.keys[r].update(ks)
             if not msg.more:
                 self.trusted = True
+                if self.listener is not None:
+                    self.listener.keys_resynced(self.keys)
         elif isinstance(msg, P.KeyEvents):
             for r, ks in msg.added.items():
                 if r in self.keys:
@@ -170,6 +200,8 @@ class KeyWatch:
             for r, ks in msg.removed.items():
                 if r in self.keys:
                     self.keys[r].difference_update(ks)
+            if self.trusted and self.listener is not None:
+                self.listener.keys_changed(msg.added, msg.removed)
 
     def _refused(self, err: P.Error) -> None:
         self.trusted, self.acked = False, True

@@ -37,7 +37,7 @@ from kvedit import protocol as P
 from kvedit.client.datalink import LinkClient, client_idle_timeout
 from kvedit.client.handles import (KVError, Retrieved, ServerUnavailable, StoreHandle, StoreResult,
                             ttl_margin)
-from kvedit.client.key_watch import KeyWatch
+from kvedit.client.key_watch import KeyListener, KeyWatch
 from kvedit.layout import ModelLayout
 from kvedit.protocol import ServerInfo
 from kvedit.client.transport import ShmTransport, SocketTransport, Transport
@@ -196,10 +196,12 @@ class KVClient:
             self.credentials += 1
         return True
 
-    def watch_keys(self, model: str, tp_ranks: list[int]) -> KeyWatch:
+    def watch_keys(self, model: str, tp_ranks: list[int],
+                   listener: KeyListener | None = None) -> KeyWatch:
         """A copy of which "kv" keys of `model` the server holds ready, kept current by the
-        server's pushes (kvedit.client.key_watch): call its `sync()` from one thread."""
-        return KeyWatch(self, model, tp_ranks)
+        server's pushes (kvedit.client.key_watch): call its `sync()` from one thread;
+        `listener` hears what it learns there."""
+        return KeyWatch(self, model, tp_ranks, listener=listener)
 
     def _drop_sock(self) -> None:
         """After a timeout: a fresh socket, so queued requests are never replayed later."""

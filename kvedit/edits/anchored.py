@@ -46,6 +46,9 @@ from kvedit.edits.base import INF, DropPolicy, Units, top_tokens
 from kvedit.edits.query_policies import SnapKV
 from kvedit.layout import ModelLayout
 
+# The most bytes of key similarities PromptAnchored.generated_scores holds at once.
+SIM_BYTES = 256 << 20
+
 
 @dataclass
 class PromptRanks:
@@ -134,12 +137,17 @@ class PromptAnchored(DropPolicy):
         recency = torch.arange(G, dtype=torch.float32, device=kv.device) / max(G, 1)
         if self.redundancy == 0 or G < 2:
             return recency.expand(L, H, G) if self.per_head else recency
-        later = torch.ones(G, G, dtype=torch.bool, device=kv.device).triu(1)  # j > i
+        earlier = torch.ones(G, G, dtype=torch.bool, device=kv.device).tril()  # j <= i
         red = torch.empty((L, H, G), dtype=torch.float32, device=kv.device)
-        for l in range(L):  # one [H, G, G] similarity at a time
-            k = F.normalize(kv[0, l].float().view(G, H, layout.head_dim).transpose(0, 1), dim=-1)
-            sim = (k @ k.transpose(1, 2)).masked_fill(~later, -1.0)
-            red[l] = sim.amax(dim=-1)
+        # As many layers at a time as fit SIM_BYTES of similarities: a loop of one layer at
+        # a time was 28 x 5 small kernels a compaction, 3x KeyNorm's time on the H100
+        # (results/long/h100-2026-12-06); the cap bounds the temporary on a host edit.
+        step = max(1, SIM_BYTES // (H * G * G * 4))
+        for l in range(0, L, step):
+            k = kv[0, l:l + step].float().view(-1, G, H, layout.head_dim).transpose(1, 2)
+            k = F.normalize(k, dim=-1)
+            sim = (k @ k.transpose(-1, -2)).masked_fill_(earlier, -1.0)
+            red[l:l + step] = sim.amax(dim=-1)
         red[..., -1] = -1.0  # the newest has no later copy
         if not self.per_head:
             red = red.mean(dim=(0, 1))

@@ -27,6 +27,9 @@ def register(sub) -> None:
                    help="which chunks the connector stores, when: eager (each as computed), "
                         "evict (when vLLM is about to evict them), reuse (on a prefix's second "
                         "sight); default: the connector's (docs/connector.md)")
+    s.add_argument("--kv-events", action="store_true",
+                   help="publish what the kvedit server holds in vLLM's KV events (medium "
+                        "CPU); give vLLM's --kv-events-config too (docs/connector.md)")
     s.add_argument("--no-connector", action="store_true", help="plain vLLM, no kvedit")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -85,9 +88,16 @@ def _serve(args) -> int:
                                             kv_transfer_config, mem_available_bytes,
                                             sizes_kv_itself, vllm_command, vllm_env)
 
+    if args.kv_events and not any(a.split("=", 1)[0] == "--kv-events-config"
+                                  for a in args.extra):
+        print("kvedit: --kv-events needs vLLM's own publisher too: add --kv-events-config "
+              "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+              "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://127.0.0.1:5558\"}' "
+              "(docs/connector.md, \"KV events for routers\")", file=sys.stderr)
+        return 2
     connector = None if args.no_connector else kv_transfer_config(
         args.kvedit_url, args.kvedit_http_url, args.chunk_size, not args.no_store_generated,
-        store=args.store)
+        store=args.store, extra_config={"kv_events": True} if args.kv_events else None)
     kv_gib = args.kv_cache_gib
     if kv_gib is None and _is_cpu_build() and not sizes_kv_itself(args.extra):
         avail = mem_available_bytes()

@@ -27,7 +27,8 @@ class RedisProcess:
 
     def __init__(self, port: int | None = None, maxmemory_mb: int = 0,
                  startup_timeout: float = 10.0, password: str | None = None,
-                 maxmemory_policy: str = "allkeys-lru"):
+                 maxmemory_policy: str = "allkeys-lru", extra_args: tuple[str, ...] = (),
+                 workdir: Path | None = None):
         exe = redis_server_path()
         if exe is None:
             raise RuntimeError(INSTALL_HINT)
@@ -35,6 +36,8 @@ class RedisProcess:
         self.maxmemory_mb = maxmemory_mb
         self.password = password
         self.maxmemory_policy = maxmemory_policy
+        self.extra_args = tuple(extra_args)   # a cluster node's options (redis_cluster.py)
+        self.workdir = workdir                 # where a cluster node keeps its nodes.conf
         auth = f":{password}@" if password else ""
         self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
@@ -51,8 +54,10 @@ class RedisProcess:
         if self.maxmemory_mb:
             args += ["--maxmemory", f"{self.maxmemory_mb}mb",
                      "--maxmemory-policy", self.maxmemory_policy]
-        self.proc = spawn_tied(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.STDOUT)
+        if self.workdir is not None:
+            args += ["--dir", str(self.workdir)]
+        self.proc = spawn_tied([*args, *self.extra_args], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         import redis
         deadline = time.monotonic() + self.startup_timeout
         client = redis.Redis(port=self.port, password=self.password, socket_timeout=1,

@@ -155,10 +155,12 @@ def _eviction(name: str) -> str:
 
 
 def add_l2_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("second tier on Redis (docs/l2.md)")
+    g = p.add_argument_group("second tier on Redis or a Redis Cluster (docs/l2.md)")
     g.add_argument("--l2-url", default=_D.l2_url,
                    help="Redis/Valkey holding chunks under the pool: redis://[user:pass@]host:"
-                        "port/db, rediss:// (TLS) or unix://path (default: off)")
+                        "port/db, rediss:// (TLS), unix://path, or a cluster: "
+                        "redis+cluster://[user:pass@]h1:p1,h2:p2,... (rediss+cluster:// TLS; "
+                        "valkey[s]:// spellings too) (default: off)")
     g.add_argument("--l2-prefix", default=_D.l2_prefix,
                    help=f"first part of every Redis key (default {_D.l2_prefix!r})")
     g.add_argument("--l2-ttl", type=float, default=_D.l2_ttl,

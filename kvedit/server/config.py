@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass
 from kvedit.layout import ModelLayout
 from kvedit.protocol import MAX_KEY_BYTES, MAX_KEYS
 from kvedit.query_contract import MAX_WINDOW, QueryShape
+from kvedit.server import l2_url
 from kvedit.server.key_feed import WatchLimits
+from kvedit.server.l2_url import redacted
 from kvedit.server.quota import QuotaLimits
 
 EVICTION_POLICIES = ("LRU", "FIFO", "ARC", "none")
@@ -27,7 +29,6 @@ def eviction_name(name: str) -> str:
             return p
     raise ValueError(f"eviction policy {name!r} is not one of "
                      f"{[p.lower() for p in EVICTION_POLICIES]}")
-L2_SCHEMES = ("redis", "rediss", "unix")
 GIB = 1 << 30
 MIB = 1 << 20
 # The queries cap for a layout that does not say its query heads (registered by a connector
@@ -103,7 +104,8 @@ class ServerConfig:
     authenticated: bool = False       # a secret is in use (the secret itself is never here)
     insecure: bool = False            # allow a non-loopback host without a secret
     # ---- second tier on Redis (docs/l2.md) ----
-    l2_url: str = ""                  # redis://[user:pass@]host:port/db, rediss://, unix://
+    l2_url: str = ""                  # redis://[user:pass@]host:port/db, rediss://, unix://,
+                                      # redis+cluster://h1:p1,h2:p2 (l2_url.py: all spellings)
     l2_prefix: str = "kvedit"         # first part of every Redis key
     l2_ttl: float = 0.0               # seconds a chunk lives in Redis (EX); 0 = no expiry
     l2_write_on: str = "commit"       # write behind on commit (default) or on eviction from L1
@@ -252,9 +254,8 @@ class ServerConfig:
                 f"$KVEDIT_SECRET_FILE), or pass --insecure to accept that")
 
     def _validate_l2(self) -> None:
-        if self.l2_url and self.l2_url.split("://", 1)[0] not in L2_SCHEMES:
-            raise ValueError(f"--l2-url {redacted(self.l2_url)!r} must start with one of "
-                             f"{[s + '://' for s in L2_SCHEMES]}")
+        if self.l2_url:
+            l2_url.parse(self.l2_url)   # a clear error for a URL the tier could not use
         if self.l2_write_on not in L2_WRITE_ON:
             raise ValueError(f"--l2-write-on {self.l2_write_on!r} is not one of "
                              f"{list(L2_WRITE_ON)}")
@@ -273,9 +274,9 @@ class ServerConfig:
         if self.l2_mac and not self.authenticated:
             raise ValueError("--l2-mac signs L2 records with the shared secret, and this "
                              "server has none (--insecure): drop one of the two")
-        if not self.l2_prefix or ":" in self.l2_prefix:
-            raise ValueError(f"--l2-prefix must be non-empty without ':', got "
-                             f"{self.l2_prefix!r}")
+        if not self.l2_prefix or set(self.l2_prefix) & set(":{}"):
+            raise ValueError(f"--l2-prefix must be non-empty without ':', '{{' or '}}' (a "
+                             f"chunk's hash tag), got {self.l2_prefix!r}")
 
     def to_dict(self) -> dict:
         q = self.quota_limits()
@@ -289,20 +290,6 @@ class ServerConfig:
                                                "stores": q.stores_per_client,
                                                "lease_keys": q.lease_keys_per_client},
                                "l2_url": redacted(self.l2_url)}
-
-
-def redacted(url: str) -> str:
-    """A Redis URL without its password (for /config and logs)."""
-    from urllib.parse import urlsplit, urlunsplit
-    try:
-        u = urlsplit(url)
-        if u.password is None:
-            return url
-        host = u.hostname or ""
-        netloc = f"{u.username or ''}:***@{host}" + (f":{u.port}" if u.port else "")
-        return urlunsplit(u._replace(netloc=netloc))
-    except ValueError:
-        return "<unparsable URL>"
 
 
 def is_loopback(host: str) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 from kvedit.server.config import redacted
 from kvedit.server.service import Service
@@ -95,7 +96,15 @@ def _l2(s: Service, snap: dict) -> dict:
             **{k: snap["l2_" + k] for k in ("probes", "hits", "misses", "corrupt", "writes",
                                             "write_dropped", "write_skipped", "errors",
                                             "outages")},
-            "writing": snap["l2_writing"], "promotions_queued": snap["l2_probes_queued"]}
+            "writing": snap["l2_writing"], "promotions_queued": snap["l2_probes_queued"],
+            # which nodes serve slots, and which failed during the current outage since when
+            "masters": s.l2.masters(),
+            "down_nodes": [{"node": n, "since": _iso(t), "for_s": round(time.time() - t, 3)}
+                           for n, t in snap["l2_down_nodes"].items()]}
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds")
 
 
 def _models(s: Service) -> dict[str, list[dict]]:

@@ -13,9 +13,12 @@ Two threads, each with its own Redis connection, so the ZMQ loop never waits on 
   checksum and commits (publish). The commit wakes parked lookups through the service's waiter
   mechanism; when the probe ends the service answers the lookup that asked for it.
 
-Degrades, never breaks: a Redis error marks the tier down (logged once per outage, counted);
-while down no probe is made (lookups answer from L1 at once) and writes stay queued (still
-bounded); the writer pings with backoff and, once Redis answers, catches up on the queue.
+Degrades, never breaks: a Redis error marks the tier down (logged once per outage with the
+node that failed, counted); while down no probe is made (lookups answer from L1 at once) and
+writes stay queued (still bounded); the writer pings with backoff and, once Redis answers (for
+a cluster: once every slot has a master that answers, e.g. a replica promoted in place of a
+dead master), catches up on the queue. The nodes that failed during an outage, and since when,
+are in the snapshot (/status, /metrics) until it ends.
 Thread hand-off: the threads call the service's narrow l2_* methods (each takes its lock) and
 post events (`Promoted`, `ProbeDone`) that the loop drains when the wake socket is readable:
 only the loop thread sends on the ROUTER socket.
@@ -34,18 +37,20 @@ from typing import Any, Literal, Protocol
 import msgspec
 
 from kvedit.layout import ModelLayout
-from kvedit.server.config import redacted
+from kvedit.server.l2_url import parse, redacted
 
 try:   # the `l2` extra: only a server started with --l2-url needs it
     import redis
 
+    from kvedit.server.l2_nodes import open_nodes
     from kvedit.server.l2_redis import ERRORS, RedisChunks, layout_tag, redis_key
 except ImportError as e:
     redis = None
     _MISSING_EXTRA = e
 
 log = logging.getLogger("kvedit.server")
-BACKOFF_MIN, BACKOFF_MAX = 0.2, 5.0   # seconds between pings while Redis is unreachable
+BACKOFF_MIN = 0.2                     # first wait between pings while Redis is unreachable;
+                                      # doubling up to the nodes' retry_max_s (l2_nodes.py)
 MAX_PROBES = 256                      # probes queued for the reader; beyond, L1 answers alone
 PROMOTE_FOR = 60.0                    # seconds a probe keeps promoting, even after its lookup
                                       # was answered (the next lookup then hits L1)
@@ -129,6 +134,7 @@ class L2Tier:
         self.counters = L2Counters()
         self.up = True            # optimistic: the first failure logs the outage
         self._down_since = 0.0
+        self._down_nodes: dict[str, float] = {}   # node -> wall time it first failed (outage)
         self._lock = threading.Lock()   # counters, queue, health (never held over I/O)
         self._cv = threading.Condition(self._lock)
         self._queue: collections.deque[_Write] = collections.deque()
@@ -144,8 +150,11 @@ class L2Tier:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._writer_redis = RedisChunks(url, timeout, ttl, mac_key)
-        self._reader_redis = RedisChunks(url, timeout, ttl, mac_key)
+        # one routing (a cluster's slot map) for both threads; each checks out its own
+        # connection per operation
+        self._nodes = open_nodes(parse(url), timeout)
+        self._writer_redis = RedisChunks(url, timeout, ttl, mac_key, nodes=self._nodes)
+        self._reader_redis = RedisChunks(url, timeout, ttl, mac_key, nodes=self._nodes)
         self._threads = [threading.Thread(target=self._write_loop, name="kvedit-l2-writer",
                                           daemon=True),
                          threading.Thread(target=self._read_loop, name="kvedit-l2-reader",
@@ -162,8 +171,7 @@ class L2Tier:
         self._probes.put(None)
         for t in self._threads:
             t.join(2)   # daemon threads: a hung Redis must not hold up shutdown
-        self._writer_redis.close()
-        self._reader_redis.close()
+        self._nodes.close()
         self._wake_r.close()
         self._wake_w.close()
 
@@ -242,7 +250,9 @@ class L2Tier:
             d = {f"l2_{k}": v for k, v in asdict(self.counters).items()}
             d |= {"l2_up": int(self.up), "l2_queue_depth": len(self._queue),
                   "l2_queue_bytes": self._queued_bytes, "l2_probes_queued": self._probes_queued,
-                  "l2_writing": self._writing}
+                  "l2_writing": self._writing,
+                  # node -> wall time it failed, during an outage (/status, /metrics)
+                  "l2_down_nodes": dict(self._down_nodes)}
         return d
 
     # ---- write-behind -------------------------------------------------------------------
@@ -284,9 +294,10 @@ class L2Tier:
                 if self._stop:
                     return
                 try:
-                    self._writer_redis.ping()
-                except ERRORS:
-                    backoff = min(BACKOFF_MAX, backoff * 2)
+                    self._writer_redis.ping(self._last_failed())
+                except ERRORS as e:
+                    self._node_failed(e)
+                    backoff = min(self._nodes.retry_max_s, backoff * 2)
                     continue
                 backoff = BACKOFF_MIN
                 self._went_up()
@@ -401,17 +412,38 @@ class L2Tier:
 
     # ---- health -------------------------------------------------------------------------
     def _went_down(self, e: BaseException) -> None:
+        node = self._node_of(e)
         with self._cv:
             self.counters.errors += 1
+            self._down_nodes.setdefault(node, time.time())
             if not self.up:
                 return
             self.up = False
             self.counters.outages += 1
             self._down_since = time.monotonic()
             self._cv.notify_all()
-        log.warning("L2 Redis %s unreachable (%s: %s): serving from L1 only, writes queued "
-                    "(bounded), retrying in the background", redacted(self.url),
+        log.warning("L2 %s unreachable at node %s (%s: %s): serving from L1 only, writes "
+                    "queued (bounded), retrying in the background", redacted(self.url), node,
                     type(e).__name__, str(e)[:200])
+
+    def _node_of(self, e: BaseException) -> str:
+        """The node an error names (NodeError); else the one Redis, or "cluster"."""
+        node = getattr(e, "node", None)
+        return node or ("cluster" if self._nodes.cluster else self._nodes.masters()[0])
+
+    def _node_failed(self, e: BaseException) -> None:
+        """A ping failed while down: remember the node (the first failure of each counts)."""
+        node = self._node_of(e)
+        with self._lock:
+            first = node not in self._down_nodes
+            self._down_nodes.setdefault(node, time.time())
+        if first:
+            log.warning("L2 %s: node %s does not answer either (%s: %s)", redacted(self.url),
+                        node, type(e).__name__, str(e)[:200])
+
+    def _last_failed(self) -> str | None:
+        with self._lock:
+            return next(reversed(self._down_nodes), None)
 
     def _went_up(self) -> None:
         with self._cv:
@@ -420,9 +452,15 @@ class L2Tier:
             self.up = True
             down = time.monotonic() - self._down_since
             depth = len(self._queue)
+            nodes = ", ".join(self._down_nodes)
+            self._down_nodes.clear()
             self._cv.notify_all()
-        log.info("L2 Redis %s reachable again after %.1f s; catching up on %d queued write(s)",
-                 redacted(self.url), down, depth)
+        log.info("L2 %s reachable again after %.1f s (down: %s); catching up on %d queued "
+                 "write(s)", redacted(self.url), down, nodes, depth)
+
+    def masters(self) -> list[str]:
+        """The nodes serving slots, as the tier last saw them (one for a single Redis)."""
+        return self._nodes.masters()
 
     def _refused(self, op: str, e: Exception) -> None:
         """Redis answered with an error (it is up): count it; log each kind once."""

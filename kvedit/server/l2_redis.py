@@ -1,5 +1,6 @@
 """The Redis side of the second tier: key names, the checksummed record, and the three
-operations the L2 threads need (put a chunk, probe which keys are there, read one into a slot).
+operations the L2 threads need (put a chunk, probe which keys are there, read one into a slot),
+on one Redis or a Redis/Valkey Cluster alike (l2_nodes.py says which node serves a key).
 
 A chunk is two Redis keys written in one MULTI/EXEC: the payload (the chunk's bytes, sent
 straight from its L1 slot: redis-py passes a large memoryview to sendall without copying) and
@@ -22,27 +23,43 @@ without it only plain ones.
 Payload reads bypass redis-py's reply parser (slow without hiredis: it copies the bulk
 string several times): the GET is sent on the connection and the bulk body is received
 with recv_into straight into the L1 slot. Only the header line is parsed here.
+
+In a cluster the payload and its meta must share a hash slot (MULTI/EXEC and MGET are refused
+across slots): the chunk key's hex is the key's hash tag, `{...}`, so both land on one master
+and chunks spread over all of them. A MOVED answer (the slot has another master: a failover,
+a resharding) patches the slot map and the command goes there; an ASK (the slot is being
+migrated) sends it once to the importing node after ASKING. At most MAX_REDIRECTS of them.
+While a slot migrates, a command on two of its keys that are not both on one side is answered
+TRYAGAIN: a chunk's MULTI/EXEC is tried again for up to about TRYAGAIN_FOR seconds (a slot
+moves in milliseconds per key) and then refused (the write is dropped and counted); a probe
+of such keys is a miss.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
 import struct
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgspec
 import redis
 import xxhash
+from redis._parsers.base import BaseParser
+from redis.exceptions import AskError, ExecAbortError, TryAgainError
 
 from kvedit.layout import ModelLayout
+from kvedit.server.l2_nodes import ERRORS, UNAVAILABLE, NodeError, Route, open_nodes
+from kvedit.server.l2_url import parse
 
 META = struct.Struct("<8sQQ")        # format tag, payload bytes, xxh3_64
 META_TAG = b"kvedit.1"
 MAC_META = struct.Struct("<8sQ32s")  # format tag, payload bytes, HMAC-SHA256
 MAC_TAG = b"kvedit.h"
 META_SUFFIX = b":m"
-ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)   # Redis down or slow
+MAX_REDIRECTS = 3
+TRYAGAIN_FOR, TRYAGAIN_WAIT = 1.0, 0.05   # seconds a write waits out a slot migration
 _HASHER = ThreadPoolExecutor(1, thread_name_prefix="kvedit-l2-hash")   # overlaps hash and send
 
 
@@ -64,7 +81,11 @@ def layout_tag(layout: ModelLayout) -> str:
 
 
 def redis_key(prefix: str, model: str, tag: str, tp_rank: int, key: bytes) -> bytes:
-    return f"{prefix}:{model}:{tag}:{tp_rank}:".encode() + key.hex().encode()
+    """`prefix:model:tag:rank:{hex}`; the braces make the chunk key the hash tag, so the
+    meta (`...:{hex}:m`) shares the payload's slot. Braces in a model name are escaped (the
+    first `{` of a key opens its tag), and so is `%`, keeping names apart."""
+    m = model.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+    return f"{prefix}:{m}:{tag}:{tp_rank}:{{{key.hex()}}}".encode()
 
 
 def checksum(view) -> int:
@@ -93,22 +114,21 @@ def record_mac(key: bytes, rkey: bytes, view) -> bytes:
 
 
 class RedisChunks:
-    """Chunk records in one Redis (or Valkey) instance. One per thread: each holds its own
-    connection (redis-py clients are not to be shared across threads mid-command)."""
+    """Chunk records in one Redis or a cluster. One per thread: each operation checks a
+    connection of its own out of the node's pool (redis-py connections are not to be shared
+    across threads mid-command); the routing (`nodes`) may be shared by the tier's threads."""
 
     def __init__(self, url: str, timeout: float, ttl: float = 0.0,
-                 mac_key: bytes | None = None):
+                 mac_key: bytes | None = None, nodes=None):
         self.url = url
         self.mac_key = mac_key   # --l2-mac: records carry an HMAC of the secret
         self.ttl = int(ttl) if ttl > 0 else None   # EX takes whole seconds
-        # a pool (of about one connection: one thread uses it) connects at first use, so a
-        # server starts while Redis is down
-        self.pool = redis.ConnectionPool.from_url(url, socket_timeout=timeout,
-                                                  socket_connect_timeout=timeout)
-        self.client = redis.Redis(connection_pool=self.pool)
+        self._own_nodes = nodes is None
+        self.nodes = open_nodes(parse(url), timeout) if nodes is None else nodes
 
-    def ping(self) -> None:
-        self.client.ping()
+    def ping(self, failed: str | None = None) -> None:
+        """Raises NodeError while a node serving slots does not answer."""
+        self.nodes.check(failed)
 
     def put(self, rkey: bytes, view) -> int | bytes:
         """Write one chunk (payload from `view`, a buffer over its slot) and its meta in one
@@ -118,45 +138,171 @@ class RedisChunks:
         mv = memoryview(view).cast("B")
         digest = (_HASHER.submit(record_mac, self.mac_key, rkey, mv) if self.mac_key
                   else _HASHER.submit(checksum, mv))
-        ex = ("EX", self.ttl) if self.ttl else ()
-        conn = self.pool.get_connection()
         try:
+            return self._put(rkey, mv, digest)
+        finally:
+            if not digest.done():
+                digest.result()   # never leave the hash reading a slot after we return
+
+    def _put(self, rkey: bytes, mv: memoryview, digest) -> int | bytes:
+        route, redirects = self.nodes.route(rkey), 0
+        give_up = time.monotonic() + TRYAGAIN_FOR
+        while True:
+            answer = self._put_on(route, rkey, mv, digest)
+            if answer is None:
+                return digest.result()
+            if isinstance(answer, TryAgainError):    # the slot is migrating: wait it out
+                if time.monotonic() > give_up:
+                    raise answer                     # refused: the caller drops the write
+                time.sleep(TRYAGAIN_WAIT)
+                route, redirects = self.nodes.route(rkey), 0
+                continue
+            redirects += 1
+            if redirects > MAX_REDIRECTS:
+                raise NodeError(route.node, answer)
+            route = self.nodes.redirected(answer)
+
+    def _put_on(self, route: Route, rkey: bytes, mv: memoryview,
+                digest) -> AskError | TryAgainError | None:
+        ex = ("EX", self.ttl) if self.ttl else ()
+        conn = _connection(route)
+        try:
+            if route.asking:
+                conn.send_command("ASKING")
             conn.send_command("MULTI")
             conn.send_command("SET", rkey, mv, *ex)
             meta = (MAC_META.pack(MAC_TAG, len(mv), digest.result()) if self.mac_key
                     else pack_meta(len(mv), digest.result()))
             conn.send_command("SET", rkey + META_SUFFIX, meta, *ex)
             conn.send_command("EXEC")
-            replies = [conn.read_response() for _ in range(4)]
-        except BaseException:
+            replies = [_reply(conn) for _ in range(4 + route.asking)]
+        except ERRORS as e:
             conn.disconnect()      # the transaction is discarded with the connection
+            raise NodeError(route.node, e) from e
+        except BaseException:
+            conn.disconnect()
             raise
         finally:
-            if not digest.done():
-                digest.result()   # never leave the hash reading a slot after we return
-            self.pool.release(conn)
+            route.pool.release(conn)
+        _raise_unavailable(route, replies)
+        for r in replies:
+            if isinstance(r, AskError | TryAgainError):   # EXEC was aborted or refused
+                return r
+        for r in replies:
+            if isinstance(r, redis.ResponseError) and not isinstance(r, ExecAbortError):
+                raise r                   # refused (OOM, ACL): the caller drops the write
         if not isinstance(replies[-1], list) or len(replies[-1]) != 2:
             raise L2ProtocolError(f"MULTI/EXEC of a chunk answered {replies!r:.200}")
-        return digest.result()
+        return None
 
     def delete(self, rkey: bytes) -> None:
-        self.client.delete(rkey, rkey + META_SUFFIX)
+        route = self.nodes.route(rkey)
+        for _ in range(MAX_REDIRECTS):
+            conn = _connection(route)
+            try:
+                if route.asking:
+                    conn.send_command("ASKING")
+                conn.send_command("DEL", rkey, rkey + META_SUFFIX)
+                r = [_reply(conn) for _ in range(1 + route.asking)][-1]
+            except ERRORS as e:
+                conn.disconnect()
+                raise NodeError(route.node, e) from e
+            finally:
+                route.pool.release(conn)
+            _raise_unavailable(route, [r])
+            if not isinstance(r, AskError):
+                if isinstance(r, redis.ResponseError):
+                    raise r
+                return
+            route = self.nodes.redirected(r)
 
     def probe(self, rkeys: list[bytes]) -> list[Meta | None]:
-        """The metas of `rkeys` (one MGET round trip); None where absent or not ours."""
+        """The metas of `rkeys` (one MGET per slot, pipelined per node: one round trip to
+        the nodes together); None where absent, not ours, or still redirected."""
+        out: list[Meta | None] = [None] * len(rkeys)
         if not rkeys:
-            return []
+            return out
         mac = self.mac_key is not None
-        return [unpack_meta(v, mac) for v in self.client.mget([k + META_SUFFIX for k in rkeys])]
+        pending = self.nodes.groups(rkeys)
+        for _ in range(MAX_REDIRECTS):
+            redirects = []
+            for route, groups, replies in self._mget_all(rkeys, pending):
+                for g, r in zip(groups, replies):
+                    if isinstance(r, AskError):
+                        redirects.append((self.nodes.redirected(r), [g]))
+                    elif isinstance(r, TryAgainError):
+                        continue                  # keys split by a migration: misses
+                    elif isinstance(r, redis.ResponseError):
+                        raise r
+                    else:
+                        for i, v in zip(g, r):
+                            out[i] = unpack_meta(v, mac)
+            if not redirects:
+                break
+            pending = redirects
+        return out
+
+    def _mget_all(self, rkeys, pending):
+        """Send every node its MGETs, then read the replies: (route, groups, replies)."""
+        sent, out = [], []
+        try:
+            for route, groups in pending:
+                conn = _connection(route)
+                sent.append((route, groups, conn))
+                try:
+                    for g in groups:
+                        if route.asking:
+                            conn.send_command("ASKING")
+                        conn.send_command("MGET", *[rkeys[i] + META_SUFFIX for i in g])
+                except ERRORS as e:
+                    conn.disconnect()
+                    raise NodeError(route.node, e) from e
+            for route, groups, conn in sent:
+                try:
+                    replies = [_reply(conn) for _ in range(len(groups) * (1 + route.asking))]
+                except ERRORS as e:
+                    conn.disconnect()
+                    raise NodeError(route.node, e) from e
+                if route.asking:
+                    replies = replies[1::2]
+                _raise_unavailable(route, replies)
+                out.append((route, groups, replies))
+        except BaseException:
+            for _, _, conn in sent:   # the others' replies may be unread: start afresh
+                conn.disconnect()
+            raise
+        finally:
+            for route, _, conn in sent:
+                route.pool.release(conn)
+        return out
 
     def read_into(self, rkey: bytes, meta: Meta, out) -> bool:
         """GET the payload straight into `out` (a writable buffer of meta.nbytes) -> True if
         it arrived whole and its checksum matches `meta` (else `out` holds garbage: a miss)."""
-        conn = self.pool.get_connection()
+        route = self.nodes.route(rkey)
+        for _ in range(MAX_REDIRECTS):
+            got = self._read_on(route, rkey, meta, out)
+            if not isinstance(got, AskError):
+                return got
+            route = self.nodes.redirected(got)
+        return False
+
+    def _read_on(self, route: Route, rkey: bytes, meta: Meta, out) -> bool | AskError:
+        conn = _connection(route)
         try:
+            if route.asking:
+                conn.send_command("ASKING")
             conn.send_command("GET", rkey)
             sock = conn._sock      # redis-py keeps no bytes of ours buffered: see module doc
+            if route.asking:
+                _read_line(sock)   # +OK (an error here shows again on the GET)
             head = _read_line(sock)
+            if head.startswith(b"-"):   # an error reply: one line, the stream stays in step
+                err = BaseParser.parse_error(head[1:].decode(errors="replace"))
+                _raise_unavailable(route, [err])
+                if isinstance(err, AskError):
+                    return err
+                raise err
             if head in (b"$-1", b"_"):   # gone since the probe (TTL, eviction, overwritten)
                 return False
             if not head.startswith(b"$"):
@@ -168,21 +314,47 @@ class RedisChunks:
                 return False
             _recv_exactly(sock, target)
             _discard(sock, 2)      # the CRLF after the body
-        except BaseException:      # timeout or error mid-reply: the stream position is lost
+        except ERRORS as e:        # timeout or error mid-reply: the stream position is lost
+            conn.disconnect()
+            raise NodeError(route.node, e) from e
+        except BaseException:
             conn.disconnect()
             raise
         finally:
-            self.pool.release(conn)
+            route.pool.release(conn)
         if self.mac_key is not None:
             return hmac.compare_digest(record_mac(self.mac_key, rkey, target), meta.digest)
         return checksum(target) == meta.digest
 
     def close(self) -> None:
-        try:
-            self.client.close()
-            self.pool.disconnect()
-        except ERRORS:
-            pass
+        if self._own_nodes:
+            try:
+                self.nodes.close()
+            except ERRORS:
+                pass
+
+
+def _connection(route: Route):
+    """A connection of the route's pool (connected: a node down fails here, named)."""
+    try:
+        return route.pool.get_connection()
+    except ERRORS as e:
+        raise NodeError(route.node, e) from e
+
+
+def _reply(conn):
+    """One reply; an error reply is returned (not raised), so the rest are still read."""
+    try:
+        return conn.read_response()
+    except redis.ResponseError as e:
+        return e
+
+
+def _raise_unavailable(route: Route, replies: list) -> None:
+    """CLUSTERDOWN, TRYAGAIN, LOADING: the node cannot serve now; like a node that is down."""
+    for r in replies:
+        if isinstance(r, UNAVAILABLE):
+            raise NodeError(route.node, r)
 
 
 def _read_line(sock) -> bytes:

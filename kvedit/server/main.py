@@ -6,11 +6,10 @@ import secrets
 import signal
 import socket
 
-from urllib.parse import urlsplit
-
 import zmq
 
 from kvedit import rundir
+from kvedit.server import l2_url
 from kvedit.server.config import ServerConfig, is_loopback, redacted
 from kvedit.server.pool import Arena, PoolError
 
@@ -130,8 +129,8 @@ def _warn_open_l2(cfg: ServerConfig) -> None:
     them plant records that this server promotes (unless they are MAC'd, --l2-mac)."""
     if not (cfg.l2_url and cfg.authenticated) or cfg.l2_mac:
         return
-    u = urlsplit(cfg.l2_url)
-    if u.scheme == "rediss" or u.password or u.scheme == "unix":
+    t = l2_url.parse(cfg.l2_url)
+    if t.tls or t.password or not t.nodes:   # TLS, AUTH, or a Unix socket
         return
     log.warning("the L2 Redis %s has no password and no TLS: any local user who reaches it can "
                 "write records this server promotes into L1 as they are, past the shared "

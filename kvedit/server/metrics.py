@@ -6,10 +6,12 @@ Two kinds, kept apart so that nothing can drift:
   read the same numbers, no mirrored counter to forget to increment;
 - events only the service sees (requests by type, errors by code, hits/misses, bytes,
   latencies) are ordinary counters incremented where they happen.
-No key or model name appears in any label (/metrics stays open when a secret is set).
+No key or model name appears in any label (/metrics stays open when a secret is set); the
+one address that does is an L2 node's host:port while it is down (which node to go and fix).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -88,6 +90,13 @@ def _l2_families(s: dict):
                             value=s["l2_queue_depth"])
     yield GaugeMetricFamily("kvedit_l2_queue_bytes", "bytes waiting to be written to L2",
                             value=s["l2_queue_bytes"])
+    down = GaugeMetricFamily("kvedit_l2_node_down_seconds", "seconds since an L2 node (host:"
+                             "port; a Redis, a cluster master) stopped answering, during an "
+                             "outage (no series while L2 is up)", labels=["node"])
+    now = time.time()
+    for node, since in s["l2_down_nodes"].items():
+        down.add_metric([node], round(now - since, 3))
+    yield down
     for name, key, doc in (
             ("probes", "l2_probes", "lookups that fell through to L2"),
             ("hits", "l2_hits", "chunks found in L2 and promoted into L1 (promotions)"),

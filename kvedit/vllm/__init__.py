@@ -7,6 +7,7 @@ worker_side     registers the rank's layout; runs each step's loads, stores and 
 metadata        the per-step plan the scheduler side hands to the workers
 settings        kv_connector_extra_config (grouped by sub-room) and the registered layout
 scheduler_stats time in kvedit's scheduler hooks, as a stats line in vLLM's log
+tier_events     what the server holds for this engine, as vLLM's KV events (for routers)
 link            the server connection, kept usable across server outages
 hooks           every vLLM internal kvedit shadows, and the vLLM releases each was checked on
 paged           paged KV layouts (CPU vec/AMX, CUDA FlashAttention/FlashInfer) and copies

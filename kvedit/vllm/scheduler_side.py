@@ -6,7 +6,8 @@ has run (transfer/pins.py); a copy of the server's keys (kvedit.client.key_watch
 without asking, and turns a hit's lookup and pin into one round trip. Each step tells the
 workers which chunks to load before the forward and which chunks to store after it: which
 and when is the store mode's (transfer/admission.py). Query capture and in-engine budgets
-have scheduler sides of their own (capture/, budget/), which this one calls.
+have scheduler sides of their own (capture/, budget/), which this one calls; so do the KV
+events that tell routers what the server holds (tier_events.py).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from kvedit.vllm.link import ServerLink
 from kvedit.vllm.metadata import KVEditMetadata
 from kvedit.vllm.scheduler_stats import SchedulerStats
 from kvedit.vllm.settings import ConnectorSettings, check_chunk_size, model_layout
+from kvedit.vllm.tier_events import PLAIN, for_engine
 from kvedit.vllm.transfer.admission import Admission, Deferred
 from kvedit.vllm.transfer.inflight import InFlightKeys
 from kvedit.vllm.transfer.pins import Pins
@@ -49,6 +51,7 @@ class _Req:
     done: int = 0                        # tokens whose KV is computed once planned steps ran
     sighted: int = 0                     # chunks counted as seen (store mode "reuse")
     eager: bool = False                  # it asked for every chunk stored (request_params)
+    taint: int = PLAIN                   # first chunk resting on foreign KV (tier_events.py)
 
 
 class SchedulerSide:
@@ -77,6 +80,9 @@ class SchedulerSide:
         if transfer.background_commit(device == "cuda") and transfer.store_wait_s > 0:
             self.inflight = InFlightKeys(transfer.store_wait_s)
         self.watch: KeyWatch | None = None   # the server's keys, copied (key_watch.py)
+        self.server_l2 = False   # the server has an L2 tier (server_info.l2): see _held
+        self.watch_answers = False           # ... and lookups may use it (key_watch)
+        self.events = for_engine(vllm_config, settings.transfer.kv_events, block_size)
         self.link = ServerLink(settings.kvedit_url, settings.timeout, settings.retry_interval,
                                self._on_connect, "scheduler", secret=settings.secret())
 
@@ -94,12 +100,22 @@ class SchedulerSide:
         # a pin ends before its lease does
         self.pins.ttl_s = min(self.settings.transfer.pin_ttl_s, info.lease_ttl / 4)
         # a fresh copy for every connection (a restarted server): misses answered here
-        self.watch = (client.watch_keys(self.model, list(range(self.tp_size)))
-                      if self.settings.transfer.key_watch and not info.l2 else None)
+        # (over an L2 tier only for chunks the copy holds: _held), and the KV events' source
+        # of truth
+        self.server_l2 = info.l2
+        answers = self.settings.transfer.key_watch
+        watch = (client.watch_keys(self.model, list(range(self.tp_size)), listener=self.events)
+                 if answers or self.events is not None else None)
+        if self.events is not None:   # before the scheduler thread can sync the new watch
+            self.events.attach(watch)
+        self.watch, self.watch_answers = watch, answers
 
     def bind_pool(self, pool) -> None:
-        """vLLM's block pool (vLLM >= 0.32 binds it): store mode "evict" watches it."""
+        """vLLM's block pool (vLLM >= 0.32 binds it): store mode "evict" watches it, and the
+        KV events see vLLM's prefix-cache resets in it."""
         self.admission.bind_pool(pool)
+        if self.events is not None:
+            self.events.bind_pool(pool)
 
     def _window_planner(self, vllm_config, settings, block_size: int) -> WindowPlanner:
         import vllm
@@ -128,6 +144,9 @@ class SchedulerSide:
     def bind(self, manager, scheduler) -> None:
         """vLLM's KVCacheManager and Scheduler (found when vLLM binds its block pool)."""
         self.budgets.scheduler = scheduler
+        if self.events is not None:   # vLLM may hash at a finer grain than its blocks
+            self.events.hash_scale = self.block_size // (getattr(scheduler, "hash_block_size",
+                                                                 None) or self.block_size)
         if getattr(scheduler, "defer_block_free", False) and \
                 not self.settings.transfer.defer_frees:
             # Before any step (vLLM binds from its constructor): kvedit's loads scatter on
@@ -207,14 +226,17 @@ class SchedulerSide:
         """How many chunks from `first` every rank's server holds (None: the server failed),
         and whether they are pinned already. With a copy of the server's keys (key_watch.py)
         a first chunk it lacks is a miss without a round trip, and one it holds is pinned at
-        once: the pin counts what is there, one round trip where a lookup and a pin took two."""
+        once: the pin counts what is there, one round trip where a lookup and a pin took two.
+        Over a server with an L2 the copy covers its memory only: a chunk it lacks may be in
+        L2, where only a lookup finds it, so the copy answers (by a pin) only requests it
+        holds whole."""
         watch = self.watch
-        if watch is not None and watch.client is client:
+        if watch is not None and self.watch_answers and watch.client is client:
             watch.sync()
-            if watch.lacks(keys, first):
+            if not self.server_l2 and watch.lacks(keys, first):
                 self.stats.local_misses += 1
                 return 0, False
-            if watch.trusted:
+            if watch.trusted and (not self.server_l2 or watch.holds_all(keys, first)):
                 with self.stats.timed("server_s"):
                     n = self.pins.pin(client, self.model, req_id, [k[first:] for k in keys],
                                       len(keys[0]) - first, looked_up=False)
@@ -326,6 +348,9 @@ class SchedulerSide:
             keys = [k[first:last] for k in self._keys(st, last)]
             meta.loads.append(ChunkRun(req_id, first, keys, start, end, list(st.block_ids)))
             self.pins.loading(req_id, step)
+            if self.events is not None:
+                st.taint = self.events.request_chunks(st.request, first, last,
+                                                      self._keys(st, last), c, False, st.taint)
             if st.stored >= first:  # the loaded whole chunks are in the server: never store
                 st.stored = max(st.stored, end // c)  # them again (a failed load resets it)
         # Chunks whose every token has KV in vLLM's blocks once this step has run, and
@@ -350,6 +375,8 @@ class SchedulerSide:
         if upto > st.stored:
             self._store(meta, ChunkRun(req_id, st.stored, [k[st.stored:upto] for k in keys],
                                        st.stored * c, upto * c, list(st.block_ids)))
+            if self.events is not None:
+                self.events.request_chunks(req, st.stored, upto, keys, c, True, st.taint)
             st.stored = upto
 
     def _store(self, meta: KVEditMetadata, run: ChunkRun) -> None:
@@ -397,10 +424,22 @@ class SchedulerSide:
         if st is not None and self.layouts is not None and not st.eager:
             full = st.done // self.chunk
             if full > st.stored:
+                keys = self._keys(st, full)
                 self.to_store += self.admission.finished(
-                    request.request_id, self._keys(st, full), st.stored, full,
-                    list(st.block_ids))
+                    request.request_id, keys, st.stored, full, list(st.block_ids))
+                if self.events is not None and self.admission.defers:  # stored when evicted
+                    self.events.request_chunks(request, st.stored, full, keys, self.chunk,
+                                               True, st.taint)
         self.budgets.finished(request.request_id)
+
+    def take_events(self) -> list:
+        """KV events since the last call (vLLM publishes them after each step)."""
+        if self.events is None:
+            return []
+        with self.stats.timed("events_s"):
+            if self.watch is not None:
+                self.watch.sync()
+            return self.events.take(self.link.client is not None)
 
     def close(self) -> None:
         self.pins.release_all(self.link.client)

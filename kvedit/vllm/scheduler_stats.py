@@ -32,6 +32,7 @@ class SchedulerStats:
     take_s: float = 0.0       # store mode "evict" in vLLM's get_new_blocks (Admission)
     finished_s: float = 0.0   # request_finished
     alloc_s: float = 0.0      # update_state_after_alloc
+    events_s: float = 0.0     # take_events (KV events for routers, tier_events.py)
     logged_at: float = 0.0
 
     @contextmanager
@@ -45,7 +46,8 @@ class SchedulerStats:
 
     @property
     def total_s(self) -> float:
-        return self.lookup_s + self.meta_s + self.finished_s + self.alloc_s + self.take_s
+        return (self.lookup_s + self.meta_s + self.finished_s + self.alloc_s + self.take_s
+                + self.events_s)
 
     def maybe_log(self) -> None:
         now = time.monotonic()
@@ -54,10 +56,11 @@ class SchedulerStats:
         self.logged_at = now
         logger.info("kvedit: scheduler stats: %d steps, %.1f ms in kvedit's hooks (lookups %d "
                     "in %.1f ms, %d answered here, server %.1f ms; step metadata %.1f ms, "
-                    "evict watch %.1f ms; request ends %.1f ms; after alloc %.1f ms)",
+                    "evict watch %.1f ms; request ends %.1f ms; after alloc %.1f ms%s)",
                     self.steps, 1e3 * self.total_s, self.lookups, 1e3 * self.lookup_s,
                     self.local_misses, 1e3 * self.server_s, 1e3 * self.meta_s,
-                    1e3 * (self.watch_s + self.take_s), 1e3 * self.finished_s, 1e3 * self.alloc_s)
+                    1e3 * (self.watch_s + self.take_s), 1e3 * self.finished_s, 1e3 * self.alloc_s,
+                    f"; kv events {1e3 * self.events_s:.1f} ms" if self.events_s else "")
 
 
 _LINE = re.compile(
@@ -65,7 +68,8 @@ _LINE = re.compile(
     r"\(lookups (?P<lookups>\d+) in (?P<lookup_ms>[\d.]+) ms, "
     r"(?P<local_misses>\d+) answered here, server (?P<server_ms>[\d.]+) ms; "
     r"step metadata (?P<meta_ms>[\d.]+) ms, evict watch (?P<watch_ms>[\d.]+) ms; "
-    r"request ends (?P<finished_ms>[\d.]+) ms; after alloc (?P<alloc_ms>[\d.]+) ms\)")
+    r"request ends (?P<finished_ms>[\d.]+) ms; after alloc (?P<alloc_ms>[\d.]+) ms"
+    r"(?:; kv events (?P<events_ms>[\d.]+) ms)?\)")
 
 
 def scheduler_counters(log_text: str) -> dict[str, float]:

@@ -61,6 +61,9 @@ class TransferSettings:
     # server keeps current (kvedit.client.key_watch), without a round trip in vLLM's
     # scheduler loop; off where the server has a second tier (a miss may be found there).
     key_watch: bool = True
+    # Publish what the server holds for this engine in vLLM's own KV events (medium "CPU",
+    # through take_events; needs vLLM's --kv-events-config too): kvedit.vllm.tier_events.
+    kv_events: bool = False
 
     def background_commit(self, on_cuda: bool) -> bool:
         """Whether stores commit from a background thread: async_store, else on CUDA only.
@@ -179,7 +182,7 @@ def _check(extra: dict) -> None:
     if kept not in get_args(CachedKeptBlocks):
         raise ValueError(f"kvedit connector: cached_kept_blocks {kept!r}; expected one of "
                          f"{list(get_args(CachedKeptBlocks))}")
-    for name in ("in_engine", "device_wait", "key_watch", "defer_frees"):
+    for name in ("in_engine", "device_wait", "key_watch", "kv_events", "defer_frees"):
         if not isinstance(extra.get(name, default(name)), bool):
             raise ValueError(f"kvedit connector: {name} {extra[name]!r}; expected true or "
                              "false")

@@ -1,9 +1,11 @@
-"""Two kvedit servers sharing one Redis: prefill on vLLM A, edit, decode on vLLM B (issue 12).
+"""Two kvedit servers sharing one Redis, or one Redis Cluster: prefill on vLLM A, edit, decode
+on vLLM B.
 
-Runs examples/two_engines/prefill_edit_decode.py (real redis-server, two real servers, two
-real tiny-model vLLMs, one at a time so the 2-core machine holds them) and checks what the
-issue asks: B's cached_tokens shows the edited prefix was loaded (through server B, from L2),
-and B's output equals a single-engine decode of the same edit.
+Runs examples/two_engines/prefill_edit_decode.py (real redis-server or a real 3+3 cluster, two
+real servers, two real tiny-model vLLMs, one at a time so the 2-core machine holds them) and
+checks: B's cached_tokens shows the edited prefix was loaded (through server B, from L2, with
+B's connector watching B's keys: a chunk its copy lacks is still looked up), and B's output
+equals a single-engine decode of the same edit.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import shutil
 
 import pytest
 
@@ -26,14 +30,20 @@ EXAMPLE = ROOT / "examples" / "two_engines" / "prefill_edit_decode.py"
 CHUNK = 256
 
 
-def test_prefill_on_a_edit_decode_on_b_through_l2(tiny_model):
+@pytest.mark.parametrize("tier", ["redis", "cluster"])
+def test_prefill_on_a_edit_decode_on_b_through_l2(tiny_model, tier):
+    if tier == "cluster" and shutil.which("redis-cli") is None:
+        pytest.skip(INSTALL_HINT + " (a cluster needs redis-cli too)")
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     p = subprocess.run([sys.executable, str(EXAMPLE), "--reference", "--json",
                         "--model-dir", str(tiny_model), "--num-prompts", "2",
-                        "--prompt-len", "1100", "--max-tokens", "12"],
+                        "--prompt-len", "1100", "--max-tokens", "12",
+                        *(["--cluster"] if tier == "cluster" else [])],
                        capture_output=True, text=True, timeout=840, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["l2_scheme"] == ("redis+cluster" if tier == "cluster" else "redis")
+    assert res["server_b_key_watches"] >= 1   # B's connector follows B's keys all along
     # DropMiddle(0.5) of 4 full chunks keeps 2: 512 edited tokens (+ the 76-token tail aside)
     assert res["edited_tokens"] == [2 * CHUNK, 2 * CHUNK]
     # B computed none of the edited prefix: every edited chunk came through server B

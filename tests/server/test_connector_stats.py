@@ -40,4 +40,10 @@ def test_stats_lines_parse_back_to_what_was_logged(caplog):
         loads.add(LoadTiming(chunks=2, nbytes=500_000_000, total_ms=2.5))
     assert scheduler_counters(caplog.text)["steps"] == 20
     assert scheduler_counters(caplog.text)["lookups"] == 9
+    assert "events_ms" not in scheduler_counters(caplog.text)   # KV events off: not logged
+    with caplog.at_level(logging.INFO, logger="vllm.kvedit"):
+        s.events_s = 0.0023
+        s.maybe_log()
+    got = scheduler_counters(caplog.text)
+    assert got["events_ms"] == 2.3 and got["hooks_ms"] == 8.4   # and counted in the hooks
     assert load_counters(caplog.text) == {"loads": 2, "chunks": 5, "gb": 3.0, "total_ms": 10.0}

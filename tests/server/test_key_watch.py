@@ -44,6 +44,21 @@ def server():
         yield s
 
 
+def test_holds_all_is_what_a_server_with_l2_may_pin_at_once(server):
+    """Over a server with an L2 the connector pins from the copy only a request whose every
+    chunk the copy holds (a chunk it lacks may be in L2): holds_all says so, never guessing."""
+    with KVClient(server.url) as c:
+        keys = _keys(3)
+        _store(c, keys)
+        w = c.watch_keys("m", [0])
+        assert not w.holds_all([keys], 0)          # untrusted: the server is asked
+        assert _synced(w)
+        assert w.holds_all([keys], 0) and w.holds_all([keys], 2)
+        assert not w.holds_all([keys + _keys(1)], 0)   # a chunk past the copy: look it up
+        assert w.holds_all([_keys(1) + keys], 1)   # from `first` on only
+        w.close()
+
+
 def test_copy_follows_stores_evictions_deletes(server):
     with KVClient(server.url) as c, KVClient(server.url) as other:
         before = _keys(2)

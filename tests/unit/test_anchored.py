@@ -98,6 +98,27 @@ def test_generated_tokens_keep_the_later_copy_of_a_repeat():
     assert torch.equal(r.argsort(), torch.arange(9))
 
 
+def test_redundancy_is_the_same_whatever_layers_go_at_once(monkeypatch):
+    """The similarities are taken a few layers at a time (SIM_BYTES bounds the temporary):
+    the scores must not depend on how many, per head or averaged."""
+    from kvedit.edits import anchored
+
+    gen = rand(2, L, 11, HKV * HD, seed=7)
+    for per_head in (False, True):
+        pol = PromptAnchored(protect_last=0, per_head=per_head)
+        whole = pol.generated_scores(gen, LAYOUT)
+        monkeypatch.setattr(anchored, "SIM_BYTES", HKV * 11 * 11 * 4 * 3)  # 3 layers, then 1
+        parts = pol.generated_scores(gen, LAYOUT)
+        monkeypatch.undo()
+        # a reference by hand: each token's highest cosine similarity to a later key
+        k = torch.nn.functional.normalize(gen[0].view(L, 11, HKV, HD), dim=-1)
+        sim = torch.einsum("lihd,ljhd->lhij", k, k)
+        sim = sim.masked_fill(~torch.ones(11, 11, dtype=torch.bool).triu(1), -1.0)
+        red = sim.amax(-1)
+        ref = torch.arange(11) / 11 - (red if per_head else red.mean(dim=(0, 1)))
+        assert torch.allclose(whole, parts) and torch.allclose(whole, ref, atol=1e-6)
+
+
 def test_per_head_keeps_equal_counts_and_tracks_each_head():
     kv, q = prompt_with_needle()
     pol = PromptAnchored(window=8, per_head=True, protect_last=4)

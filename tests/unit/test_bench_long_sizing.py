@@ -41,6 +41,12 @@ def test_the_arms_follow_the_options():
                   "keynorm,snapkv:head", "--budgets", "1024,768", "--budget", "768"])
     assert sizing.arm_names(args) == ["none", "in_engine", "in_engine:keynorm",
                                       "in_engine:snapkv:head", "in_engine@1024"]
+    args = parse(["--in-engine", "--no-two-phase", "--no-connector-arm", "--no-host-arm",
+                  "--no-matched-arm", "--engine-policies", ""])
+    assert sizing.arm_names(args) == ["vllm_full", "none", "in_engine"]
+    # the real-cpu preset: four arms, the options given beside it win
+    assert sizing.arm_names(parse(["--preset", "real-cpu"])) == [
+        "vllm_full", "none", "in_engine", "in_engine:keynorm"]
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvedit.bench.serve import (_acceptance, _median_run, _ratios, _root_cause, degraded,
-                                max_len)
-from kvedit.bench.serve_workloads import Workloads
+from kvedit.bench.serve.arms import degraded, root_cause
+from kvedit.bench.serve.figures import acceptance, median_run, ratios
+from kvedit.bench.serve.workloads import Workloads, max_len
 
 
 def _arm(ttft: float, tput: float, mr: float = 1.0) -> dict:
@@ -23,7 +23,7 @@ ARMS = {"vllm": _arm(0.40, 1000.0, 0.30), "native": _arm(0.30, 990.0, 0.20),
 
 
 def test_acceptance_fields_use_the_default_mode_and_name_the_best():
-    acc = _acceptance(ARMS, "evict", 0.5)
+    acc = acceptance(ARMS, "evict", 0.5)
     h = acc["half_tier"]
     assert h["kvedit_ttft_vs_vllm_alone"] == pytest.approx(0.20 / 0.40)
     assert h["kvedit_ttft_vs_eager"] == pytest.approx(0.20 / 0.50)
@@ -32,12 +32,12 @@ def test_acceptance_fields_use_the_default_mode_and_name_the_best():
     assert acc["no_reuse"]["kvedit_throughput_vs_vllm_alone"] == pytest.approx(0.98)
     assert acc["multi_round"]["kvedit_ttft_vs_best_peer"] == pytest.approx(0.18 / 0.20)
     assert acc["peers_unavailable"] == {"native_simple": "no"}
-    assert _acceptance(ARMS, "reuse", 0.5)["half_tier"]["kvedit_ttft_vs_eager"] == \
+    assert acceptance(ARMS, "reuse", 0.5)["half_tier"]["kvedit_ttft_vs_eager"] == \
         pytest.approx(0.35 / 0.50)
 
 
 def test_ratios_pick_the_best_peer_per_figure():
-    r = _ratios(ARMS)
+    r = ratios(ARMS)
     assert r["query_ttft_s_best_peer"] == "lmcache"          # lowest TTFT
     assert r["no_reuse_tokens_per_s_best_peer"] == "native"  # highest throughput
     assert r["no_reuse_tokens_per_s_vs_vllm_alone"]["kvedit_reuse"] == pytest.approx(1.001)
@@ -49,10 +49,10 @@ def test_ratios_pick_the_best_peer_per_figure():
 def test_no_peer_ran_gives_none_not_a_crash():
     only = {"vllm": ARMS["vllm"], "kvedit_evict": ARMS["kvedit_evict"],
             "native": {"unavailable": "CPU"}}
-    acc = _acceptance(only, "evict", 0.5)
+    acc = acceptance(only, "evict", 0.5)
     assert acc["half_tier"]["kvedit_ttft_vs_best_peer"] is None
     assert acc["half_tier"]["kvedit_ttft_vs_eager"] is None
-    assert _ratios(only)["query_ttft_s_best_peer"] is None
+    assert ratios(only)["query_ttft_s_best_peer"] is None
 
 
 def test_median_over_repeats_and_unavailable_runs():
@@ -60,8 +60,8 @@ def test_median_over_repeats_and_unavailable_runs():
                           "warmup": {"ttft_mean_s": 2.0}},
              "multi_round": {"ttft_mean_s": 1.0}, "no_reuse": {"tokens_per_s": 5.0}}
             for t in (3.0, 1.0, 2.0)]
-    assert _median_run(runs)["query_ttft_s"] == 2.0
-    assert _median_run([{"unavailable": "why"}]) == {"unavailable": "why"}
+    assert median_run(runs)["query_ttft_s"] == 2.0
+    assert median_run([{"unavailable": "why"}]) == {"unavailable": "why"}
 
 
 def test_root_cause_is_the_first_exception_line_not_a_warning():
@@ -72,7 +72,7 @@ def test_root_cause_is_the_first_exception_line_not_a_warning():
            "(Worker pid=2) ERROR 12-01 [multiproc_executor.py:1063] Exception: CPU Offloading "
            "is currently only supported on CUDA-alike and XPU GPUs\n"
            "RuntimeError: Engine core initialization failed. See root cause above.\n")
-    assert _root_cause(log) == ("Exception: CPU Offloading is currently only supported on "
+    assert root_cause(log) == ("Exception: CPU Offloading is currently only supported on "
                                 "CUDA-alike and XPU GPUs")
 
 
@@ -90,8 +90,8 @@ def test_an_arm_serving_without_its_cache_is_not_a_peer():
     assert degraded(log) == "RuntimeError: No supported cpu connector found."
     assert degraded("INFO all fine") is None
     arms = dict(ARMS, lmcache={**ARMS["lmcache"], "degraded": degraded(log)})
-    assert _ratios(arms)["query_ttft_s_best_peer"] == "native"
-    assert _acceptance(arms, "evict", 0.5)["peers_unavailable"]["lmcache"].startswith(
+    assert ratios(arms)["query_ttft_s_best_peer"] == "native"
+    assert acceptance(arms, "evict", 0.5)["peers_unavailable"]["lmcache"].startswith(
         "ran without its cache: RuntimeError: No supported cpu connector")
 
 
@@ -106,12 +106,12 @@ def test_connector_config_is_parsed_and_reaches_the_kvedit_arms_connector(monkey
     import json
     from types import SimpleNamespace
 
-    from kvedit.bench import serve
+    from kvedit.bench.serve import arms, cli
     from kvedit.launch import server as launch_server
     from kvedit.launch import vllm as launch_vllm
 
     p = argparse.ArgumentParser()
-    serve.register(p.add_subparsers())
+    cli.register(p.add_subparsers())
     args = p.parse_args(["serve", "--connector-config", '{"device_wait": false}'])
     assert args.connector_config == {"device_wait": False}
     seen = {}
@@ -130,16 +130,16 @@ def test_connector_config_is_parsed_and_reaches_the_kvedit_arms_connector(monkey
     kw = dict(tier_bytes=1 << 30, vllm_kv_bytes=1 << 30, dtype="float32", max_model_len=4096,
               chunk=256, eviction="lru", lmcache_python=None, vllm_args=[],
               connector_config=args.connector_config)
-    with serve.start_arm("kvedit_evict", "/nonexistent", **kw):
+    with arms.start_arm("kvedit_evict", "/nonexistent", **kw):
         cfg = json.loads(seen["args"][seen["args"].index("--kv-transfer-config") + 1])
     extra = cfg["kv_connector_extra_config"]
     assert extra["device_wait"] is False and extra["store"] == "evict"
     assert extra["stats_interval_s"] == 1.0   # measure reads the stats lines per workload
-    with serve.start_arm("kvedit_evict", "/nonexistent",
+    with arms.start_arm("kvedit_evict", "/nonexistent",
                          **{**kw, "connector_config": {"stats_interval_s": 5}}):
         cfg = json.loads(seen["args"][seen["args"].index("--kv-transfer-config") + 1])
     assert cfg["kv_connector_extra_config"]["stats_interval_s"] == 5
-    with serve.start_arm("native", "/nonexistent", **kw):
+    with arms.start_arm("native", "/nonexistent", **kw):
         assert "--kv-transfer-config" not in seen["args"]
 
 
@@ -148,7 +148,7 @@ def test_connector_figures_per_workload_are_what_the_stats_lines_moved_by(tmp_pa
     (written by its own stats classes) differ by what happened between them."""
     import logging
 
-    from kvedit.bench.serve import _moved, connector_counters
+    from kvedit.bench.serve import counters
     from kvedit.vllm.transfer.copier_stats import StoreStats
     from kvedit.vllm.scheduler_stats import SchedulerStats
 
@@ -165,13 +165,13 @@ def test_connector_figures_per_workload_are_what_the_stats_lines_moved_by(tmp_pa
         sched.maybe_log()
         store.maybe_log()
         handler.flush()
-        before = connector_counters(log)
+        before = counters.connector_counters(log)
         sched.steps, sched.lookups, sched.lookup_s, sched.server_s = 30, 4, 0.006, 0.004
         store.stores, store.chunks, store.main_s = 3, 10, 0.010
         sched.maybe_log()
         store.maybe_log()
         handler.flush()
-        moved = _moved(connector_counters(log), before)
+        moved = counters.moved(counters.connector_counters(log), before)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)

@@ -70,9 +70,16 @@ def kv_usage(vllm_url: str) -> float | None:
     return float(m[1]) if m else None
 
 
+# The connector's stats lines while the bench runs (its setting stats_interval_s): a line
+# at every step (0) cost each step its log lines, part of what the arms measure. The final
+# counts need no interval: the scheduler side and the workers log once their last budgeted
+# request is gone (`flush` makes the engine take that step).
+STATS_INTERVAL_S = 1.0
+
+
 def flush(vllm_url: str, model: str) -> None:
-    """One 1-token request, so the engine takes a step: the scheduler side logs its idle
-    stats after the last budgeted request's blocks were freed."""
+    """One 1-token request, so the engine takes a step: the scheduler side and the workers
+    log their counts once the last budgeted request's blocks were freed."""
     body = json.dumps({"model": model, "prompt": [101, 102, 103], "max_tokens": 1}).encode()
     req = urllib.request.Request(f"{vllm_url}/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})

@@ -52,7 +52,7 @@ def run(args, prompts: Prompts, plan: Plan, log, extra=()) -> dict:
     # chunks stored as computed whatever the mode (kvedit.request_params)
     conn = {"store": TransferSettings().store}
     if args.in_engine:
-        conn.update({"in_engine": True, "stats_interval_s": 0})
+        conn.update({"in_engine": True, "stats_interval_s": engine.STATS_INTERVAL_S})
     with engines(model=prompts.model_dir, served_model_name=prompts.served, dtype=dtype,
                  kv_tokens=cap, max_model_len=max_len, chunk_size=args.chunk_size, log=log,
                  connector_config=conn, vllm_args=args.vllm_args,

@@ -232,7 +232,7 @@ class BudgetScheduler:
             args["delay_cache_blocks"] = True
             if "full_sequence_must_fit" in args:  # it needs its resident tokens, not them all
                 args["full_sequence_must_fit"] = False
-            out = orig(*bound.args, **bound.kwargs)
+            out = bound.call(orig)
             if out is None:
                 st.restore = 0  # not this step; the stash waits
             return out
@@ -242,12 +242,12 @@ class BudgetScheduler:
                             args.get("reserved_blocks", 0))
         self.stats.decide_s += time.perf_counter() - t0
         if not st.compacted:
-            return orig(*bound.args, **bound.kwargs)
+            return bound.call(orig)
         args["delay_cache_blocks"] = True
         logical = request.num_computed_tokens
         request.num_computed_tokens = logical - st.offset  # allocate by resident length
         try:
-            return orig(*bound.args, **bound.kwargs)
+            return bound.call(orig)
         finally:
             request.num_computed_tokens = logical
 

@@ -155,7 +155,10 @@ class BudgetWorker:
         s.compactions += len(step.compactions)
         s.most_in_a_step = max(s.most_in_a_step, len(step.compactions))
         self._end(t0)
-        if step.compactions and time.monotonic() - self._logged >= self.stats_every:
+        # every stats_every seconds while compacting, and once the last request it knew is
+        # forgotten (the final counts, whatever the interval)
+        idle = bool(step.forget) and not (self.policies or self.offsets or self.stash)
+        if idle or (step.compactions and time.monotonic() - self._logged >= self.stats_every):
             self._logged = time.monotonic()
             logger.info("kvedit: in-engine worker stats %s", json.dumps(dataclasses.asdict(s)))
 

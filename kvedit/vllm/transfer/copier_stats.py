@@ -115,7 +115,8 @@ def last_numbers(pattern: re.Pattern, text: str) -> dict[str, float]:
     last = None
     for last in pattern.finditer(text):
         pass
-    return {k: float(v) for k, v in last.groupdict().items()} if last else {}
+    return ({k: float(v) for k, v in last.groupdict().items() if v is not None}
+            if last else {})   # an optional group that did not match is left out
 
 
 def store_counters(log_text: str) -> dict[str, float]:

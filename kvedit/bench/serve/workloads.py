@@ -12,6 +12,8 @@ Every arm is up at once and the workloads alternate between them (each prompt, r
 batch goes to every arm in turn), so load from other work on the machine hits all arms
 alike instead of whichever arm ran at a busy moment. Prompts are token ids drawn from a
 seeded generator: every arm gets the same ones. TTFT is the time to the first streamed token.
+The sizes a run derives from the workloads (the longest prompt, KV bytes per token) are here
+too: they need nothing but the workloads and the model's config.json.
 """
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ import json
 import random
 import statistics
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
+from kvedit.bench.http import stream_completion
 from kvedit.harness.vocab import fixed_length
 
 
@@ -45,29 +48,30 @@ class Workloads:
         return self.docs * (self.doc_tokens + self.question_tokens + self.answer_tokens)
 
 
+# ---- sizes ----------------------------------------------------------------------------------
+def kv_bytes_per_token(model_dir: Path, dtype: str) -> tuple[int, int]:
+    """(KV bytes per token, vocab size) from the model's config.json."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    size = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}[dtype]
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * size, int(cfg["vocab_size"])
+
+
+def max_len(w: Workloads) -> int:
+    """vLLM's max model length for `w`: its longest prompt, an answer and slack, in 256s."""
+    longest = max(w.doc_tokens + w.question_tokens,
+                  w.system_tokens + w.rounds * (w.user_tokens + w.answer_tokens),
+                  w.random_tokens)
+    return -(-(longest + w.answer_tokens + 64) // 256) * 256
+
+
 def stream(base_url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     """One streamed completion -> ttft_s, total_s, output tokens, cached prompt tokens."""
-    body = {"model": model, "prompt": prompt, **fixed_length(max_tokens), "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
-    req = urllib.request.Request(base_url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    t0 = time.perf_counter()
-    ttft, usage, text = None, {}, 0
-    with urllib.request.urlopen(req, timeout=1800) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: {"):
-                continue
-            msg = json.loads(line[6:])
-            if msg.get("choices") and ttft is None:
-                ttft = time.perf_counter() - t0
-            if msg.get("usage"):
-                usage = msg["usage"]
-    total = time.perf_counter() - t0
-    details = usage.get("prompt_tokens_details") or {}
-    return {"ttft_s": ttft if ttft is not None else total, "total_s": total,
-            "output_tokens": usage.get("completion_tokens", 0),
-            "cached_tokens": details.get("cached_tokens", 0)}
+    return stream_completion(base_url, {"model": model, "prompt": prompt,
+                                        **fixed_length(max_tokens)})
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
