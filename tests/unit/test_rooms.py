@@ -221,7 +221,9 @@ def test_no_private_name_is_imported_across_files():
 # 149 since the Redis Cluster bench (l2_paths, l2_cluster, l2_failover: 24) and the KV-events
 # benches (route, connector_events: 16) landed beside it, each a flat module importing late;
 # bench/l2/ and bench/events/ as sub-rooms with a light cli.py are what brings it down.
-BENCH_FUNCTION_IMPORTS_CEILING = 149
+# 150: bench/repair/ is a sub-room with a light cli.py whose one late import is its run.py
+# (as bench/long/'s), not a flat module (it had 6 when flat).
+BENCH_FUNCTION_IMPORTS_CEILING = 150
 
 
 def test_function_level_kvedit_imports_in_bench_stay_under_the_ceiling():

@@ -1,30 +1,7 @@
-"""`kvedit bench repair`: what repairing a compressed cache for a new question costs the
-question's time to first token (kvedit.sdk.repair), against the same question asked of the
-compressed cache without repair, in the same run.
-
-One kvedit server and one vLLM (SmolLM2 by default; any packaged model or directory). Each
-round: a fresh context of `--context` tokens (random ids) and a first question is prefilled
-(its chunks are the original), compressed by KeyDiff at `--ratio` with its original kept
-(`modify(..., originals=)`), then two new questions of `--question` tokens are asked of that
-one compressed cache, one per arm, the arms' order alternating between rounds:
-
-- no repair: a request of the compressed context + the question (the chunks loaded from the
-  kvedit server, the question computed), `max_tokens=1`; its TTFT;
-- repair: `BatchedStream.repair(first_token=True)` then a one-token decode. `first token`:
-  from the repair's start to the capture pass's answer (computed on the whole original:
-  what a user waits for with `first_token=True`); `repaired first token`: the repair's whole
-  time plus the decode's TTFT (the first token decoded on the repaired cache: what
-  `first_token=False` waits for, and the second token's time with True).
-
-Each request is alone on the engine (TTFT, not throughput). The ratios are per round, the
-JSON gives their medians; the repair's time is split into its capture pass, its
-re-selection (retrieve, Repair's scores and gather, store) and the rest; the connector's
-loads (vLLM's log) say how much of each arm's TTFT went to copying chunks into vLLM's
-blocks (the capture pass loads the whole original, the plain question the compressed cache).
-"""
+"""`kvedit bench repair`'s run (what it measures: the package docstring): one engine pair,
+a warm-up round, then the rounds; the JSON of their medians."""
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -32,35 +9,13 @@ import sys
 import time
 import uuid
 
-from kvedit.harness.vocab import greedy
+import kvedit
+from kvedit.edits import KeyDiff, Repair
+from kvedit.harness.eval.run import engine_dtype
+from kvedit.harness.experiment import engines
+from kvedit.harness.vocab import greedy, resolve_model
 from kvedit.sdk.loop import run_sync
 from kvedit.vllm.transfer.copier_stats import load_lines
-
-
-def register(bsub) -> None:
-    p = bsub.add_parser("repair", help="TTFT of a question with repair vs without (repair cost)")
-    p.add_argument("--json", action="store_true", help="print only the JSON result")
-    p.add_argument("--model", default="smollm2",
-                   help="smollm2, qwen2.5-coder-1.5b, tiny or a model dir (default %(default)s)")
-    p.add_argument("--dtype", default=None,
-                   help="vLLM dtype (default: bfloat16 where the CPU has bf16 arithmetic or on "
-                        "a GPU, else float32)")
-    p.add_argument("--context", type=int, default=2048,
-                   help="context tokens, whole chunks (default %(default)s)")
-    p.add_argument("--question", type=int, default=32, help="question tokens (default %(default)s)")
-    p.add_argument("--ratio", type=float, default=0.5, help="KeyDiff's ratio (default %(default)s)")
-    p.add_argument("--restore", type=float, default=1.0,
-                   help="Repair.restore: the share of the budget the question re-selects "
-                        "(default %(default)s)")
-    p.add_argument("--per-head", action=argparse.BooleanOptionalAction, default=True,
-                   help="KeyDiff and Repair per (layer, KV head) (default on: the best "
-                        "measured in kvedit eval)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--l1-size-gb", type=float, default=4.0)
-    p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
-                   help="one more argument for the vLLM we start, repeatable")
-    p.set_defaults(func=_main)
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -83,9 +38,6 @@ class Loads:
 
 def _round(ctx, post, rng, args, k: int, loads: Loads) -> dict:
     """One round (module docstring): the two arms on one compressed cache."""
-    import kvedit
-    from kvedit.edits import KeyDiff, Repair
-
     salt = f"bench-repair-{uuid.uuid4().hex[:8]}"
     first = kvedit.BatchedStream([kvedit.create_request(
         ctx, post, _ids(rng, args.context) + _ids(rng, args.question), salt)], progress=False)
@@ -136,12 +88,8 @@ def _round(ctx, post, rng, args, k: int, loads: Loads) -> dict:
     return out
 
 
-def _main(args) -> int:
-    import kvedit
-    from kvedit.harness.eval.run import engine_dtype
-    from kvedit.harness.experiment import engines
-    from kvedit.harness.vocab import resolve_model
-
+def main(args) -> int:
+    """Run the bench (the module docstring); print its JSON."""
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     if args.context % 256 or args.context <= 0 or args.question <= 0 or args.rounds <= 0:
         raise SystemExit("--context must be whole chunks of 256 tokens; --question and "
