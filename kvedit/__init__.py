@@ -19,6 +19,8 @@ _API = {
     "openai_completion": "kvedit.sdk.openai", "TokenEvent": "kvedit.sdk.openai",
     "ModelLayout": "kvedit.layout", "RopeParams": "kvedit.layout",
     "EngineBudget": "kvedit.budget", "HostBudget": "kvedit.sdk.driver",
+    "Originals": "kvedit.sdk.originals", "Repair": "kvedit.edits.repair",
+    "RepairError": "kvedit.sdk.repair",
     "KVEditError": "kvedit.sdk.errors", "ConnectError": "kvedit.sdk.errors",
     "StreamError": "kvedit.sdk.errors", "ModifyError": "kvedit.sdk.errors",
     "CompletionError": "kvedit.sdk.errors", "BatchError": "kvedit.sdk.errors",

@@ -14,6 +14,7 @@ BENCH_MODULES = [
     "kvedit.bench.index_costs", # server: index/allocator costs vs leased, holes, objects
     "kvedit.bench.loop",        # server: Hello latency while max-size requests run vs idle
     "kvedit.bench.l2",          # server: Redis second tier vs redis-py, write modes, L2-hit TTFT
+    "kvedit.bench.repair",      # SDK: a question's TTFT with repair of its cache vs without
     "kvedit.bench.route",       # routing by KV events (vllm-router): cached share, TTFT per policy
 ]
 

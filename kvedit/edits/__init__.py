@@ -15,11 +15,12 @@ from kvedit.edits.policies import (DropMiddle, KeyDiff, KeyNorm, LeverageScore, 
 from kvedit.edits.kvzip import KVzip
 from kvedit.edits.expected_attention import ExpectedAttention
 from kvedit.edits.query_policies import TOVA, SnapKV
+from kvedit.edits.repair import Repair
 from kvedit.edits.rope import inv_freq, rerotate, rotate_keys
 from kvedit.edits.spec import POLICIES, PolicySpec, from_spec, to_spec
 
 __all__ = ["DropPolicy", "Units", "Window", "DropMiddle", "UniformDrop", "StreamingLLM",
            "KeyNorm", "SnapKVProxy", "SnapKV", "TOVA", "KVzip", "ExpectedAttention",
-           "PromptAnchored", "PromptRanks", "KeyDiff", "LeverageScore", "RandomDrop",
+           "PromptAnchored", "PromptRanks", "KeyDiff", "LeverageScore", "RandomDrop", "Repair",
            "POLICIES", "PolicySpec", "from_spec", "to_spec", "rerotate", "rotate_keys",
            "inv_freq", "window_attention"]

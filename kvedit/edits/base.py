@@ -328,9 +328,10 @@ class DropPolicy:
     def keeping(self, max_tokens: int):
         """This policy as an edit fn that keeps at most `max_tokens` of the kv it is given:
         the ratio that drops just enough units (what a budget's edit needs between decode
-        rounds, kvedit.sdk.driver); kv already that short is returned as it is."""
+        rounds, kvedit.sdk.driver; a repair's, kvedit.sdk.repair); kv already that short is
+        returned as it is. A query-aware policy's fit takes the captured queries on too."""
         self._equal_counts("keeping")
-        def fit(kv, tokens, layout=None):
+        def fit(kv, tokens, layout=None, queries=None, query_start=None):
             units = self.units(kv.shape[2], layout)
             keep = max_tokens // units.size
             drop = units.count - keep
@@ -340,7 +341,9 @@ class DropPolicy:
                 raise ValueError(f"budget leaves room for {max_tokens} tokens, less than one "
                                  f"{self.granularity} of {units.size}")
             # int(ratio * count) == drop: the policy drops exactly the units the budget needs
-            return replace(self, ratio=(drop + 0.5) / units.count)(kv, tokens, layout=layout)
+            return replace(self, ratio=(drop + 0.5) / units.count)(
+                kv, tokens, layout=layout, queries=queries, query_start=query_start)
+        fit.needs_queries = self.needs_queries   # the SDK fetches them for fit as for self
         return fit
 
     def __call__(self, kv: torch.Tensor, tokens, layout: ModelLayout | None = None,

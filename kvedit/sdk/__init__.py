@@ -14,6 +14,9 @@ Modules (one concern each):
 - `store`    the store target: fn's result under every rank's keys, staged; the salt rule.
 - `output`   new_kv: tensors fn builds, on kvedit's own reused pages.
 - `chunkmap` MappedKV: stored chunks mapped copy-on-write into one tensor (no copy).
+- `originals` the chunks compressed streams came from, kept for repair under a byte budget.
+- `repair`   a compressed stream mended for a new question from its original: capture the
+             question's queries on the original, re-select within the same budget, swap.
 - `queries`  captured queries: asking vLLM at prefill, fetching every rank's, their lifetime.
 - `tp`       tensor parallel: the head split, gather and scatter (pure).
 - `buffers`  reused retrieve buffers; copy-on-write tracking of what fn writes.

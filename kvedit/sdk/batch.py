@@ -1,5 +1,5 @@
 """BatchedStream: prefill → modify → decode over many streams, plus a pipelined run() (with
-or without a budget).
+or without a budget) and repair (a compressed stream mended for a new question).
 
 Every phase is a coroutine on one event loop: HTTP streams run concurrently (bounded by
 `max_concurrency`), the server's blocking calls run in the context's thread pool, and the
@@ -23,7 +23,9 @@ from kvedit.sdk.errors import KVEditError, StreamError, raise_batch
 from kvedit.sdk.loop import run_sync
 from kvedit.sdk.metrics import Metrics, RunMetrics, add_generation, add_modify
 from kvedit.sdk.modify import modify_stream
+from kvedit.sdk.originals import Originals
 from kvedit.sdk.queries import expect
+from kvedit.sdk.repair import IfEvicted, RepairMetrics, check_how, repair_stream
 from kvedit.sdk.stream import Stream
 
 
@@ -124,16 +126,27 @@ class BatchedStream:
         await self.each("prefill", self.streams, work, m)
         return m
 
-    async def amodify(self, fn, *, keep_old: bool = False,
-                      wait_timeout: float | None = None) -> Metrics:
-        """Apply fn(kv, tokens[, layout=]) -> (kv, tokens) to every stream (kvedit.sdk.modify)."""
+    async def amodify(self, fn, *, keep_old: bool = False, wait_timeout: float | None = None,
+                      originals: Originals | None = None) -> Metrics:
+        """Apply fn(kv, tokens[, layout=]) -> (kv, tokens) to every stream (kvedit.sdk.modify).
+        `originals`: each stream's region before the edit stays in the server, in that
+        ledger, so `repair` can mend the stream for a later question (kvedit.sdk.repair)."""
         m = Metrics("modify", num_streams=len(self.streams))
         cpu = self.cpu_slots()
         wait = self.wait_timeout if wait_timeout is None else wait_timeout
 
         async def work(s: Stream):
-            add_modify(m, await modify_stream(s, fn, cpu_slots=cpu, keep_old=keep_old,
-                                               wait_timeout=wait))
+            kept = originals.snapshot(s) if originals is not None else None
+            after = len(s.prompt) - len(kept.tokens) if kept is not None else 0
+            try:
+                add_modify(m, await modify_stream(s, fn, cpu_slots=cpu, keep_old=keep_old,
+                                                   wait_timeout=wait))
+            except BaseException:
+                if kept is not None:
+                    await originals.abandon(kept)
+                raise
+            if kept is not None:
+                await originals.admit(s, kept, after)
 
         await self.each("modify", self.streams, work, m)
         return m
@@ -149,6 +162,33 @@ class BatchedStream:
                 add_generation(m, await s.generate(sampling_params))
 
         await self.each("decode", live, work, m)
+        return m
+
+    async def arepair(self, how, *, originals: Originals,
+                      sampling_params=None, first_token: bool = True,
+                      window: int | None = None, if_evicted: IfEvicted = "skip",
+                      wait_timeout: float | None = None) -> RepairMetrics:
+        """Mend every stream compressed with `modify(fn, originals=...)` for what was
+        appended to it since (the new question), from its original (kvedit.sdk.repair):
+        `how` the query-aware edit that re-selects (a kvedit.edits.Repair naming the policy
+        that compressed the streams), fitted to each stream's compressed size;
+        `first_token` (default) keeps the capture pass's answer token as the answer's
+        first (False: every answer token is decoded on the repaired cache),
+        `window` captures only the last rows of the turn, `if_evicted` "skip" or
+        "recompute" an original no longer in the server."""
+        check_how(how)
+        m = RepairMetrics("repair", num_streams=len(self.streams))
+        http = asyncio.Semaphore(self.max_concurrency)
+        cpu = self.cpu_slots()
+        wait = self.wait_timeout if wait_timeout is None else wait_timeout
+
+        async def work(s: Stream):
+            async with http:
+                await repair_stream(s, originals, how, params=sampling_params, cpu_slots=cpu,
+                                    m=m, first_token=first_token, window=window,
+                                    if_evicted=if_evicted, wait_timeout=wait)
+
+        await self.each("repair", self.streams, work, m)
         return m
 
     async def arun(self, prefill_params, fn, decode_params, *, keep_old: bool = False,
@@ -197,8 +237,18 @@ class BatchedStream:
     def prefill(self, sampling_params=None) -> Metrics:
         return run_sync(self.aprefill(sampling_params))
 
-    def modify(self, fn, *, keep_old: bool = False, wait_timeout: float | None = None) -> Metrics:
-        return run_sync(self.amodify(fn, keep_old=keep_old, wait_timeout=wait_timeout))
+    def modify(self, fn, *, keep_old: bool = False, wait_timeout: float | None = None,
+               originals: Originals | None = None) -> Metrics:
+        return run_sync(self.amodify(fn, keep_old=keep_old, wait_timeout=wait_timeout,
+                                     originals=originals))
+
+    def repair(self, how, *, originals: Originals, sampling_params=None,
+               first_token: bool = True, window: int | None = None,
+               if_evicted: IfEvicted = "skip",
+               wait_timeout: float | None = None) -> RepairMetrics:
+        return run_sync(self.arepair(how, originals=originals, sampling_params=sampling_params,
+                                     first_token=first_token, window=window,
+                                     if_evicted=if_evicted, wait_timeout=wait_timeout))
 
     def decode(self, sampling_params=None) -> Metrics:
         return run_sync(self.adecode(sampling_params))

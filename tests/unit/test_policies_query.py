@@ -160,7 +160,7 @@ def test_needs_queries_flags_and_errors():
     assert SnapKV.needs_queries and TOVA.needs_queries
     assert not any(cls.needs_queries for cls in (DropPolicy, KeyNorm, SnapKVProxy))
     assert {name for name, cls in POLICIES.items() if cls.needs_queries} == {
-        "snapkv", "tova", "kvzip", "expected_attention", "prompt_anchored"}
+        "snapkv", "tova", "kvzip", "expected_attention", "prompt_anchored", "repair"}
     assert {cls.queries_from for cls in POLICIES.values()} == {
         None, "prompt", "reconstruction", "context"}
     assert PromptAnchored.queries_from == "prompt"

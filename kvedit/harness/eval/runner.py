@@ -188,6 +188,12 @@ class AccuracyRun:
 
     async def acell(self, policy, cell: Cell) -> tuple[list[dict], dict]:
         """`cell` on the SDK's loop (every stream of the run is made and released there)."""
+        from kvedit.edits.repair import Repair
+
+        if isinstance(policy, Repair):  # reuse with repair: its own cell kind, synchronous
+            from kvedit.harness.eval import repair_cell
+
+            return await asyncio.to_thread(repair_cell.run, self, policy, cell)
         source = (getattr(policy, "queries_from", None) or "prompt") if policy.needs_queries \
             else None
         if (source == "prompt" and not self.capture) or (

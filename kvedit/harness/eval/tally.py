@@ -27,6 +27,9 @@ class Tally:
         self.records += records
         for k in SUMS:
             self.sums[k] += info.get(k) or 0.0
+        for k, v in info.items():   # a cell kind's own counters (repair_cell.py) add up too
+            if k not in SUMS and isinstance(v, (int, float)):
+                self.sums[k] = self.sums.get(k, 0) + v
         self.groups += 1
         self.samples += samples
 
@@ -38,5 +41,5 @@ class Tally:
                 "stored_fraction": s["tokens_after"] / s["tokens_before"]
                 if s["tokens_before"] else None,
                 "samples": self.samples, "groups": self.groups,
-                **{k: s[k] for k in SUMS if k.endswith("_s") or k == "seconds"},
+                **{k: s[k] for k in s if k not in SUMS or k.endswith("_s") or k == "seconds"},
                 "seconds_per_sample": s["seconds"] / self.samples if self.samples else None}
