@@ -197,7 +197,8 @@ def test_http_needs_the_bearer_token(secured):
     for path in ("/status", "/config", "/cache"):
         assert get(path, None) == 401, path
         assert get(path, "wrong-token-0123456789") == 401, path
-        assert get(path, SECRET) == 200, path
+        assert get(path, SECRET) == 401, path   # the secret itself never crosses HTTP
+        assert get(path, auth.http_token(SECRET.encode())) == 200, path
 
 
 def test_sdk_connect_uses_the_secret(secured, monkeypatch):
