@@ -274,7 +274,7 @@ def loop_costs(objects: int = 262_144, watches: int = WATCHERS) -> dict:
     from kvedit.server.index import Index
     from kvedit.server.key_feed import KeyFeed, WatchLimits
     from kvedit.server.pool import Allocator
-    from kvedit.server.service import CLEAR_SLICE
+    from kvedit.server.slices import SLICE as CLEAR_SLICE
 
     def cpu(fn) -> float:
         t0 = time.thread_time()
@@ -314,11 +314,14 @@ def loop_costs(objects: int = 262_144, watches: int = WATCHERS) -> dict:
     push_ms = cpu(feed.flush)
     upto = index.newest_ready("m")
     clears, flushes = [], []
-    more = True
-    while more:
-        clears.append(cpu(lambda: index.clear_some("m", upto, CLEAR_SLICE)))
-        more = index.newest_ready("m") is not None
+    cursor = None
+    while True:
+        t0 = time.thread_time()
+        _, cursor = index.clear_some("m", upto, CLEAR_SLICE, cursor=cursor)
+        clears.append((time.thread_time() - t0) * 1e3)
         flushes.append(cpu(feed.flush))
+        if cursor is None:
+            break
     return {"objects": objects, "watches": watches, "snapshot_mb": round(sent[0] / 2**20, 1),
             "subscribe_max_ms": round(max(subscribe), 2),
             "snapshot_pass_max_ms": round(max(passes), 2), "snapshot_passes": len(passes),

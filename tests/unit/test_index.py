@@ -454,6 +454,15 @@ def _recount(ix: Index) -> dict:
                              if o.state == I.READY and not o.leases and id(o) not in pins)}
 
 
+def _recount_in_use(ix: Index) -> dict:
+    """Live objects being written or leased, per (model, tp_rank): what Unregister waits for."""
+    out: dict = {}
+    for o in [*ix.objects.values(), *ix.queries.values()]:
+        if o.state != I.READY or o.leases:
+            out[(o.model, o.tp_rank)] = out.get((o.model, o.tp_rank), 0) + 1
+    return out
+
+
 def _recount_quota(ix: Index) -> dict:
     """What each holder holds, from the tables (quota.py must agree): a store or lease counts
     while open, cut (until finished) or quarantined."""
@@ -563,6 +572,7 @@ def test_counters_equal_a_recount_after_random_operations(seed):
         assert ix.evictable() == _recount(ix)["evictable"]
         assert c.ready == len(ix.pages) == ix.page(None, None, 1).total
         assert _quota_as_held(ix) == _recount_quota(ix), step
+        assert ix._in_use == _recount_in_use(ix), step
     # drain: everything ends; every slot comes back
     for pid in [*ix.pending.cut, *ix.stores, *ix.leases]:
         _finish(ix, pid)
