@@ -70,6 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             ("max_handshakes_per_peer", "data-link connections in handshake of one peer (a "
                                         "local user by uid, a remote address; not the "
                                         "server's own user)"),
+            ("max_zmq_conns_per_peer", "ZMQ connections of one peer (a local user by uid, a "
+                                       "remote address); beyond, a new one is shut at once"),
             ("max_watches", "key watches of all clients"),
             ("max_watches_per_client", "key watches of one client session"),
             ("max_query_bytes", "bytes of the largest captured-queries object (a store of a "
@@ -117,17 +119,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             ("watch_ttl", "key watch: end one not renewed this long, or whose client left "
                           "what it was sent unacknowledged this long (then its connection "
                           "is cut)"),
-            ("watch_queue_mb", "key watch: MiB sent to one watch and not acknowledged by its "
-                               "client, at most (a snapshot waits; a push past it drops the "
-                               "watch, whose client subscribes again)"),
-            ("watch_queue_total_mb", "key watch: MiB sent to all watches and not "
-                                     "acknowledged, at most"),
-            ("watch_subscribes_per_min", "key watch: subscriptions one session may make a "
-                                         "minute (a burst of 8)"),
-            ("watch_slice_ms", "key watch: milliseconds of loop time a pass spends building "
-                               "snapshots (they are sent in parts)")):
+            ):
         g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(_D, name),
                        help=f"seconds: {hlp} (default {getattr(_D, name)})")
+    for name, hlp in (
+            ("watch_queue_mb", "MiB: key watch: sent to one watch and not acknowledged by its "
+                               "client, at most (a snapshot waits; a push past it drops the "
+                               "watch, whose client subscribes again)"),
+            ("watch_queue_total_mb", "MiB: key watch: sent to all watches and not "
+                                     "acknowledged, at most; one session holds at most "
+                                     "--max-client-total-share of it, and over it the watch "
+                                     "waiting longest is cut first"),
+            ("watch_subscribes_per_min", "a rate: key watch subscriptions one session may make "
+                                         "a minute (a burst of 8)"),
+            ("watch_slice_ms", "milliseconds: key watch: loop time a pass spends building "
+                               "snapshots (they are sent in parts)"),
+            ("reply_queue_mb", "MiB: replies queued for one client socket that the kernel "
+                               "has not delivered (a client that does not read), at most; "
+                               "beyond, its connection is cut"),
+            ("reply_queue_total_mb", "MiB: ... for all client sockets together; beyond, the "
+                                     "sockets holding the most are cut first")):
+        g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(_D, name),
+                       help=f"{hlp} (default {getattr(_D, name):g})")
     add_l2_arguments(p)
     a = p.add_argument_group("authentication (one shared secret for ZMQ, data link and HTTP)")
     a.add_argument("--secret-file", default=None,
@@ -192,6 +205,7 @@ def config_from_args(args) -> ServerConfig:
              "max_waits_per_client", "max_waits_total", "max_parked_keys", "max_wait_seconds",
              "max_data_conns", "max_query_bytes", "data_idle_timeout", "handshake_timeout",
              "max_handshakes", "max_handshakes_per_peer", "max_client_total_share",
+             "max_zmq_conns_per_peer", "reply_queue_mb", "reply_queue_total_mb",
              "max_watches", "max_watches_per_client", "watch_ttl", "watch_queue_mb",
              "watch_queue_total_mb", "watch_subscribes_per_min", "watch_slice_ms",
              "transfer_idle_timeout", "transfer_timeout", "insecure",

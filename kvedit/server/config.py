@@ -64,6 +64,10 @@ class ServerConfig:
                                       # most half of max_data_conns)
     max_handshakes_per_peer: int = 8  # ... per peer (a local user by uid, else an address;
                                       # not the server's own user)
+    max_zmq_conns_per_peer: int = 256 # ZMQ connections of one peer (peers.py); beyond, shut
+    reply_queue_mb: float = 2.0       # MiB queued for one client socket, not delivered by
+                                      # the kernel, at most (replies.py); beyond, it is cut
+    reply_queue_total_mb: float = 32.0  # ... for all sockets; beyond, the biggest are cut
     # Largest captured-queries object (kind "queries"); 0: the largest the query contract lets
     # a client ask for the model (query_bytes).
     max_query_bytes: int = 0
@@ -212,7 +216,8 @@ class ServerConfig:
                      "max_leases_total", "max_stores_per_client", "max_stores_total",
                      "max_leased_keys_per_client", "max_leased_keys_total", "http_max_conns",
                      "http_max_conns_per_peer", "http_max_requests", "max_handshakes",
-                     "max_handshakes_per_peer", "max_watches", "max_watches_per_client"):
+                     "max_handshakes_per_peer", "max_watches", "max_watches_per_client",
+                     "max_zmq_conns_per_peer"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
                                  f"{getattr(self, name)}")
@@ -235,6 +240,10 @@ class ServerConfig:
             raise ValueError(f"--watch-queue-mb must be at least 1 (a snapshot part must fit) "
                              f"and at most --watch-queue-total-mb ({self.watch_queue_total_mb}),"
                              f" got {self.watch_queue_mb}")
+        if not 0.25 <= self.reply_queue_mb <= self.reply_queue_total_mb:
+            raise ValueError(f"--reply-queue-mb must be at least 0.25 (the largest reply must "
+                             f"fit) and at most --reply-queue-total-mb "
+                             f"({self.reply_queue_total_mb}), got {self.reply_queue_mb}")
         if not self.http_head_timeout > 0:
             raise ValueError(f"--http-head-timeout must be > 0 seconds, got "
                              f"{self.http_head_timeout}")

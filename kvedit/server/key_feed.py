@@ -143,15 +143,17 @@ class KeyFeed:
             self._changes.setdefault(o.model, {})[(o.tp_rank, o.key)] = ready
 
     # ---- bytes -------------------------------------------------------------------------
-    def count(self, ident: bytes, nbytes: int) -> None:
+    def count(self, ident: bytes, nbytes: int) -> bool:
         """The service sent `nbytes` to `ident` (every message to a watched socket counts:
-        they share its queue)."""
+        they share its queue) -> whether `ident` is a watch's socket (counted here)."""
         w = self.watches.get(ident)
-        if w is not None:
-            w.sent += nbytes
-            self.total += nbytes
-            if w.since is None:
-                w.since = self.clock()
+        if w is None:
+            return False
+        w.sent += nbytes
+        self.total += nbytes
+        if w.since is None:
+            w.since = self.clock()
+        return True
 
     def _fits(self, w: Watch, nbytes: int) -> bool:
         return (w.queued + nbytes <= self.lim.queued_bytes

@@ -27,7 +27,7 @@ from kvedit import protocol as P
 from kvedit.layout import ModelLayout
 from kvedit.query_contract import MAX_WINDOW
 from kvedit.server import layout_limits
-from kvedit.server.config import ServerConfig
+from kvedit.server.config import MIB, ServerConfig
 from kvedit.server.datalink import DataLink
 from kvedit.server.link_service import LinkMethods
 from kvedit.server.index import Index, Refused
@@ -36,6 +36,7 @@ from kvedit.server.l2_service import L2_HOLDER, L2Methods
 from kvedit.server.metrics import Metrics
 from kvedit.server.peers import Peers, holder_of
 from kvedit.server.pool import Allocator, Arena
+from kvedit.server.replies import ReplyQueues
 from kvedit.server.slices import SlicedWork
 from kvedit.server.trim import HeapTrim
 from kvedit.server.waiters import TooManyWaits, Waiter, Waiters, wait_key
@@ -95,7 +96,7 @@ class Service(L2Methods, SlicedWork, LinkMethods):
             auth.curve_server(self.sock, secret)
         try:
             self.sock.bind(f"tcp://{cfg.host}:{cfg.port}")
-            self.peers = Peers(self.sock)
+            self.peers = Peers(self.sock, cfg.max_zmq_conns_per_peer)
             self.data = DataLink(self, cfg, secret)
         except BaseException:
             self._close_zmq()
@@ -116,6 +117,9 @@ class Service(L2Methods, SlicedWork, LinkMethods):
                             ready_after=self.index.pages.after,
                             delivered=self.peers.delivered, cut=self.peers.cut)
         self.index.feed = self.feed
+        self.replies = ReplyQueues(int(cfg.reply_queue_mb * MIB),
+                                   int(cfg.reply_queue_total_mb * MIB),
+                                   delivered=self.peers.delivered, cut=self.peers.cut)
 
     # ---- loop -------------------------------------------------------------------------
     def run(self, wakeup_fd: int | None = None) -> None:
@@ -193,7 +197,7 @@ class Service(L2Methods, SlicedWork, LinkMethods):
         self.feed.expire(now)
         self._freeze_gc()
         self.trim.observe(KEY_BYTES * (self.waiters.keys + self.index.leased_keys())
-                          + self.feed.total
+                          + self.feed.total + self.replies.total
                           + (self.l2.queue_bytes if self.l2 is not None else 0))
 
     def _freeze_gc(self) -> None:
@@ -212,6 +216,7 @@ class Service(L2Methods, SlicedWork, LinkMethods):
         """Sockets whose connection closed: ZMQ dropped what was queued for them."""
         for ident in self.peers.take_closed():
             self.feed.disconnected(ident)
+            self.replies.gone(ident)
 
     def _session_gone(self, holder: bytes) -> None:
         """The holder's last socket disconnected: let go of what only it could use."""
@@ -222,6 +227,8 @@ class Service(L2Methods, SlicedWork, LinkMethods):
     # ---- messages ---------------------------------------------------------------------
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
+        if self.replies.doomed(ident):   # cut for not reading: what it sent meanwhile goes
+            return
         try:
             gone = self.peers.seen(ident, frames[-1])
         except Exception:  # tracking is an optimisation: deadlines still bound everything
@@ -301,9 +308,11 @@ class Service(L2Methods, SlicedWork, LinkMethods):
         self._send_bytes(ident, rid, P.encoder.encode(reply))
 
     def _send_bytes(self, ident: bytes, rid: bytes, body: bytes) -> None:
-        """The one place a message leaves: a key watch's socket counts what it was sent."""
-        self.feed.count(ident, len(rid) + len(body))
-        self.sock.send_multipart([ident, rid, body])
+        """The one place a message leaves: what each socket was sent is counted, by the key
+        feed for a watch's socket, else against the socket's reply bound (replies.py)."""
+        n = len(rid) + len(body)
+        if self.feed.count(ident, n) or self.replies.admit(ident, n):
+            self.sock.send_multipart([ident, rid, body])
 
     def _handle(self, ident: bytes, rid: bytes, req, data: list[zmq.Frame]):
         if data:
@@ -524,10 +533,12 @@ class Service(L2Methods, SlicedWork, LinkMethods):
         return self.index.snapshot() | {
             "models": len(self.layouts), "waiting_lookups": len(self.waiters),
             "parked_keys": self.waiters.keys, "data_conns": self.data.connections(),
-            "zmq_conns": self.peers.connected(), "heap_trims": self.trim.trims,
+            "zmq_conns": self.peers.connected(), "zmq_conns_refused": self.peers.refused,
+            "heap_trims": self.trim.trims,
             "transfer_mode": "shm" if self.cfg.shm_name else "socket",
             "uptime_s": round(time.time() - self.started, 3),
-        } | self.feed.snapshot() | (self.l2.snapshot() if self.l2 is not None else {})
+        } | self.feed.snapshot() | self.replies.snapshot() | (
+            self.l2.snapshot() if self.l2 is not None else {})
 
     def models(self) -> dict[str, list[ModelLayout]]:
         """The registered layouts by model name (at most --max-models): ListModels, /status."""
