@@ -100,8 +100,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{_D.max_client_pool_fraction})")
     g.add_argument("--max-client-total-share", type=float, default=_D.max_client_total_share,
                    help=f"fraction of each total cap (--max-leases-total, --max-stores-total, "
-                        f"--max-leased-keys-total) one client session may hold, whatever its "
-                        f"per-client cap says (default {_D.max_client_total_share})")
+                        f"--max-leased-keys-total, --watch-queue-total-mb) one client session "
+                        f"may hold, whatever its per-client cap says (default "
+                        f"{_D.max_client_total_share})")
+    g.add_argument("--quota-reserve", type=float, default=_D.quota_reserve,
+                   help=f"fraction of each total cap and of the pool kept for client sessions "
+                        f"that hold little: past it a session is admitted only while it holds "
+                        f"at most --max-client-total-share of the reserve, so a few sessions "
+                        f"cannot take a total from the rest (default {_D.quota_reserve}; 0: "
+                        f"none)")
     g.add_argument("--fence-gone-sessions", action="store_true",
                    help="quarantine the slots of an expired store/lease even when its client "
                         "session had already disconnected (default: freed at expiry; see "
@@ -211,7 +218,7 @@ def config_from_args(args) -> ServerConfig:
              "transfer_idle_timeout", "transfer_timeout", "insecure",
              "max_leases_per_client", "max_leases_total", "max_stores_per_client",
              "max_stores_total", "max_leased_keys_per_client", "max_leased_keys_total",
-             "max_client_pool_fraction", "fence_gone_sessions",
+             "max_client_pool_fraction", "fence_gone_sessions", "quota_reserve",
              "http_max_conns", "http_max_conns_per_peer", "http_max_requests",
              "http_head_timeout",
              "l2_url", "l2_prefix", "l2_ttl", "l2_write_on", "l2_write_queue_mb",

@@ -30,6 +30,7 @@ def eviction_name(name: str) -> str:
 L2_SCHEMES = ("redis", "rediss", "unix")
 GIB = 1 << 30
 MIB = 1 << 20
+
 # The queries cap for a layout that does not say its query heads (registered by a connector
 # older than captured-queries shapes): the fixed default of before.
 LEGACY_QUERY_BYTES = 256 * MIB
@@ -78,10 +79,12 @@ class ServerConfig:
     max_stores_total: int = 65536
     max_leased_keys_per_client: int = 1 << 18   # objects kept by a session's leases
     max_leased_keys_total: int = 1 << 21
-    max_client_pool_fraction: float = 0.75  # of the pool: slot bytes one session's leases
+    max_client_pool_fraction: float = 0.25  # of the pool: slot bytes one session's leases
                                             # and pending stores pin together
-    max_client_total_share: float = 0.125   # of each total cap (leases, stores, leased keys):
-                                            # what one session may hold of it at most
+    max_client_total_share: float = 0.125   # of each total cap (leases, stores, leased keys,
+                                            # the key watches' queue): one session's at most
+    quota_reserve: float = 0.25       # of each total and of the pool: kept for sessions that
+                                      # hold little (quota.py)
     fence_gone_sessions: bool = False  # quarantine also what a disconnected session held
     # ---- HTTP (http.py) ----
     http_max_conns: int = 256           # open connections; beyond, the oldest idle one goes
@@ -171,6 +174,9 @@ class ServerConfig:
             max_watches=self.max_watches, per_client=self.max_watches_per_client,
             ttl_s=self.watch_ttl, queued_bytes=int(self.watch_queue_mb * MIB),
             queued_total=int(self.watch_queue_total_mb * MIB),
+            # a session's share of the total, but at least one watch's worth
+            per_holder=max(int(self.watch_queue_total_mb * MIB * self.max_client_total_share),
+                           int(self.watch_queue_mb * MIB)),
             subscribes_per_min=self.watch_subscribes_per_min,
             slice_s=self.watch_slice_ms / 1000)
 
@@ -190,7 +196,10 @@ class ServerConfig:
             lease_keys_total=self.max_leased_keys_total,
             # 1: no share at all (the pool itself bounds a session), not "at most the pool"
             bytes_per_client=(int(pool * self.max_client_pool_fraction)
-                              if self.max_client_pool_fraction < 1 else 1 << 62))
+                              if self.max_client_pool_fraction < 1 else 1 << 62),
+            # the pool's reserve goes with the pool share: 1 turns both off
+            pool_bytes=pool if self.max_client_pool_fraction < 1 else None,
+            reserve=self.quota_reserve, share=self.max_client_total_share)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad setting and what is expected."""
@@ -233,6 +242,9 @@ class ServerConfig:
         if not 0 < self.max_client_pool_fraction <= 1:
             raise ValueError(f"--max-client-pool-fraction is a fraction of the pool in (0, 1], "
                              f"got {self.max_client_pool_fraction}")
+        if not 0 <= self.quota_reserve < 1:
+            raise ValueError(f"--quota-reserve is a fraction of each total in [0, 1), got "
+                             f"{self.quota_reserve}")
         if not 0 < self.max_client_total_share <= 1:
             raise ValueError(f"--max-client-total-share is a fraction of each total cap in "
                              f"(0, 1], got {self.max_client_total_share}")

@@ -137,14 +137,20 @@ class Index:
               kind: ObjectKind = "kv", ordered: bool = False) -> Leased:
         """Lease the leading ready objects of `keys`. The lease keeps each object once (a key
         repeated in the request costs nothing more); `ordered` (a data-link retrieve) keeps
-        them in key order, repeats included, for the GET that sends them.
+        them in key order for the GET that sends them, and ends at the first repeated key
+        (the GET never needs a chunk twice, so a repeat is never counted twice).
         OverQuota (nothing leased) past the holder's or the total caps (quota.py)."""
         self.pending.admit("lease", holder, [])   # a session at its lease cap: refused cheaply
         objs, get = [], self.table(kind).get
+        seen: set[Obj] | None = set() if ordered else None
         for k in keys:   # the leading ready objects
             o = get((model, tp_rank, k))
             if o is None or o.state != READY:
                 break
+            if seen is not None:   # a data-link GET needs no chunk twice: counted once
+                if o in seen:
+                    break
+                seen.add(o)
             objs.append(o)
         distinct = list(dict.fromkeys(objs)) if len(objs) > 1 else objs
         kept = objs if ordered else distinct

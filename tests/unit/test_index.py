@@ -484,6 +484,10 @@ def _recount_quota(ix: Index) -> dict:
             distinct.setdefault(p.holder, {}).update({id(o): o.slot for o in p.objs})
     for holder, h in held.items():
         h["lease_bytes"] = sum(distinct.get(holder, {}).values())
+    everyone = {i: slot for d in distinct.values() for i, slot in d.items()}
+    held[b"total"] = {f: sum(h[f] for h in held.values())
+                      for f in ("leases", "stores", "lease_keys", "store_bytes")}
+    held[b"total"]["lease_bytes"] = sum(everyone.values())   # an object once, whoever leases
     return held
 
 
@@ -494,6 +498,8 @@ def _quota_as_held(ix: Index) -> dict:
         h = q.held(holder)
         if h is not None:
             out[holder] = {f: getattr(h, f) for f in ("leases", "stores", "lease_keys",
+                                                      "store_bytes", "lease_bytes")}
+    out[b"total"] = {f: getattr(q.total, f) for f in ("leases", "stores", "lease_keys",
                                                       "store_bytes", "lease_bytes")}
     return out
 
