@@ -149,6 +149,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(_D, name),
                        help=f"{hlp} (default {getattr(_D, name):g})")
     add_l2_arguments(p)
+    p.add_argument("--exit-with-fd", type=int, default=None, metavar="FD",
+                   help="stop when this inherited file descriptor (the read end of a pipe whose "
+                        "write end only the launcher holds) reaches its end: the server dies "
+                        "with its launcher, whichever thread started it (kvedit.launch)")
     a = p.add_argument_group("authentication (one shared secret for ZMQ, data link and HTTP)")
     a.add_argument("--secret-file", default=None,
                    help="file holding the shared secret (else $KVEDIT_SECRET, then "
@@ -251,7 +255,7 @@ def run(args) -> int:
         log.error("cannot start: %s", e)
         return 2
     cfg.authenticated = secret is not None
-    return serve(cfg, secret)
+    return serve(cfg, secret, exit_fd=args.exit_with_fd)
 
 
 def _made_secret(cfg: ServerConfig, log) -> bytes:

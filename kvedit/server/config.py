@@ -8,6 +8,7 @@ lists them with the error code a client gets at the bound.
 from __future__ import annotations
 
 import ipaddress
+import socket
 from dataclasses import asdict, dataclass
 
 from kvedit.layout import ModelLayout
@@ -31,6 +32,16 @@ L2_SCHEMES = ("redis", "rediss", "unix")
 GIB = 1 << 30
 MIB = 1 << 20
 
+
+def listen_backlog() -> int:
+    """The listen backlog of every TCP listener (HTTP, data link): the kernel's cap
+    (net.core.somaxconn; 4096 on Linux >= 5.4). With a small one a user churning connections
+    fills the accept queue and everyone else's connect waits for SYN retransmits (1 s, 3 s)."""
+    try:
+        with open("/proc/sys/net/core/somaxconn") as f:
+            return max(socket.SOMAXCONN, int(f.read()))
+    except (OSError, ValueError):
+        return socket.SOMAXCONN
 # The queries cap for a layout that does not say its query heads (registered by a connector
 # older than captured-queries shapes): the fixed default of before.
 LEGACY_QUERY_BYTES = 256 * MIB

@@ -33,6 +33,7 @@ from kvedit.auth import (AUTH_HEADER, CHALLENGE_HEADER, ENDPOINT_HEADER, HTTP_AU
 from kvedit.server import http_state as state
 from kvedit.server.http_openapi import MAX_CURSOR, MAX_MODEL_PARAM, MAX_PAGE, SPEC
 from kvedit.server.http_peer import PeerKey, peer_key
+from kvedit.server.config import listen_backlog
 from kvedit.server.service import Service
 
 log = logging.getLogger("kvedit.server")
@@ -352,7 +353,7 @@ def _bind(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
-        sock.listen(128)
+        sock.listen(listen_backlog())
     except OSError:
         sock.close()
         raise
@@ -370,8 +371,11 @@ class HttpApi:
                                head_timeout=c.http_head_timeout,
                                max_requests=c.http_max_requests)
         # log_level "error": a peer's malformed request is its problem, not a server log line
+        # asyncio listens again with uvicorn's backlog and accepts up to that many per wakeup
+        # (until EAGAIN): the kernel's cap for both
         cfg = uvicorn.Config(build_app(service, secret), log_config=None, log_level="error",
                              access_log=False, lifespan="off", loop="asyncio", http=proto,
+                             backlog=listen_backlog(),
                              timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self._serve, name="kvedit-http", daemon=True)

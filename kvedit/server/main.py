@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import signal
 import socket
+import threading
 
 from urllib.parse import urlsplit
 
@@ -17,11 +19,12 @@ from kvedit.server.pool import Arena, PoolError
 log = logging.getLogger("kvedit.server")
 
 
-def serve(cfg: ServerConfig, secret: bytes | None = None) -> int:
-    """Blocks until SIGINT/SIGTERM. Returns the process exit code.
+def serve(cfg: ServerConfig, secret: bytes | None = None, exit_fd: int | None = None) -> int:
+    """Blocks until SIGINT/SIGTERM (or `exit_fd` reaching its end). Returns the exit code.
 
     `secret` (kvedit.auth.load_secret) turns on CurveZMQ, the data-link handshake check and
-    HTTP bearer tokens; cfg.authenticated must say whether it is set."""
+    HTTP bearer tokens; cfg.authenticated must say whether it is set. `exit_fd`: the read
+    end of a pipe only the launcher can write to; its end means the launcher is gone."""
     from kvedit.server.http import HttpApi
     from kvedit.server.service import Service
 
@@ -62,6 +65,9 @@ def serve(cfg: ServerConfig, secret: bytes | None = None) -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    if exit_fd is not None:
+        threading.Thread(target=_stop_when_closed, args=(exit_fd,), name="kvedit-launcher",
+                         daemon=True).start()
     http.start()
     service.data.start()
     mode = (f"shm (segment /dev/shm/{cfg.shm_name}; data link for clients that cannot map it)"
@@ -100,6 +106,18 @@ def serve(cfg: ServerConfig, secret: bytes | None = None) -> int:
         wsock.close()
         log.info("stopped; shared-memory segment %s", "unlinked" if cfg.shm_name else "n/a")
     return 0
+
+
+def _stop_when_closed(fd: int) -> None:
+    """Nothing is ever written to the pipe: a read returns only when the launcher's end is
+    closed, i.e. the launcher is gone (however it ended). Then stop as on SIGTERM."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError:
+        pass
+    log.info("the launcher is gone (its end of the pipe closed): shutting down")
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _hand_over_secret(cfg: ServerConfig, secret: bytes | None) -> None:

@@ -49,7 +49,8 @@ def test_eight_pinning_sessions_leave_room_for_another():
     """8 sessions each prepare stores until refused, on a pool of 32 chunks: 100 stores and
     100 retrieves of a legitimate client beside them all succeed (before: 2 sessions pinned
     the pool and every legitimate store got pool_full)."""
-    with start_server(32 * CHUNK / 2**30) as s, KVClient(s.url) as legit:
+    with start_server(32 * CHUNK / 2**30, client_pool_fraction=None) as s, \
+            KVClient(s.url) as legit:
         legit.register("m", SMALL)
         attackers = [session_dealer(s.url) for _ in range(8)]
         try:

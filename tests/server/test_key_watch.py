@@ -19,7 +19,6 @@ from tests.fixtures_server import status, wait_until
 
 LAYOUT = ModelLayout(num_layers=2, num_kv_heads=1, head_dim=64, dtype="float32", chunk_size=256)
 POOL = 6   # chunks
-ONE_CLIENT_FILLS = ["--max-client-pool-fraction", "1"]   # one client fills the pool
 
 
 def _keys(n: int) -> list[bytes]:
@@ -39,8 +38,7 @@ def _synced(w, timeout: float = 10.0) -> bool:
 
 @pytest.fixture
 def server():
-    with start_server(POOL * LAYOUT.chunk_bytes / 2**30, chunk_size=256,
-                      extra_args=ONE_CLIENT_FILLS) as s:
+    with start_server(POOL * LAYOUT.chunk_bytes / 2**30, chunk_size=256) as s:
         with KVClient(s.url) as c:
             c.register("m", LAYOUT)
         yield s
@@ -105,16 +103,14 @@ def test_renewals_keep_the_copy_trusted(server, monkeypatch):
 
 
 def test_restarted_server_is_noticed():
-    with start_server(POOL * LAYOUT.chunk_bytes / 2**30, chunk_size=256,
-                      extra_args=ONE_CLIENT_FILLS) as s:
+    with start_server(POOL * LAYOUT.chunk_bytes / 2**30, chunk_size=256) as s:
         c = KVClient(s.url)
         c.register("m", LAYOUT)
         w = c.watch_keys("m", [0])
         assert _synced(w)
         port = s.port
     # same port, new server: the renewal finds no watch there, the copy is rebuilt from it
-    with start_server(POOL * LAYOUT.chunk_bytes / 2**30, chunk_size=256, port=port,
-                      extra_args=ONE_CLIENT_FILLS) as s2:
+    with start_server(POOL * LAYOUT.chunk_bytes / 2**30, chunk_size=256, port=port) as s2:
         with KVClient(s2.url) as c2:
             c2.register("m", LAYOUT)
             keys = _keys(1)

@@ -144,9 +144,7 @@ def _metric(text: str, name: str, labels: str = "") -> float:
 
 
 def test_evictions_metric_equals_status():
-    with start_server(8 * SMALL.chunk_bytes / 2**30,   # one client fills the pool
-                      extra_args=["--max-client-pool-fraction", "1"]) as s, \
-            KVClient(s.url) as c:
+    with start_server(8 * SMALL.chunk_bytes / 2**30) as s, KVClient(s.url) as c:
         c.register("m", SMALL)
         for i in range(3):
             ks = [key(j, f"evict{i}") for j in range(6)]

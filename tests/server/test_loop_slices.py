@@ -130,8 +130,7 @@ def test_a_store_that_must_evict_much_lets_the_loop_run():
     """A pool full of 2^17 objects and one store of 2^16 new keys: it is parked while the
     loop evicts 512 at a time, Hellos answered between (before: none for the whole store)."""
     n = 1 << 17
-    with start_server(n * 4096 / 2**30, extra_args=["--max-keys-per-request", str(BIG),
-                                                    "--max-client-pool-fraction", "1"]) as s, \
+    with start_server(n * 4096 / 2**30, extra_args=["--max-keys-per-request", str(BIG)]) as s, \
             KVClient(s.url, timeout=120) as c:
         c.register("m", TINY)
         _fill(c, "m", n)
@@ -151,7 +150,7 @@ def test_a_parked_store_is_refused_over_quota_at_once():
     """Parking takes nothing a session may not hold: over its pool share it is refused
     before any eviction."""
     n = 4096
-    with start_server(n * 4096 / 2**30 + 0.001,
+    with start_server(n * 4096 / 2**30 + 0.001, client_pool_fraction=None,   # the default
                       extra_args=["--max-keys-per-request", str(n)]) as s, \
             KVClient(s.url, timeout=60) as c:
         c.register("m", TINY)

@@ -42,8 +42,7 @@ class Clock:
 
 @pytest.fixture
 def client():
-    with start_server(POOL * LAYOUT.chunk_bytes / 2**30, chunk_size=256,
-                      extra_args=["--max-client-pool-fraction", "1"]) as s, \
+    with start_server(POOL * LAYOUT.chunk_bytes / 2**30, chunk_size=256) as s, \
             KVClient(s.url) as c:
         c.register("m", LAYOUT)
         yield c

@@ -287,8 +287,7 @@ def test_default_bound_holds_every_window_the_contract_allows():
                          chunk_size=128)   # registered without its query heads
     full = QueryShape.of(qwen, MAX_WINDOW).nbytes
     assert full == 4096 * 86_016 > 256 << 20
-    with start_server(0.5, chunk_size=128,   # one object of 0.7 of the pool
-                      extra_args=["--max-client-pool-fraction", "1"]) as srv:
+    with start_server(0.5, chunk_size=128) as srv:
         with KVClient(srv.url) as c:
             c.register("qwen", qwen)
             c.register("legacy", legacy)

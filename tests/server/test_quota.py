@@ -43,7 +43,7 @@ def _flood(sock, body: bytes, n: int) -> list:
 def test_a_lease_flood_of_one_key_does_not_grow_the_server():
     """1,000 leases of one ready key × 8,192 (the red-team's loop): the server keeps each
     object once per lease, so it grows by a few bytes a lease, not ~66 KiB (~66 MB here)."""
-    with start_server(0.02) as s, KVClient(s.url) as c:
+    with start_server(0.02, client_pool_fraction=None) as s, KVClient(s.url) as c:
         c.register("m", SMALL)
         k = key(0, "flood")
         c.store("m", [k], [chunk_for(k)])
@@ -140,7 +140,8 @@ def test_leased_keys_count_each_object_once_per_lease():
 def test_one_session_cannot_pin_the_whole_pool():
     """4 chunks of 16 in flight or leased is all one session may pin by default (1/4);
     another client's stores still find room, before and after the pinner leases."""
-    with start_server(16 * CHUNK / 2**30) as s, KVClient(s.url) as legit:
+    with start_server(16 * CHUNK / 2**30, client_pool_fraction=None) as s, \
+            KVClient(s.url) as legit:
         legit.register("m", SMALL)
         pinner = session_dealer(s.url)
         try:
