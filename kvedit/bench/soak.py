@@ -11,16 +11,20 @@ long: a client sending a small Hello every ~10 ms (the control loop's latency) a
 rate, the attacks of outside red-team runs: a lease flood of one key x the key limit, a
 session pinning all the pool it may, unfinished HTTP heads and churned connections beside
 /health probes and half-closed requests, records planted in the L2 Redis without the secret,
-a key watch re-subscribed and never read, and a stranger holding data-link handshakes; a
-connector-style key watch checks every miss it answers. The server runs with the secret it
+a key watch re-subscribed and never read, a stranger holding data-link handshakes, a relay
+of /health to the server (kvedit/bench/soak_bounds.py: it must get no token), a model of
+thousands of objects unregistered again and again, sockets that never read their replies,
+and 8 sessions together leasing up to the leases' total; a connector-style key watch
+checks every miss it answers. The server runs with the secret it
 made itself (the default): its restarts reuse it, and every client finds it in the runtime
 directory. The server's RSS and its queues (L2 write-behind, key watches) are sampled
 throughout. After every client has stopped and the TTLs have passed, the server's /status
 must show no lease and, once the cache is deleted, no slot in use; its memory is measured
 once the L2 queue has drained. Then a scaling phase: the latency of a small request while
 /metrics (and /status, /cache pages) are scraped with 1M objects in the index (4 KiB chunks,
-lazy pool, never written), beside the same request with nobody scraping; and the key-watch
-phase on that server (kvedit/bench/soak_watch.py).
+lazy pool, never written), beside the same request with nobody scraping; the key-watch
+phase on that server (kvedit/bench/soak_watch.py); stores evicting 8,192 objects each from
+the full pool, and the Unregister of the million (kvedit/bench/soak_scale.py).
 Everything is bounded in time and count and stops every process it started.
 """
 from __future__ import annotations
@@ -36,12 +40,14 @@ import threading
 import time
 from pathlib import Path
 
+from kvedit.bench.soak_scale import rss_mb, scaling_phase
+from kvedit.bench.soak_summary import ATTACKERS, CLIENT_TIMEOUT_S, pct, summarize, thin
+
 TARGETS = {"torn_reads": 0, "leaked_slots": 0, "leaked_leases": 0, "unexpected_errors": 0,
            "hello_p99_ms": 50.0, "rss_growth_mb": 50.0, "scale_lookup_p99_ms": 50.0,
            "watch_attack_rss_growth_mb": 64.0, "watch_attack_hello_p99_ms": 50.0,
-           "watched_delete_hello_max_ms": 50.0, "watch_loop_cpu_max_ms": 50.0}
-RESTART_GRACE_S = 3.0   # errors this long after a restart belong to the restart
-CLIENT_TIMEOUT_S = 5.0  # ... and those of calls sent up to this long before it
+           "watched_delete_hello_max_ms": 50.0, "watch_loop_cpu_max_ms": 50.0,
+           "evicting_store_hello_max_ms": 50.0, "unregister_hello_max_ms": 50.0}
 CYCLE_S = 600.0         # a long run repeats the timeline of events every this many seconds
 DATA_IDLE_S = 10.0      # the soak server's --data-idle-timeout (idle periods outlast it),
                         # at most a twentieth of a cycle (short runs keep working)
@@ -158,18 +164,11 @@ class _Procs:
 
 def _module(role: str) -> str:
     """The module whose `main` runs a child role."""
-    from kvedit.bench.soak_attacks import ROLES
-    return "kvedit.bench.soak_attacks" if role in ROLES else "kvedit.bench.soak_procs"
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    from kvedit.bench.soak_procs import pct
-    return pct(xs, q)
-
-
-def thin(points: list, n: int) -> list:
-    from kvedit.bench.soak_procs import thin
-    return thin(points, n)
+    from kvedit.bench import soak_attacks, soak_bounds
+    for mod in (soak_attacks, soak_bounds):
+        if role in mod.ROLES:
+            return mod.__name__
+    return "kvedit.bench.soak_procs"
 
 
 def _victim(procs: _Procs, p: subprocess.Popen, rng: random.Random, shm: bool, what: str,
@@ -184,21 +183,6 @@ def _victim(procs: _Procs, p: subprocess.Popen, rng: random.Random, shm: bool, w
     return "killed holding" if held else "killed before it held"
 
 
-def _rss_mb(pid: int, field: str = "own") -> float:
-    """A resident-memory figure of /proc/PID/status in MiB: VmRSS (all resident pages, the
-    pool's shared-memory pages the server touched included), RssAnon (the heap), or "own":
-    VmRSS without RssShmem, the server's own memory whatever the pool holds (the pool's
-    pages are bounded by --pool-mb by construction; a leak grows the rest)."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, rest = line.partition(":")
-        if name in ("VmRSS", "RssAnon", "RssShmem"):
-            fields[name] = int(rest.split()[0]) / 1024
-    if field == "own":
-        return fields.get("VmRSS", 0.0) - fields.get("RssShmem", 0.0)
-    return fields.get(field, 0.0)
-
-
 # One cycle of the mixed phase, as fractions of the cycle; a run has max(1, run / CYCLE_S)
 # cycles. The server restarts early in the first cycle (and half-way through a run of
 # several), so the hostile events after it are on the server instance whose leaks and memory
@@ -208,28 +192,6 @@ EVENTS = sorted([(0.30, "stall get"), (0.35, "oversized"), (0.45, "stall put"),
 IDLE_AT = (0.40, 0.75)   # workers pause for the data idle timeout + 1 s here, each cycle
 VICTIM_KINDS = [(True, "store"), (False, "store"), (True, "lease"), (False, "lease"),
                 (True, "storing"), (False, "storing")]   # (shared memory?, what it holds)
-ATTACKERS = ("leaseflood", "poolpin", "httpflood", "watchflood", "handshakes", "watcher")
-# what the attackers may be answered; each must also meet its `must` at least once
-ATTACK_OK = {
-    "leaseflood": {"Leased", "over_quota", "unknown_model", "no_reply"},
-    "poolpin": {"StoreSlots", "over_quota", "pool_full", "unknown_model", "no_reply",
-                "commit:Committed", "commit:store_expired", "commit:unknown_store",
-                "commit:no_reply", "release:Ok", "release:lease_expired",
-                "release:unknown_lease", "release:no_reply", "retrieve:Leased",
-                "retrieve:over_quota", "retrieve:unknown_model", "retrieve:no_reply"},
-    "httpflood": {"health:200", "half_closed_status:200"},
-    "l2poison": {"planted"},
-    "watchflood": {"subscribed", "send_blocked"},
-    "handshakes": {"opened", "closed_by_server", "refused"},
-    # "miss_wrong" (the copy said "not there" for a key the server held) is never allowed
-    "watcher": {"untrusted", "says_there", "miss_right", "miss_caught_up", "catch_up_slow",
-                "miss_evicted_since"},
-}
-ATTACK_MUST = {"leaseflood": "over_quota", "poolpin": "over_quota", "httpflood": "health:200",
-               "l2poison": "planted", "watchflood": "subscribed", "handshakes": "opened",
-               "watcher": "miss_right"}
-
-
 class _MixedRun:
     """The mixed phase: one server (and its L2 Redis), client processes, the timeline, the
     RSS sampler, then the leak check."""
@@ -257,9 +219,12 @@ class _MixedRun:
                 "--lease-ttl", t, "--write-ttl", t, "--quarantine-ttl", str(2 * args.ttl),
                 "--transfer-idle-timeout", "2", "--transfer-timeout", "20",
                 "--data-idle-timeout", str(self.data_idle),
-                # the attackers meet their caps within seconds; the stalled GET (12 MiB, more
-                # than the kernel buffers) still fits beside the pool pinner's half
-                "--max-leases-per-client", "32", "--max-client-pool-fraction", "0.5", *l2])
+                # the attackers meet their caps within seconds (8 sessions together the
+                # leases' total); the stalled GET (12 MiB, more than the kernel buffers) still
+                # fits beside the pool pinner's quarter, the workers and the victims: the
+                # reserve's line at 7/8
+                "--max-leases-per-client", "32", "--max-leases-total", "256",
+                "--quota-reserve", "0.125", *l2])
         except BaseException:
             if self.redis is not None:
                 self.redis.stop()
@@ -287,7 +252,7 @@ class _MixedRun:
             self.procs.collect(timeout=2 * self.ttl + 30)
             checked = self._check()
             self._sampling.set()
-            return checked | _summarize(self.procs.results, self.restarts) | {
+            return checked | summarize(self.procs.results, self.restarts) | {
                 "cycles": self.cycles, "l2": self.redis is not None,
                 "victims": self.victims[:24], "victim_count": len(self.victims),
                 "restarts": [{"began_s": round(a - self.t0, 3), "seconds": round(b - a, 3)}
@@ -309,7 +274,7 @@ class _MixedRun:
         while not self._sampling.wait(RSS_EVERY_S):
             t = round(time.time() - self.t0, 1)
             try:
-                self.rss.append([t, round(_rss_mb(self.srv.pid), 1)])
+                self.rss.append([t, round(rss_mb(self.srv.pid), 1)])
                 headers = auth.bearer_header(auth.load_secret(None, self.secret_file))
                 c = httpx.get(self.srv.http_url + "/status", headers=headers,
                               timeout=5).json()["counters"]
@@ -378,8 +343,8 @@ class _MixedRun:
                 self.srv.restart()   # the same ports and flags; the made secret is reused
                 self.restarts.append((r0, time.time()))
                 time.sleep(min(5.0, cycle * 0.05))
-                self.rss_base = (_rss_mb(self.srv.pid), _rss_mb(self.srv.pid, "RssAnon"),
-                                 _rss_mb(self.srv.pid, "VmRSS"))
+                self.rss_base = (rss_mb(self.srv.pid), rss_mb(self.srv.pid, "RssAnon"),
+                                 rss_mb(self.srv.pid, "VmRSS"))
         if c == self.cycles - 1:
             for p, _ in self.spares:
                 self.procs.kill_one(p)
@@ -429,8 +394,8 @@ class _MixedRun:
                 after = http.get("/status").json()
             queue_at_end = (after.get("l2") or {}).get("queue", {}).get("bytes", 0)
             time.sleep(2 * RSS_EVERY_S)   # a trim after the burst (trim.py) has had its turn
-            rss_end = (_rss_mb(self.srv.pid), _rss_mb(self.srv.pid, "RssAnon"),
-                       _rss_mb(self.srv.pid, "VmRSS"))
+            rss_end = (rss_mb(self.srv.pid), rss_mb(self.srv.pid, "RssAnon"),
+                       rss_mb(self.srv.pid, "VmRSS"))
             rss_base = self.rss_base or rss_end
             keepalive = []
             for _ in range(200):   # sequential GET /health over one keep-alive connection
@@ -457,7 +422,11 @@ class _MixedRun:
             "key_watch_queue_peak_mb": max((q[2] for q in self.queues), default=None),
             "queue_samples_mb": thin(self.queues, 150),
             "key_watch_counters": {k: after["counters"].get(k) for k in (
-                "key_watch_drops", "key_watch_cuts", "key_snapshot_parts", "key_pushes")},
+                "key_watch_drops", "key_watch_cuts", "key_snapshot_parts", "key_pushes",
+                "key_watch_reclaimed")},
+            # sockets cut for not reading their replies, ZMQ connections shut over the bound
+            "bound_counters": {k: after["counters"].get(k) for k in (
+                "reply_cuts", "reply_queued_bytes", "zmq_conns_refused")},
         }
 
 
@@ -469,185 +438,6 @@ def mixed_phase(args, rundir: Path, logdir: Path) -> dict:
 
 def _quarantined(st: dict) -> bool:
     return any(v for k, v in st.get("counters", {}).items() if k.startswith("quarantine"))
-
-
-def _summarize(results: dict, restarts: list[tuple[float, float]]) -> dict:
-    def in_restart(t: float) -> bool:
-        return any(a - CLIENT_TIMEOUT_S - 0.5 <= t <= b + RESTART_GRACE_S for a, b in restarts)
-
-    ops, torn, stale, checked = 0, 0, 0, 0
-    errors: dict[str, int] = {}
-    unexpected, examples, during_restart = 0, [], 0
-    for role in ("worker", "laggard"):
-        for r in results.get(role, []):
-            ops += r["ops"]
-            torn += r["torn_reads"]
-            stale += r["stale_detected"]
-            checked += r["chunks_checked"]
-            for code, n in r["errors"].items():
-                errors[code] = errors.get(code, 0) + n
-            restart_odd = sum(in_restart(t) for t, _, _ in r["odd"])
-            during_restart += restart_odd
-            unexpected += r["odd_count"] - restart_odd
-            examples += [o for o in r["odd"] if not in_restart(o[0])][:5]
-    late: dict = {}
-    for r in results.get("laggard", []):
-        for k, v in r["notes"].items():
-            late[k] = late.get(k, 0) + v if isinstance(v, int) else v
-    # the fence: a late commit must be refused; every stalled transfer must be cut
-    unexpected += late.get("late_commits_accepted", 0)
-    stalls = results.get("stall", [])
-    for s in stalls:
-        ok = s.get("server_closed_it") and s.get("late_reply") in (
-            "store_expired", "lease_expired", "unknown_store", "unknown_lease")
-        if not ok and not s.get("setup_failed"):
-            unexpected += 1
-            examples.append(["stall", s])
-    overs = results.get("oversized", [])
-    for over in overs:
-        if over.get("too_many_keys") != "too_many_keys" or over.get("hello_after") != \
-                "ServerInfo" or over.get("tiny_keys") != "too_many_keys":
-            unexpected += 1
-            examples.append(["oversized", over])
-    attacks = {}
-    for role, allowed in ATTACK_OK.items():
-        for r in results.get(role, []):
-            odd = {k: n for k, n in r["counts"].items() if k not in allowed
-                   and not all(in_restart(t) for t in r["when"].get(k, [0.0]))}
-            missed = r["counts"].get(ATTACK_MUST[role], 0) == 0
-            unexpected += sum(odd.values()) + missed
-            if odd or missed:
-                examples.append([role, {"odd": odd, "missing": ATTACK_MUST[role] if missed
-                                        else None,
-                                        "when": {k: r["when"].get(k, [])[:5] for k in odd},
-                                        "restarts": [[round(a, 3), round(b, 3)]
-                                                     for a, b in restarts]}])
-            attacks[role] = r["counts"]
-    for bad in ("crashed", "overran"):
-        unexpected += len(results.get(bad, []))
-        examples += [[bad, x] for x in results.get(bad, [])][:3]
-    hello = [ms for r in results.get("pinger", []) for t, ms in r["samples"] if not in_restart(t)]
-    fails = [t for r in results.get("pinger", []) for t in r["failures"] if not in_restart(t)]
-    unexpected += len(fails)
-    if fails:
-        examples.append(["hello without a reply within 1 s, sent at", fails[:5]])
-    per_worker = [{"transport": r["notes"].get("transport"), "ops": r["ops"],
-                   "by_kind": r["by_kind"], "errors": r["errors"],
-                   "chunks_checked": r["chunks_checked"],
-                   "idle_periods": r["notes"].get("idle_periods", 0),
-                   "client_counters": r["notes"].get("client_counters")}
-                  for r in results.get("worker", [])]
-    return {"ops": ops, "chunks_checked": checked, "per_worker": per_worker,
-            "errors_by_code": errors,
-            "unexpected_errors": unexpected, "unexpected_examples": examples[:10],
-            "errors_during_restart": during_restart, "torn_reads": torn,
-            "stale_reads_refused_by_fence": stale, "late_writer_reader": late,
-            "stalls": stalls[:6], "oversized": overs[:3], "attacks": attacks,
-            "hello_count": len(hello), "hello_failures": len(fails),
-            "hello_p50_ms": pct(hello, 0.5), "hello_p99_ms": pct(hello, 0.99),
-            "hello_max_ms": pct(hello, 1.0)}
-
-
-def scaling_phase(args, secret_file: str) -> dict:
-    """Fill the index with up to --scale-objects 4 KiB objects (prepared and committed, never
-    written: a lazy pool then costs no memory), then time a one-key lookup with nobody
-    scraping (5 s), and while /metrics, /status and /cache pages are scraped back to back."""
-    from kvedit.client import KVClient
-    from kvedit.layout import ModelLayout
-    from kvedit.launch.server import start_server
-
-    tiny = ModelLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16",
-                       chunk_size=256)          # 2 x 1 x 256 x 4 x 2 bytes = 4 KiB
-    n = args.scale_objects
-    pool_gb = (n * tiny.chunk_bytes * 1.02 + (64 << 20)) / 2**30
-    out: dict = {"objects_asked": n, "chunk_bytes": tiny.chunk_bytes}
-    from kvedit.bench import soak_watch
-    pool_gb += (args.watch_objects + 10 * 8192) * tiny.chunk_bytes * 1.02 / 2**30
-    with start_server(pool_gb, lazy=True, extra_args=["--secret-file", secret_file]) as srv, \
-            KVClient(srv.url, secret_file=secret_file, timeout=120) as c:
-        c.register("scale", tiny)
-        t0 = time.monotonic()
-        filled, batch = 0, 8192
-        while filled < n and time.monotonic() - t0 < args.scale_seconds:
-            keys = [i.to_bytes(16, "little") for i in range(filled, min(n, filled + batch))]
-            c.prepare_store("scale", keys).commit()
-            filled += len(keys)
-        out |= {"objects": filled, "fill_s": round(time.monotonic() - t0, 1)}
-        out |= _probe(srv, secret_file)
-        out["server_rss_mb"] = round(_rss_mb(srv.pid), 1)
-        if args.watch_phase:
-            out["watch"] = _watch_phase(srv, c, secret_file, args.watch_objects)
-    return out
-
-
-def _watch_phase(srv, client, secret_file: str, objects: int) -> dict:
-    import httpx
-
-    from kvedit import auth
-    from kvedit.bench import soak_watch
-    secret = auth.load_secret(None, secret_file)
-
-    def rss() -> float:
-        return _rss_mb(srv.pid)
-
-    out = {"attacker": soak_watch.watch_attack(srv, rss, secret, "scale")}
-    with httpx.Client(base_url=srv.http_url, headers=auth.bearer_header(secret),
-                      timeout=600) as http:
-        out["delete"] = soak_watch.watched_delete(srv, client, secret, rss, http, objects)
-    out["loop_cpu"] = soak_watch.loop_costs(objects)   # load-proof: thread CPU time
-    return out
-
-
-def _probe(srv, secret_file: str, idle_s: float = 5.0, busy_s: float = 10.0) -> dict:
-    import httpx
-
-    from kvedit import auth
-    from kvedit import protocol as P
-    from kvedit.bench.soak_procs import RawPeer
-
-    headers = auth.bearer_header(auth.load_secret(None, secret_file))
-    http = httpx.Client(base_url=srv.http_url, headers=headers, timeout=60)
-    ready = http.get("/status").json()["objects"]["ready"]
-    peer = RawPeer({"url": srv.url, "secret_file": secret_file})
-    probe = P.Lookup(model="scale", keys=[(7).to_bytes(16, "little")])
-
-    def lookups(seconds: float) -> list[float]:
-        lat, end = [], time.monotonic() + seconds
-        while time.monotonic() < end:
-            s0 = time.perf_counter()
-            r = peer.call(probe, 5.0)
-            lat.append((time.perf_counter() - s0) * 1e3 if r is not None else 5000.0)
-            time.sleep(0.01)
-        return lat
-
-    idle = lookups(idle_s)   # the same-run baseline: nobody scraping
-    stop = threading.Event()
-    scrapes: dict[str, list[float]] = {"/metrics": [], "/status": [], "/cache": []}
-
-    def scrape():
-        for i in range(30_000):   # bounded; the event stops it long before
-            if stop.is_set():
-                return
-            path = "/metrics" if i % 3 != 2 else ("/status", "/cache")[i // 3 % 2]
-            s0 = time.perf_counter()
-            http.get(path, params={"limit": 1000} if path == "/cache" else None
-                     ).raise_for_status()
-            scrapes[path].append((time.perf_counter() - s0) * 1e3)
-
-    th = threading.Thread(target=scrape, daemon=True)
-    th.start()
-    busy = lookups(busy_s)
-    stop.set()
-    th.join(60)
-    peer.close()
-    http.close()
-    return {"ready_in_status": ready, "lookups": len(busy),
-            "scale_lookup_p50_ms": pct(busy, 0.5), "scale_lookup_p99_ms": pct(busy, 0.99),
-            "scale_lookup_max_ms": pct(busy, 1.0),
-            "idle_lookup_p50_ms": pct(idle, 0.5), "idle_lookup_p99_ms": pct(idle, 0.99),
-            "idle_lookup_max_ms": pct(idle, 1.0),
-            "scrapes": {p: {"n": len(v), "p50_ms": pct(v, 0.5), "max_ms": pct(v, 1.0)}
-                        for p, v in scrapes.items()}}
 
 
 def measure(args) -> dict:
@@ -668,7 +458,8 @@ def measure(args) -> dict:
         if args.scale_objects:
             res["scaling"] = scaling_phase(args, secret_file)
         res["wall_s"] = round(time.time() - t0, 1)
-    watch = res.get("scaling", {}).get("watch", {})
+    scale = res.get("scaling", {})
+    watch = scale.get("watch", {})
     got = res | {"scale_lookup_p99_ms": res.get("scaling", {}).get("scale_lookup_p99_ms"),
                  "watch_attack_rss_growth_mb": watch.get("attacker", {}).get(
                      "rss_peak_growth_mb"),
@@ -677,7 +468,11 @@ def measure(args) -> dict:
                  "watched_delete_hello_max_ms": watch.get("delete", {}).get(
                      "hello_during_delete", {}).get("max_ms"),
                  "watch_loop_cpu_max_ms": max((v for k, v in watch.get("loop_cpu", {}).items()
-                                               if k.endswith("_ms")), default=None)}
+                                               if k.endswith("_ms")), default=None),
+                 "evicting_store_hello_max_ms": scale.get("evicting_stores", {}).get(
+                     "hello_during", {}).get("max_ms"),
+                 "unregister_hello_max_ms": scale.get("unregister", {}).get(
+                     "hello_during", {}).get("max_ms")}
     res["targets"] = TARGETS
     res["targets_not_measured"] = [k for k in TARGETS if got.get(k) is None]
     res["targets_missed"] = [k for k, v in TARGETS.items()

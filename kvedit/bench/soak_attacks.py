@@ -1,7 +1,12 @@
 """More child roles of `kvedit bench soak`, run as `python -m kvedit.bench.soak_attacks ROLE
 '<json config>'` with kvedit.bench.soak_procs's contract (ready line, go line, one JSON line
-at the end): the key-watch and pre-authentication attackers, and a watcher that checks its
-copy of the keys against the server.
+at the end): the HTTP, L2, key-watch and pre-authentication attackers, and a watcher that
+checks its copy of the keys against the server.
+
+  httpflood   unfinished HTTP request heads topped up, connections churned (a whole request,
+              closed at once), /health probed (every probe answered), half-closed /status
+              requests (answered)
+  l2poison    plants chunk records without the secret in the L2 Redis (never promoted)
 
   watchflood  re-subscribes a key watch twice a second and never reads (its queue holds one
               message, its kernel buffer 4 KiB), with renewals claiming it read everything:
@@ -28,7 +33,7 @@ import zmq
 
 from kvedit import auth
 from kvedit import protocol as P
-from kvedit.bench.soak_procs import MODEL, Codes, _client, _paced, key, main
+from kvedit.bench.soak_procs import LAYOUT, MODEL, Codes, _client, _paced, key, main
 
 
 def _secret(cfg: dict) -> bytes | None:
@@ -153,7 +158,82 @@ def _judge_miss(c, w, k, rounds: int = 3) -> str:
     return "miss_wrong"
 
 
-ROLES = {"watchflood": watchflood, "handshakes": handshakes, "watcher": watcher}
+def httpflood(cfg: dict) -> dict:
+    """Unfinished request heads (70, topped up), /health probes, half-closed requests."""
+    host, port = cfg["http"]
+    headers = auth.bearer_header(auth.SecretSource(None, cfg.get("secret_file"),
+                                                   url=cfg["url"]).read())
+    codes, held = Codes(), []
+    last_half = 0.0
+    for _ in _paced(cfg, 2.0):
+        for _ in range(20):   # churned: a whole request, then gone at once
+            try:
+                with socket.create_connection((host, port), timeout=2) as c:
+                    c.sendall(b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n")
+            except OSError:
+                break
+        held = [c for c in held if c.fileno() != -1]
+        while len(held) < 70:
+            try:
+                c = socket.create_connection((host, port), timeout=2)
+                c.sendall(b"GET /status HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+                held.append(c)
+            except OSError:
+                break
+        if len(held) > 200:
+            for c in held[:-70]:
+                c.close()
+            held = held[-70:]
+        codes.add("health:" + _http_status(host, port, "GET /health", {}, half=False))
+        if time.time() - last_half > 5:
+            last_half = time.time()
+            codes.add("half_closed_status:" + _http_status(host, port, "GET /status", headers,
+                                                           half=True))
+    for c in held:
+        c.close()
+    return codes.result()
+
+
+def _http_status(host: str, port: int, line: str, headers: dict, half: bool) -> str:
+    """The status code of one request on a fresh connection ('none' without an answer);
+    `half`: shut our side down after the request."""
+    extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    try:
+        with socket.create_connection((host, port), timeout=5) as c:
+            c.sendall(f"{line} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{extra}\r\n"
+                      .encode())
+            if half:
+                c.shutdown(socket.SHUT_WR)
+            head = c.recv(64)
+    except OSError:
+        return "none"
+    parts = head.split()
+    return parts[1].decode() if len(parts) > 1 and head.startswith(b"HTTP/") else "none"
+
+
+def l2poison(cfg: dict) -> dict:
+    """Plant records for workers' keys in the L2 Redis without the secret: a valid checksum
+    in the plain format, or the MAC'd format with a guessed key. Any of them promoted would
+    be a torn read in a worker."""
+    import torch
+    from kvedit.server.l2_redis import RedisChunks, layout_tag, redis_key
+    rng, codes = random.Random(cfg["seed"]), Codes()
+    poison = torch.full(LAYOUT.chunk_shape, 7, dtype=torch.uint8).numpy().reshape(-1)
+    tag = layout_tag(LAYOUT)
+    for _ in _paced(cfg, 2.0):
+        rc = RedisChunks(cfg["l2_url"], timeout=2.0, mac_key=rng.choice([None, b"g" * 32]))
+        try:
+            rc.put(redis_key("kvedit", MODEL, tag, 0, key(rng.randrange(cfg["keys"]))), poison)
+            codes.add("planted")
+        except Exception as e:   # noqa: BLE001 - Redis restarting: counted, not fatal
+            codes.add(f"redis:{type(e).__name__}")
+        finally:
+            rc.close()
+    return codes.result()
+
+
+ROLES = {"watchflood": watchflood, "handshakes": handshakes, "watcher": watcher,
+         "httpflood": httpflood, "l2poison": l2poison}
 
 if __name__ == "__main__":
     if sys.argv[1] == "watcher":   # the KVClient: torch, seconds to import before "ready"

@@ -16,11 +16,9 @@ Roles:
             over_quota, and nothing else)
   poolpin   prepares stores until refused (over_quota), commits and leases them, again and
             again: one session pinning all it may of the pool
-  httpflood unfinished HTTP request heads topped up, connections churned (a whole request,
-            closed at once), /health probed (every probe answered), half-closed /status
-            requests (answered)
-  l2poison  plants chunk records without the secret in the L2 Redis (never promoted)
-  watchflood, handshakes, watcher: kvedit/bench/soak_attacks.py (its own entry point)
+  httpflood, l2poison, watchflood, handshakes, watcher: kvedit/bench/soak_attacks.py;
+  relay, unregister, nonreading, fewsessions: kvedit/bench/soak_bounds.py (each module has
+            its own entry point)
 The secret: the `secret_file` given, else (a server that made its own) the file of the
 server's port in the runtime directory, read again after a restart (kvedit.auth).
 Each chunk's bytes derive from its key (`expected`), so any reader can verify any chunk.
@@ -41,6 +39,7 @@ import zmq
 from kvedit import auth
 from kvedit import protocol as P
 from kvedit import wire
+from kvedit.bench.soak_summary import pct, thin  # noqa: F401  (used here and re-exported)
 from kvedit.layout import ModelLayout
 
 MODEL = "soak"
@@ -66,21 +65,6 @@ def chunk(k: bytes):
 
 def intact(k: bytes, t) -> bool:
     return np.array_equal(t.reshape(-1).numpy(), expected(k))
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
-
-
-def thin(points: list, n: int) -> list:
-    """At most about n of `points`, evenly spaced, the last one kept."""
-    if len(points) <= n:
-        return points
-    step = len(points) / n
-    return [points[int(i * step)] for i in range(n)] + [points[-1]]
 
 
 class Tally:
@@ -495,83 +479,9 @@ def poolpin(cfg: dict) -> dict:
     return codes.result()
 
 
-def httpflood(cfg: dict) -> dict:
-    """Unfinished request heads (70, topped up), /health probes, half-closed requests."""
-    host, port = cfg["http"]
-    headers = auth.bearer_header(auth.SecretSource(None, cfg.get("secret_file"),
-                                                   url=cfg["url"]).read())
-    codes, held = Codes(), []
-    last_half = 0.0
-    for _ in _paced(cfg, 2.0):
-        for _ in range(20):   # churned: a whole request, then gone at once
-            try:
-                with socket.create_connection((host, port), timeout=2) as c:
-                    c.sendall(b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n")
-            except OSError:
-                break
-        held = [c for c in held if c.fileno() != -1]
-        while len(held) < 70:
-            try:
-                c = socket.create_connection((host, port), timeout=2)
-                c.sendall(b"GET /status HTTP/1.1\r\nHost: x\r\nX-Slow: ")
-                held.append(c)
-            except OSError:
-                break
-        if len(held) > 200:
-            for c in held[:-70]:
-                c.close()
-            held = held[-70:]
-        codes.add("health:" + _http_status(host, port, "GET /health", {}, half=False))
-        if time.time() - last_half > 5:
-            last_half = time.time()
-            codes.add("half_closed_status:" + _http_status(host, port, "GET /status", headers,
-                                                           half=True))
-    for c in held:
-        c.close()
-    return codes.result()
-
-
-def _http_status(host: str, port: int, line: str, headers: dict, half: bool) -> str:
-    """The status code of one request on a fresh connection ('none' without an answer);
-    `half`: shut our side down after the request."""
-    extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    try:
-        with socket.create_connection((host, port), timeout=5) as c:
-            c.sendall(f"{line} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{extra}\r\n"
-                      .encode())
-            if half:
-                c.shutdown(socket.SHUT_WR)
-            head = c.recv(64)
-    except OSError:
-        return "none"
-    parts = head.split()
-    return parts[1].decode() if len(parts) > 1 and head.startswith(b"HTTP/") else "none"
-
-
-def l2poison(cfg: dict) -> dict:
-    """Plant records for workers' keys in the L2 Redis without the secret: a valid checksum
-    in the plain format, or the MAC'd format with a guessed key. Any of them promoted would
-    be a torn read in a worker."""
-    import torch
-    from kvedit.server.l2_redis import RedisChunks, layout_tag, redis_key
-    rng, codes = random.Random(cfg["seed"]), Codes()
-    poison = torch.full(LAYOUT.chunk_shape, 7, dtype=torch.uint8).numpy().reshape(-1)
-    tag = layout_tag(LAYOUT)
-    for _ in _paced(cfg, 2.0):
-        rc = RedisChunks(cfg["l2_url"], timeout=2.0, mac_key=rng.choice([None, b"g" * 32]))
-        try:
-            rc.put(redis_key("kvedit", MODEL, tag, 0, key(rng.randrange(cfg["keys"]))), poison)
-            codes.add("planted")
-        except Exception as e:   # noqa: BLE001 - Redis restarting: counted, not fatal
-            codes.add(f"redis:{type(e).__name__}")
-        finally:
-            rc.close()
-    return codes.result()
-
-
 ROLES = {"worker": worker, "laggard": laggard, "victim": victim, "pinger": pinger,
          "stall": stall, "oversized": oversized, "leaseflood": leaseflood,
-         "poolpin": poolpin, "httpflood": httpflood, "l2poison": l2poison}
+         "poolpin": poolpin}
 
 def main(role: str, cfg: dict, roles: dict = ROLES) -> None:
     if role in ("worker", "laggard", "victim"):   # the KVClient: torch, seconds to import
