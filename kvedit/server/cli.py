@@ -53,6 +53,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds the slots of an expired lease/store stay unused while their "
                         "late holder may still touch them (default 0 = 4 x the longer TTL)")
     g = p.add_argument_group("limits (every resource a client can make the server hold)")
+    _add_limits(g)
+    _add_deadlines(g)
+    add_l2_arguments(p)
+    p.add_argument("--exit-with-fd", type=int, default=None, metavar="FD",
+                   help="stop when this inherited file descriptor (the read end of a pipe whose "
+                        "write end only the launcher holds) reaches its end: the server dies "
+                        "with its launcher, whichever thread started it (kvedit.launch)")
+    a = p.add_argument_group("authentication (one shared secret for ZMQ, data link and HTTP)")
+    a.add_argument("--secret-file", default=None,
+                   help="file holding the shared secret (else $KVEDIT_SECRET, then "
+                        "$KVEDIT_SECRET_FILE, else one made at start, see --insecure); with a "
+                        "secret ZMQ uses CurveZMQ, the data link an HMAC handshake and HTTP a "
+                        "bearer token")
+    a.add_argument("--gen-secret", metavar="PATH", default=None,
+                   help="write a new random secret to PATH (mode 0600, must not exist), print "
+                        "the path and use it")
+    a.add_argument("--insecure", action="store_true",
+                   help="run without a secret: anyone who reaches the ports (any local user, "
+                        "or anyone on the network with a non-loopback --host) can read, "
+                        "change and delete every tenant's KV. Without --insecure and without "
+                        "a secret the server makes one at start and writes it (mode 0600) to "
+                        "$XDG_RUNTIME_DIR/kvedit/PORT.secret or /tmp/kvedit-UID/PORT.secret, "
+                        "where clients of the same user find it")
+
+
+def _add_limits(g) -> None:
+    """The bounds of what a client can make the server hold (counts, bytes, shares)."""
     for name, hlp in (
             ("max_models", "registered (model, tp_rank) layouts"),
             ("max_model_name", "bytes of a model name"),
@@ -113,6 +140,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="quarantine the slots of an expired store/lease even when its client "
                         "session had already disconnected (default: freed at expiry; see "
                         "docs/protocol.md, the fence)")
+
+
+def _add_deadlines(g) -> None:
+    """Deadlines (seconds) and the byte and rate bounds of the key watches and replies."""
     for name, hlp in (
             ("max_wait_seconds", "longest Lookup wait_timeout"),
             ("data_idle_timeout", "data link: close a connection idle this long between "
@@ -148,27 +179,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                      "sockets holding the most are cut first")):
         g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(_D, name),
                        help=f"{hlp} (default {getattr(_D, name):g})")
-    add_l2_arguments(p)
-    p.add_argument("--exit-with-fd", type=int, default=None, metavar="FD",
-                   help="stop when this inherited file descriptor (the read end of a pipe whose "
-                        "write end only the launcher holds) reaches its end: the server dies "
-                        "with its launcher, whichever thread started it (kvedit.launch)")
-    a = p.add_argument_group("authentication (one shared secret for ZMQ, data link and HTTP)")
-    a.add_argument("--secret-file", default=None,
-                   help="file holding the shared secret (else $KVEDIT_SECRET, then "
-                        "$KVEDIT_SECRET_FILE, else one made at start, see --insecure); with a "
-                        "secret ZMQ uses CurveZMQ, the data link an HMAC handshake and HTTP a "
-                        "bearer token")
-    a.add_argument("--gen-secret", metavar="PATH", default=None,
-                   help="write a new random secret to PATH (mode 0600, must not exist), print "
-                        "the path and use it")
-    a.add_argument("--insecure", action="store_true",
-                   help="run without a secret: anyone who reaches the ports (any local user, "
-                        "or anyone on the network with a non-loopback --host) can read, "
-                        "change and delete every tenant's KV. Without --insecure and without "
-                        "a secret the server makes one at start and writes it (mode 0600) to "
-                        "$XDG_RUNTIME_DIR/kvedit/PORT.secret or /tmp/kvedit-UID/PORT.secret, "
-                        "where clients of the same user find it")
 
 
 def _eviction(name: str) -> str:

@@ -303,9 +303,8 @@ class Index:
         return self.pages.count(model, tp_rank)
 
     def drop_model(self, model: str, tp_rank: int) -> int:
-        """Delete every object of (model, tp_rank) at once (Busy, nothing deleted, if any is
-        leased or being written) -> how many. The server drops a large model a slice at a
-        time instead (clear_some)."""
+        """Delete every object of (model, tp_rank) at once -> how many (Busy, as droppable).
+        The server drops a large model a slice at a time instead (clear_some)."""
         self.droppable(model, tp_rank)
         upto, n = self.pages.newest(model), 0
         cursor: int | None = None

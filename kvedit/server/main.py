@@ -70,16 +70,7 @@ def serve(cfg: ServerConfig, secret: bytes | None = None, exit_fd: int | None = 
                          daemon=True).start()
     http.start()
     service.data.start()
-    mode = (f"shm (segment /dev/shm/{cfg.shm_name}; data link for clients that cannot map it)"
-            if cfg.shm_name else "socket only (no shared memory: --shm-name ''), data link")
-    log.info("kvedit server %s: ZMQ tcp://%s:%d, HTTP http://%s:%d, data link port %d, "
-             "pool %.2f GiB (%s), eviction %s, chunk %d tokens, transfer mode: %s, auth: %s",
-             hex(instance), cfg.host, cfg.port,
-             cfg.host, cfg.http_port, service.data.port, cfg.pool_bytes / 2**30,
-             "lazy" if cfg.l1_use_lazy else "pre-faulted", cfg.eviction_policy,
-             cfg.chunk_size, mode,
-             f"shared secret ({cfg.secret_path or cfg.secret_file or 'environment'}): "
-             f"CurveZMQ, data-link HMAC, HTTP bearer" if secret else "none (--insecure)")
+    _log_start(cfg, instance, service.data.port, secret)
     if secret is None:
         who = "any local user" if is_loopback(cfg.host) else "anyone who reaches them"
         log.warning("--insecure: no secret; %s can read, change and delete every tenant's KV "
@@ -106,6 +97,18 @@ def serve(cfg: ServerConfig, secret: bytes | None = None, exit_fd: int | None = 
         wsock.close()
         log.info("stopped; shared-memory segment %s", "unlinked" if cfg.shm_name else "n/a")
     return 0
+
+
+def _log_start(cfg: ServerConfig, instance: int, data_port: int, secret: bytes | None) -> None:
+    mode = (f"shm (segment /dev/shm/{cfg.shm_name}; data link for clients that cannot map it)"
+            if cfg.shm_name else "socket only (no shared memory: --shm-name ''), data link")
+    log.info("kvedit server %s: ZMQ tcp://%s:%d, HTTP http://%s:%d, data link port %d, "
+             "pool %.2f GiB (%s), eviction %s, chunk %d tokens, transfer mode: %s, auth: %s",
+             hex(instance), cfg.host, cfg.port, cfg.host, cfg.http_port, data_port,
+             cfg.pool_bytes / 2**30, "lazy" if cfg.l1_use_lazy else "pre-faulted",
+             cfg.eviction_policy, cfg.chunk_size, mode,
+             f"shared secret ({cfg.secret_path or cfg.secret_file or 'environment'}): "
+             f"CurveZMQ, data-link HMAC, HTTP token" if secret else "none (--insecure)")
 
 
 def _stop_when_closed(fd: int) -> None:

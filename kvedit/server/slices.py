@@ -21,6 +21,7 @@ Loop thread only, except `clear` (an HTTP thread), which takes the lock and wake
 """
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -31,6 +32,7 @@ from kvedit import protocol as P
 from kvedit.server.index import Busy
 from kvedit.server.waiters import TooManyWaits
 
+log = logging.getLogger("kvedit.server")
 SLICE = 512               # objects a job deletes or evicts per slice (a few ms)
 BUDGET_S = 0.004          # loop time a pass spends on jobs (at least one slice)
 ROOM_PER_CLIENT, ROOM_TOTAL = 4, 64   # parked stores of one session, of all
@@ -54,10 +56,14 @@ class Drop:
         self.deleted += n
         if self.cursor is not None:
             return False
+        self.fail(svc)
+        return True
+
+    def fail(self, svc) -> None:
+        """The job ends (done, or stopped by a bug): its waiter and the model are let go."""
         if self.tp_rank is not None:   # an Unregister: the model may be registered again
             svc._dropping.pop((self.model, self.tp_rank), None)
         self.done.set()
-        return True
 
 
 @dataclass(eq=False)
@@ -87,6 +93,10 @@ class Room:
         out = svc._answer(lambda: svc._prepare(r.model, r.tp_rank, r.keys, self.holder))
         svc._send(self.ident, self.rid, out)
         return True
+
+    def fail(self, svc) -> None:
+        svc._send(self.ident, self.rid, svc._error("internal", "the store could not be "
+                                                               "prepared; store again"))
 
 
 class SlicedWork:
@@ -123,7 +133,13 @@ class SlicedWork:
         end = time.monotonic() + BUDGET_S
         while self._jobs:
             job = self._jobs.popleft()
-            if not job.step(self):
+            try:
+                more = not job.step(self)
+            except Exception:   # a bug must not leave a waiter waiting, or the loop spinning
+                log.exception("internal error in a sliced job; it is dropped")
+                job.fail(self)
+                more = False
+            if more:
                 self._jobs.append(job)
             self.feed.flush()
             if time.monotonic() >= end:
