@@ -639,3 +639,28 @@ def test_every_refusal_is_a_protocol_error_code():
     from kvedit.server.waiters import TooManyWaits
     codes = {c.code for c in I.Refused.__subclasses__()} | {TooManyWaits.code}
     assert len(codes) == 9 and codes <= ERROR_CODES
+
+
+def test_the_reserve_of_a_total_is_for_sessions_holding_little():
+    """quota.py's reserve on a real Index: 16 leases in all, 5 a session, the last 4 kept
+    for sessions holding at most 2 (half the reserve here)."""
+    from kvedit.server.quota import QuotaLimits
+    lim = QuotaLimits(leases_per_client=5, leases_total=16, reserve=0.25, share=0.5)
+    ix = Index(Allocator(START, 16 * CH), "LRU", 10.0, 10.0, limits=lim, clock=Clock())
+    store(ix, [k(0)])
+    sessions = [bytes([i]) * 16 for i in range(6)]
+    for h in sessions[:3]:   # three sessions with 4 each reach the line (12)
+        for _ in range(4):
+            ix.lease("m", 0, [k(0)], h)
+    with pytest.raises(I.OverQuota, match="--quota-reserve"):   # holds 4: refused first
+        ix.lease("m", 0, [k(0)], sessions[0])
+    for _ in range(2):       # a session holding little gets its share of the reserve ...
+        ix.lease("m", 0, [k(0)], sessions[3])
+    with pytest.raises(I.OverQuota, match="--quota-reserve"):   # ... and no more
+        ix.lease("m", 0, [k(0)], sessions[3])
+    for _ in range(2):       # so does the next one: 16, the total
+        ix.lease("m", 0, [k(0)], sessions[4])
+    with pytest.raises(I.OverQuota, match="--max-leases-total"):
+        ix.lease("m", 0, [k(0)], sessions[5])
+    # six sessions lease one object: the pool's total counts its slot once
+    assert ix.pending.quota.total.lease_bytes == CH
