@@ -10,6 +10,9 @@ and a proof it relays from a real server with the same secret names that server'
 endpoint, not the one the client connected to: the client hangs up having sent nothing but
 the challenge. Behind a proxy, NAT or port mapping the server sees another endpoint than
 the client, and the client refuses with both named (connect to the server's own address).
+A client given no secret for a loopback server tries the secrets this user's servers left in
+the runtime directory (kvedit.rundir) against the proof: the one that holds is the server's
+(`found`), as a KVClient finds a loopback server's by its ZMQ port.
 Stdlib only (http.client): the socket's peer address is what the proof is checked against.
 """
 from __future__ import annotations
@@ -18,7 +21,7 @@ import http.client
 import json
 from urllib.parse import urlsplit
 
-from kvedit import auth
+from kvedit import auth, rundir
 
 
 class NotProven(ConnectionError):
@@ -32,6 +35,22 @@ def proven(http_url: str, secret: bytes | None, timeout: float = 10.0
     answer proved the secret on the endpoint this connection reached, or NotProven; send
     the bearer token (auth.bearer_header) on this connection only. OSError when nothing
     answers; ValueError for a URL that is not http://host:port."""
+    conn, health, _ = _proven(http_url, secret, timeout, ())
+    return conn, health
+
+
+def found(http_url: str, timeout: float = 10.0
+          ) -> tuple[http.client.HTTPConnection, dict, bytes | None]:
+    """`proven` for a client given no secret: (connection, /health answer, the secret of this
+    user's that the server proved on this endpoint, or None: a server without one, or not
+    this user's)."""
+    host = urlsplit(http_url).hostname or ""
+    mine = rundir.secrets_here() if rundir.is_loopback_host(host) else []
+    return _proven(http_url, None, timeout, mine)
+
+
+def _proven(http_url: str, secret: bytes | None, timeout: float, candidates
+            ) -> tuple[http.client.HTTPConnection, dict, bytes | None]:
     u = urlsplit(http_url)
     if u.scheme != "http" or not u.hostname:
         raise ValueError(f"the kvedit HTTP URL must be http://host:port, got {http_url!r}")
@@ -46,7 +65,12 @@ def proven(http_url: str, secret: bytes | None, timeout: float = 10.0
             raise NotProven(f"{http_url}/health answered {r.status}: {body[:200]!r}")
         if secret is not None:
             _check(http_url, secret, challenge, where, r)
-        return conn, json.loads(body)
+        proof = r.getheader(auth.PROOF_HEADER)
+        for s in candidates if secret is None and proof else ():
+            if auth.check_http_proof(s, challenge, proof, where):
+                secret = s
+                break
+        return conn, json.loads(body), secret
     except BaseException:
         conn.close()
         raise

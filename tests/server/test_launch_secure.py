@@ -43,6 +43,25 @@ def test_start_server_makes_a_private_secret_by_default():
     assert not os.path.exists(path) and rundir.lookup(s.url) is None   # gone with it
 
 
+def test_an_http_client_of_this_user_finds_the_made_secret_by_its_proof():
+    """wait_l2_written and other HTTP clients know only the HTTP URL: the secret this user's
+    server made is found by the proof it gives (nothing derived from any is sent)."""
+    from kvedit.client.http_proof import found
+    with start_server(0.02, insecure=False) as s:
+        conn, health, secret = found(s.http_url)
+        try:
+            assert health["status"] == "ok"
+            assert secret == auth.load_secret(secret_file=s.secret_file)
+            conn.request("GET", "/status", headers=auth.bearer_header(secret))
+            assert conn.getresponse().status == 200
+        finally:
+            conn.close()
+    with start_server(0.02, insecure=True) as s:   # no secret: nothing to find
+        conn, _, secret = found(s.http_url)
+        conn.close()
+        assert secret is None
+
+
 _LAUNCHER = """
 import json, sys, threading, time
 from kvedit.launch.server import start_server
