@@ -130,10 +130,17 @@ def unregister(cfg: dict) -> dict:
     return codes.result()
 
 
+def _long_names(peer: RawPeer, register: bool) -> None:
+    """40 models with long names: the list of models is a reply of ~13 KB."""
+    for i in range(40):
+        name = f"soak-nr-{i:02d}-" + "n" * 240
+        peer.call(P.Register(model=name, layout=TINY) if register else
+                  P.Unregister(model=name), 5.0)
+
+
 def nonreading(cfg: dict) -> dict:
     peer, codes = RawPeer(cfg), Codes()
-    for i in range(40):   # long names: the list of models is a reply of ~13 KB
-        peer.call(P.Register(model=f"soak-nr-{i:02d}-" + "n" * 240, layout=TINY), 5.0)
+    _long_names(peer, True)
     body = P.encoder.encode(P.ListModels())
     secret = _secret(cfg)
     deaf = []
@@ -149,7 +156,9 @@ def nonreading(cfg: dict) -> dict:
         s.connect(cfg["url"])
         deaf.append(s)
     try:
-        for _ in _paced(cfg, 40.0):
+        for n, _ in enumerate(_paced(cfg, 40.0)):
+            if n % 200 == 199:   # every 5 s: again, in case the server restarted
+                _long_names(peer, True)
             for s in deaf:
                 try:
                     s.send_multipart([b"r", body], zmq.NOBLOCK)
@@ -159,8 +168,7 @@ def nonreading(cfg: dict) -> dict:
     finally:
         for s in deaf:
             s.close(linger=0)
-        for i in range(40):
-            peer.call(P.Unregister(model=f"soak-nr-{i:02d}-" + "n" * 240), 5.0)
+        _long_names(peer, False)
         peer.close()
     return codes.result()
 
