@@ -135,7 +135,7 @@ class Quotas:
                 raise OverQuota(
                     f"all client sessions together hold {used} {_WHAT[name]} and the {kind} "
                     f"would add {added}; at most {total} ({_TOTAL_FLAG[name]}): retry later")
-            if not exempt and n:
+            if not exempt and added:   # (leasing what others pin takes nothing of it)
                 self._reserve(name, kind, have, n, used + added,
                               total if total is not None else lim.pool_bytes)
 
