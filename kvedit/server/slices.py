@@ -176,9 +176,7 @@ class SlicedWork:
         upto = self.index.newest_ready(model)
         if n and upto is not None:
             job = Drop(model, tp, upto)
-            if n <= SLICE:
-                job.step(self)
-            else:
+            if not job.step(self):   # more than a slice (of this rank, or of all ranks)
                 self._dropping[(model, tp)] = job
                 self._jobs.append(job)
         return P.Count(n=n)

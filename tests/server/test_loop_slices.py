@@ -203,3 +203,25 @@ def test_every_push_of_a_deletion_is_a_slice_worth():
             close_dealer(w)
         assert done, (sum(removed), len(removed))
         assert max(removed) <= 512, sorted(removed)[-5:]
+
+
+def test_unregister_of_one_rank_leaves_the_other():
+    """A model on two ranks, their objects interleaved in commit order: Unregister of rank 0
+    (300 objects, within a slice) deletes all of them although the model's first slice (512
+    objects) holds only some, and none of rank 1's."""
+    import msgspec
+    with start_server(0.05) as s, KVClient(s.url) as c:
+        for r in (0, 1):
+            c.register("tp", msgspec.structs.replace(TINY, tp_rank=r, tp_size=2))
+        for i in range(3):   # 3 x (100 of rank 0, 200 of rank 1)
+            c.prepare_store("tp", _keys(i * 100, 100, b"\0"), tp_rank=0).commit()
+            c.prepare_store("tp", _keys(i * 200, 200, b"\1"), tp_rank=1).commit()
+        assert c._call(P.Unregister(model="tp", tp_rank=0)) == P.Count(n=300)
+        for _ in range(100):
+            if c.stats()["ready"] == 600:
+                break
+            time.sleep(0.05)
+        assert c.stats()["ready"] == 600
+        assert c.lookup("tp", _keys(0, 600, b"\1"), tp_rank=1) == 600
+        c.register("tp", msgspec.structs.replace(TINY, tp_rank=0, tp_size=2))
+        assert c.lookup("tp", _keys(200, 1, b"\0"), tp_rank=0) == 0
