@@ -133,3 +133,14 @@ def test_the_real_server_is_proven_directly(two_servers):
     assert "HTTP auth 2" in r.json()["error"]
     r = httpx.get(live.http_url + "/status", timeout=5, headers=auth.bearer_header(secret))
     assert r.status_code == 200
+
+
+def test_http_token_prints_the_derived_token(tmp_path):
+    import subprocess
+    import sys
+    path = tmp_path / "secret"
+    secret = auth.generate_secret(path)
+    out = subprocess.run([sys.executable, "-m", "kvedit.cli", "http-token", "--secret-file",
+                          str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == auth.http_token(secret) and secret.decode() not in out.stdout
