@@ -10,9 +10,10 @@ contract (ready line, go line, one JSON line at the end).
   unregister  registers a model of its own, stores 2,048 objects (4 KiB, never written: its
               own model, nobody reads them) and unregisters it, over and over: the loop must
               go on answering (the pinger's Hello) while the objects go in slices
-  nonreading  10 sockets that send requests with replies of ~13 KB (the list of 40 models
-              with long names it registered) and never read: the server cuts each one past
-              its reply bound instead of growing (its RSS is sampled by the soak)
+  nonreading  10 sockets (fresh ones every 10 s) that send requests with replies of ~13 KB
+              (the list of 40 models with long names it registered) and never read: the
+              server cuts each one past its reply bound instead of growing (its RSS is
+              sampled by the soak)
   fewsessions 8 sessions that each lease one object of a model of its own over and over,
               never releasing, until refused (over_quota): together they reach the reserve
               line of the leases' total (the soak sets --max-leases-total 256), and no other
@@ -138,27 +139,36 @@ def _long_names(peer: RawPeer, register: bool) -> None:
                   P.Unregister(model=name), 5.0)
 
 
-def nonreading(cfg: dict) -> dict:
-    peer, codes = RawPeer(cfg), Codes()
-    _long_names(peer, True)
-    body = P.encoder.encode(P.ListModels())
+def _deaf_sockets(ctx: zmq.Context, cfg: dict, n: int = 10) -> list[zmq.Socket]:
     secret = _secret(cfg)
-    deaf = []
-    for _ in range(10):
-        s = peer.ctx.socket(zmq.DEALER)
+    out = []
+    for _ in range(n):
+        s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.RCVHWM, 1)
         s.setsockopt(zmq.RCVBUF, 4096)
-        s.setsockopt(zmq.SNDHWM, 1000)
         s.setsockopt(zmq.ROUTING_ID, secrets.token_bytes(16) + bytes(4))
         if secret is not None:
             auth.curve_client(s, secret)
         s.connect(cfg["url"])
-        deaf.append(s)
+        out.append(s)
+    return out
+
+
+def nonreading(cfg: dict) -> dict:
+    """A cut socket's client, not reading, never sees the cut (its libzmq stops reading
+    once its one-message queue is full) and blocks on send: fresh sockets every 10 s, so
+    each server instance meets some (and the models again after a restart)."""
+    peer, codes = RawPeer(cfg), Codes()
+    body = P.encoder.encode(P.ListModels())
+    deaf: list[zmq.Socket] = []
     try:
         for n, _ in enumerate(_paced(cfg, 40.0)):
-            if n % 200 == 199:   # every 5 s: again, in case the server restarted
+            if n % 400 == 0:
                 _long_names(peer, True)
+                for s in deaf:
+                    s.close(linger=0)
+                deaf = _deaf_sockets(peer.ctx, cfg)
             for s in deaf:
                 try:
                     s.send_multipart([b"r", body], zmq.NOBLOCK)
