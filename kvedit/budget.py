@@ -30,6 +30,9 @@ request's `kv_transfer_params` (kvedit.request_params writes and reads it):
   the request's last `queries` computed tokens and the policy scores with them (the most
   recent tokens are the observation window); `protect` must cover them, so the window's
   tokens stay resident. Such a request computes its whole prompt (no prefix-cache hits).
+  A policy that ranks the prompt once by its last rows (`queries_at_prefill`:
+  PromptAnchored) uses them once, when the prompt is computed, and keeps no ring during
+  decode; its window is the prompt's tail, so `protect` need not cover it.
 """
 from __future__ import annotations
 
@@ -42,6 +45,13 @@ from kvedit.edits.spec import POLICIES, PolicySpec, from_spec, to_spec
 Positions = Literal["compact", "logical"]
 FIELDS = ("tokens", "every", "policy", "args", "protect", "positions", "per_head", "queries")
 MAX_QUERIES = 4096
+
+
+def _ranks_at_prefill(policy: str) -> bool:
+    """A policy that scores with the prompt's last queries once, at prefill (PromptAnchored):
+    no query ring during decode, and its window needs no protection."""
+    cls = POLICIES.get(policy) if isinstance(policy, str) else None
+    return bool(getattr(cls, "queries_at_prefill", False))
 
 
 class BudgetError(ValueError):
@@ -61,6 +71,12 @@ class EngineBudget:
 
     def __post_init__(self):
         self._check()
+
+    @property
+    def ranks_prompt(self) -> bool:
+        """Its policy ranks the prompt once, by the prompt's last `queries` rows, when the
+        prompt is computed (PromptAnchored), and keeps no query ring during decode."""
+        return _ranks_at_prefill(self.policy)
 
     @property
     def keep(self) -> int:
@@ -118,6 +134,8 @@ class EngineBudget:
                 raise bad(name, "a positive integer number of tokens")
         if self.protect is None:  # frozen: set once, so both sides of the wire see a number
             q = self.queries if isinstance(self.queries, int) else 0
+            if _ranks_at_prefill(self.policy):
+                q = 0  # its window is the prompt's tail, kept as part of the prompt
             object.__setattr__(self, "protect", max(0, min(max(self.every, q), self.keep)))
         if isinstance(self.protect, bool) or not isinstance(self.protect, int) \
                 or self.protect < 0:
@@ -146,7 +164,7 @@ class EngineBudget:
                               "queries it scores with (e.g. 32), and protect to at least that")
         if q and not pol.needs_queries:
             raise bad("queries", f"0 for policy {self.policy!r}, which scores without queries")
-        if q > self.protect:
+        if q > self.protect and not pol.queries_at_prefill:
             raise BudgetError(f"EngineBudget: protect {self.protect} must be >= queries {q} (the "
                               "tokens whose queries score the others stay resident)")
         if self.positions == "logical" and self.policy == "leverage":

@@ -7,6 +7,7 @@ score per token. POLICIES maps the CLI/eval names to the classes, and a policy's
 form goes through it (`spec.py`); a class with `needs_queries = True` scores from the
 request's captured queries (`query_policies.py`).
 """
+from kvedit.edits.anchored import PromptAnchored, PromptRanks
 from kvedit.edits.attention import Window, window_attention
 from kvedit.edits.base import DropPolicy, Units
 from kvedit.edits.policies import (DropMiddle, KeyDiff, KeyNorm, LeverageScore, RandomDrop,
@@ -17,6 +18,6 @@ from kvedit.edits.rope import inv_freq, rerotate, rotate_keys
 from kvedit.edits.spec import POLICIES, PolicySpec, from_spec, to_spec
 
 __all__ = ["DropPolicy", "Units", "Window", "DropMiddle", "UniformDrop", "StreamingLLM",
-           "KeyNorm", "SnapKVProxy", "SnapKV", "TOVA", "KVzip", "KeyDiff", "LeverageScore", "RandomDrop",
+           "KeyNorm", "SnapKVProxy", "SnapKV", "TOVA", "KVzip", "PromptAnchored", "PromptRanks", "KeyDiff", "LeverageScore", "RandomDrop",
            "POLICIES", "PolicySpec", "from_spec", "to_spec", "rerotate", "rotate_keys",
            "inv_freq", "window_attention"]

@@ -119,6 +119,9 @@ class DropPolicy:
     # True: those queries are a reconstruction pass's (KVzip, kvedit.sdk.kvzip), not the
     # prompt's own: the policy does not see the question (query-agnostic).
     needs_reconstruction: ClassVar[bool] = False
+    # True: those queries rank the prompt once, when it is computed (kvedit.edits.anchored);
+    # a decode-time budget then keeps no query ring and needs no protection for the window.
+    queries_at_prefill: ClassVar[bool] = False
     # False: the scores depend on positions only, never on the KV's values (an engine that
     # compacts in place then reads only the kept tokens; kv may be a stand-in of its shape).
     reads_kv: ClassVar[bool] = True
@@ -360,6 +363,12 @@ class DropPolicy:
         tail = keep % layout.chunk_size
         policy = replace(self, protect_last=tail) if tail > self.protect_last else self
         idx = policy.keep_indices(kv, layout, queries=queries, query_start=query_start)
+        return self._apply_per_head(kv, tokens, idx, layout)
+
+    def _apply_per_head(self, kv, tokens, idx: torch.Tensor, layout):
+        """(kv, token ids [L, H_kv, T']) of the per-head selection idx [L, H_kv, T']: each
+        head's tokens, keys moved to their new positions (`positions`)."""
+        T = kv.shape[2]
         if (idx == idx[:1, :1]).all():  # every head kept the same tokens: one token list
             return self._edit(kv, tokens, idx[0, 0], layout)
         out = heads.gather(kv, idx, layout.head_dim)

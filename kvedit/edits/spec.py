@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvedit.edits.anchored import PromptAnchored
 from kvedit.edits.base import DropPolicy
 from kvedit.edits.kvzip import KVzip
 from kvedit.edits.policies import (
@@ -31,7 +32,7 @@ POLICIES: dict[str, type[DropPolicy]] = {
     "drop_middle": DropMiddle, "uniform": UniformDrop, "streaming_llm": StreamingLLM,
     "key_norm": KeyNorm, "snapkv_proxy": SnapKVProxy, "keydiff": KeyDiff,
     "leverage": LeverageScore, "random": RandomDrop, "snapkv": SnapKV, "tova": TOVA,
-    "kvzip": KVzip,
+    "kvzip": KVzip, "prompt_anchored": PromptAnchored,
 }
 
 

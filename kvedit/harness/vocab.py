@@ -163,7 +163,8 @@ class Workload:
 # --- a policy by name ----------------------------------------------------------------------
 
 # Short names the benchmarks' command lines use, beside the registry's keys and class names.
-POLICY_ALIASES = {"streaming": "streaming_llm", "keynorm": "key_norm"}
+POLICY_ALIASES = {"streaming": "streaming_llm", "keynorm": "key_norm",
+                  "anchored": "prompt_anchored"}
 
 
 def policy_key(name: str) -> str:

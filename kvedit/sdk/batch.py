@@ -61,7 +61,7 @@ class BatchedStream:
     def __len__(self) -> int:
         return len(self.streams)
 
-    def _window(self, s: Stream) -> int:
+    def query_window(self, s: Stream) -> int:
         """The query window s's prefill asks for: its own setting, else the batch's."""
         return self.capture_queries if s.capture_queries is None else s.capture_queries
 
@@ -72,7 +72,7 @@ class BatchedStream:
         return tqdm(total=total, desc=desc, unit="stream", disable=not self.progress,
                     leave=False)
 
-    async def _each(self, phase: str, streams, work, m: Metrics) -> None:
+    async def each(self, phase: str, streams, work, m: Metrics) -> None:
         """Run work(stream) for all streams under a progress bar, timing the phase into
         m.duration; raise the stream errors once all have finished."""
         bar = self._bar(phase, len(streams))
@@ -102,7 +102,7 @@ class BatchedStream:
                 raise r
         raise_batch(phase, errors, len(streams))
 
-    def _cpu_slots(self) -> asyncio.Semaphore:
+    def cpu_slots(self) -> asyncio.Semaphore:
         """Bounds the CPU side of modify; each slot may keep one reusable retrieve buffer and
         one new_kv output."""
         for ctx in {id(s.ctx): s.ctx for s in self.streams}.values():
@@ -119,23 +119,23 @@ class BatchedStream:
         async def work(s: Stream):
             async with http:
                 add_generation(m, await s.generate(sampling_params, max_tokens=1,
-                                                   capture_queries=self._window(s)))
+                                                   capture_queries=self.query_window(s)))
 
-        await self._each("prefill", self.streams, work, m)
+        await self.each("prefill", self.streams, work, m)
         return m
 
     async def amodify(self, fn, *, keep_old: bool = False,
                       wait_timeout: float | None = None) -> Metrics:
         """Apply fn(kv, tokens[, layout=]) -> (kv, tokens) to every stream (kvedit.sdk.modify)."""
         m = Metrics("modify", num_streams=len(self.streams))
-        cpu = self._cpu_slots()
+        cpu = self.cpu_slots()
         wait = self.wait_timeout if wait_timeout is None else wait_timeout
 
         async def work(s: Stream):
             add_modify(m, await modify_stream(s, fn, cpu_slots=cpu, keep_old=keep_old,
                                                wait_timeout=wait))
 
-        await self._each("modify", self.streams, work, m)
+        await self.each("modify", self.streams, work, m)
         return m
 
     async def adecode(self, sampling_params=None) -> Metrics:
@@ -148,7 +148,7 @@ class BatchedStream:
             async with http:
                 add_generation(m, await s.generate(sampling_params))
 
-        await self._each("decode", live, work, m)
+        await self.each("decode", live, work, m)
         return m
 
     async def arun(self, prefill_params, fn, decode_params, *, keep_old: bool = False,
@@ -173,13 +173,13 @@ class BatchedStream:
         rm = RunMetrics(len(self.streams))
         parts, spans = rm.parts, rm.spans
         http = asyncio.Semaphore(self.max_concurrency)
-        cpu = self._cpu_slots()
+        cpu = self.cpu_slots()
 
         async def work(s: Stream):
             async with http:
                 with spans["prefill"]:
                     add_generation(parts["prefill"], await s.generate(
-                        prefill_params, 1, capture_queries=self._window(s)))
+                        prefill_params, 1, capture_queries=self.query_window(s)))
             with spans["modify"]:
                 add_modify(parts["modify"], await modify_stream(
                     s, fn, cpu_slots=cpu, keep_old=keep_old, wait_timeout=wait))
@@ -188,7 +188,7 @@ class BatchedStream:
                     add_generation(parts["decode"], await s.generate(decode_params))
 
         try:
-            await self._each("run", self.streams, work, rm.run)
+            await self.each("run", self.streams, work, rm.run)
         finally:
             rm.close()
         return rm.result()

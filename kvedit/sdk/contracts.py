@@ -77,9 +77,15 @@ class Fits(Protocol):
     def keeping(self, max_tokens: int) -> EditFn: ...
 
 
-def fitted(fn, max_tokens: int):
-    """fn made to keep at most `max_tokens` when it `Fits`; any other fn unchanged."""
-    return fn.keeping(max_tokens) if isinstance(fn, Fits) else fn
+def fitted(fn, max_tokens: int, memo: dict | None = None):
+    """fn made to keep at most `max_tokens` when it `Fits`; any other fn unchanged. An fn
+    whose `keeping` takes a `memo` (kvedit.edits.PromptAnchored: the stream's prompt ranking,
+    kept from one edit to the next) gets the stream's `memo`."""
+    if not isinstance(fn, Fits):
+        return fn
+    if memo is not None and "memo" in _declared(fn.keeping)[0]:
+        return fn.keeping(max_tokens, memo=memo)
+    return fn.keeping(max_tokens)
 
 
 @runtime_checkable

@@ -70,16 +70,17 @@ async def drive(batch, prefill_params, budget: HostBudget, decode_params, *,
     rm = RunMetrics(len(streams))
     parts, spans = rm.parts, rm.spans
     http = asyncio.Semaphore(batch.max_concurrency)
-    cpu = batch._cpu_slots()
+    cpu = batch.cpu_slots()
     busy = Busy()
 
-    async def edit(s: Stream, n: int) -> None:
+    async def edit(s: Stream, n: int, memo: dict) -> None:
         region = s.kv_tokens // s.ctx.chunk_size * s.ctx.chunk_size
         keep = budget.tokens - n - (len(s.prompt) - region)
         with busy:
             # fn in the pool, not the waiting caller: these edits are small and overlap
             # decoding (docs/sdk.md, "Observations behind modify's design")
-            r: ModifyResult = await modify_stream(s, fitted(budget.edit, keep), cpu_slots=cpu,
+            r: ModifyResult = await modify_stream(s, fitted(budget.edit, keep, memo),
+                                                  cpu_slots=cpu,
                                                   keep_old=keep_old, wait_timeout=wait_timeout,
                                                   fn_in_caller=False)
         add_modify(parts["modify"], r)
@@ -90,14 +91,17 @@ async def drive(batch, prefill_params, budget: HostBudget, decode_params, *,
                                  f"must keep at most {keep} of the {region} edited tokens)")
 
     async def work(s: Stream) -> None:
+        memo = {"prompt_tokens": len(s.prompt)}   # the edit's own state, one per stream
         async with http:
             with spans["prefill"]:
-                add_generation(parts["prefill"], await s.generate(prefill_params, 1))
+                # a query-aware edit (SnapKV, PromptAnchored) reads the prefill's queries
+                add_generation(parts["prefill"], await s.generate(
+                    prefill_params, 1, capture_queries=batch.query_window(s)))
         left = total
         while left > 0 and not s.done:
             n = min(budget.every, left)
             if len(s.prompt) + n > budget.tokens:
-                await edit(s, n)
+                await edit(s, n, memo)
             async with http:
                 with spans["decode"]:
                     g = await s.generate(decode_params, n)
@@ -107,7 +111,7 @@ async def drive(batch, prefill_params, budget: HostBudget, decode_params, *,
             await s.arelease()
 
     try:
-        await batch._each("run", streams, work, rm.run)
+        await batch.each("run", streams, work, rm.run)
     finally:
         rm.close(modify=busy.seconds)   # union of edit time, not first-to-last span
     return rm.result()

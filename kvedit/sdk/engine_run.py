@@ -32,8 +32,7 @@ async def drive_in_engine(batch, budget: EngineBudget, decode_params, *,
     async def work(s: Stream) -> None:
         async with http:
             with rm.spans["decode"]:   # prefill and decode are one request here
-                g = await s.generate(decode_params, total + 1,
-                                     budget=budget if s.budget is None else s.budget)
+                g = await s.generate(decode_params, total + 1, budget=budget)
         n = len(g.token_ids)
         p.input_tokens += g.prompt_tokens
         p.output_tokens += min(1, n)
@@ -47,7 +46,7 @@ async def drive_in_engine(batch, budget: EngineBudget, decode_params, *,
             await s.arelease()
 
     try:
-        await batch._each("run", streams, work, rm.run)
+        await batch.each("run", streams, work, rm.run)
     finally:
         rm.close()
     return rm.result(ttft_of="prefill")

@@ -27,8 +27,26 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"mean": sum(xs) / len(xs), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
 
 
+@dataclass(kw_only=True)
+class ModifyCounts:
+    """What one modify did, and the same summed over a phase's streams (Metrics): one list of
+    fields for both. The seconds are summed over streams (they overlap, so a phase's sum can
+    exceed its duration); retrieve_s excludes the lookup wait."""
+    tokens_before: int = 0
+    tokens_after: int = 0
+    bytes_retrieved: int = 0
+    bytes_stored: int = 0
+    chunks_stored: int = 0
+    chunks_reused: int = 0
+    chunks_deleted: int = 0
+    chunks_compared: int = 0  # present chunks whose bytes had to be compared
+    retrieve_s: float = 0.0
+    fn_s: float = 0.0
+    store_s: float = 0.0     # compare with present chunks + copy into shm + commit
+
+
 @dataclass
-class Metrics:
+class Metrics(ModifyCounts):
     """Counters and timings of one phase; `parts` holds the phases of a pipelined run.
 
     `duration` is wall-clock seconds of the phase. Throughputs are tokens per second of that
@@ -42,20 +60,9 @@ class Metrics:
     input_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int | None = None
-    # modify
-    tokens_before: int = 0
-    tokens_after: int = 0
-    bytes_retrieved: int = 0
-    bytes_stored: int = 0
-    chunks_stored: int = 0
-    chunks_reused: int = 0
-    chunks_deleted: int = 0
-    chunks_compared: int = 0
+    # modify (the ModifyCounts fields come after these, as keywords)
     salt_changes: int = 0
     streams_skipped: int = 0
-    retrieve_s: float = 0.0  # summed over streams (they overlap, so the sum can exceed duration)
-    fn_s: float = 0.0
-    store_s: float = 0.0
     edit_rounds: int = 0     # budgeted run: edits made during decode (kvedit.sdk.driver)
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
@@ -206,10 +213,8 @@ def add_generation(m: Metrics, g: Generation) -> None:
 
 
 # ModifyResult (one stream) fields whose batch total in Metrics has another name.
-_TOTAL_NAME = {"salt_changed": "salt_changes", "skipped": "streams_skipped"}
-
-
 def add_modify(m: Metrics, r: ModifyResult) -> None:
-    for f in dataclasses.fields(r):
-        total = _TOTAL_NAME.get(f.name, f.name)
-        setattr(m, total, getattr(m, total) + getattr(r, f.name))
+    for f in dataclasses.fields(ModifyCounts):
+        setattr(m, f.name, getattr(m, f.name) + getattr(r, f.name))
+    m.salt_changes += r.salt_changed
+    m.streams_skipped += r.skipped

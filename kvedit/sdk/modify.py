@@ -58,6 +58,7 @@ from kvedit.client.handles import KVError
 from kvedit.sdk.contracts import Checked, check_result, fn_kwargs, is_async_fn, wants_queries
 from kvedit.sdk.errors import ModifyError
 from kvedit.sdk.geometry import KVGeometry
+from kvedit.sdk.metrics import ModifyCounts
 from kvedit.sdk.output import NewKV
 from kvedit.sdk.queries import CapturedQueries, fetch, release_queries
 from kvedit.sdk.source import KVSource, open_kv, untouched_chunks
@@ -70,20 +71,10 @@ __all__ = ["ModifyResult", "Stored", "check_result", "derive_salt", "modify_stre
 
 
 @dataclass
-class ModifyResult:
-    tokens_before: int = 0
-    tokens_after: int = 0
-    bytes_retrieved: int = 0
-    bytes_stored: int = 0
-    chunks_stored: int = 0
-    chunks_reused: int = 0
-    chunks_deleted: int = 0
-    chunks_compared: int = 0  # present chunks whose bytes had to be compared
+class ModifyResult(ModifyCounts):
+    """One stream's modify: its counts, whether its salt changed, whether it was skipped."""
     salt_changed: bool = False
     skipped: bool = False
-    retrieve_s: float = 0.0  # lookup wait excluded: retrieve copy only
-    fn_s: float = 0.0
-    store_s: float = 0.0     # compare with present chunks + copy into shm + commit
 
 
 @dataclass(frozen=True, slots=True)

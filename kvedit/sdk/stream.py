@@ -106,6 +106,12 @@ class Stream:
         """What the next request sends: tokens + suffix."""
         return self.tokens + self.suffix
 
+    def budget_for(self, given: EngineBudget | None) -> EngineBudget | None:
+        """The one rule for which budget a request asks for: the stream's own
+        (create_request(..., budget=...)) wins; a budget given for a run or a request applies
+        to a stream that has none."""
+        return self.budget if self.budget is not None else given
+
     def keys_for(self, tokens, salt: str) -> list[bytes]:
         return self.ctx.keys_for(tokens, salt)   # rank 0's under TP (Context remembers all)
 
@@ -114,8 +120,9 @@ class Stream:
                        budget: EngineBudget | None = None) -> Generation:
         """Send `prompt` (with the stream's salt), append the generated tokens to the suffix.
         capture_queries=W: ask vLLM to capture the queries of the prompt's last W tokens.
-        budget: the in-engine budget this request asks for (None: the stream's own, if any)."""
-        budget = self.budget if budget is None else budget
+        budget: an in-engine budget for this request, where the stream has none of its own
+        (`budget_for`)."""
+        budget = self.budget_for(budget)
         params = sampling_params if max_tokens is None else with_max_tokens(sampling_params,
                                                                             max_tokens)
         # the edit reads this request's chunks next: stored as computed, whatever the

@@ -80,6 +80,83 @@ HOOKED: dict[str, Internal] = {
         "queries (budget/recent.py, per step)", "0.26 to 0.33 (SUPPORTED_CAPTURE_VLLM)"),
 }
 
+# vLLM state kvedit writes, and vLLM private methods it calls, outside a shadowed method:
+# each goes through one function below, so every such use is in this module
+# (tests/unit/test_rooms.py refuses the names elsewhere in kvedit/vllm/).
+WRITTEN: dict[str, Internal] = {
+    "Scheduler.defer_block_free": Internal(
+        "scheduler", "transfer (scheduler_side.py): off, as kvedit's loads are ordered on the "
+        "forward's stream (its deferral cascades preemptions under KV pressure)",
+        "0.26 and 0.32 (read from their scheduler's source)"),
+    "Request.skip_reading_prefix_cache": Internal(
+        "scheduler", "query capture (capture/scheduler.py): a capturing request computes its "
+        "window; query-aware budgets (budget/scheduler.py): until the prompt is computed",
+        "0.26 to 0.33 (SUPPORTED_CAPTURE_VLLM)"),
+    "Scheduler.deferred_frees": Internal(
+        "scheduler", "in-engine budgets: a compaction's tail blocks behind vLLM's own fence "
+        "when frees are deferred", "0.26 and 0.32 (IN_ENGINE_VLLM)"),
+    "Scheduler.running, Scheduler.waiting": Internal(
+        "scheduler", "in-engine time slicing: a request that yields goes behind the one it "
+        "yields to", "0.26 and 0.32 (IN_ENGINE_VLLM)"),
+}
+CALLED: dict[str, Internal] = {
+    "Scheduler._preempt_request": Internal(
+        "scheduler", "in-engine time slicing (budget/scheduler.py)",
+        "0.26 and 0.32 (IN_ENGINE_VLLM)"),
+    "BlockPool._maybe_evict_cached_block": Internal(
+        "scheduler", "in-engine budgets: a kept block out of the prefix cache, where the pool "
+        "has no evict_blocks", "0.26 and 0.32 (IN_ENGINE_VLLM)"),
+}
+
+
+def write(obj, internal: str, value) -> None:
+    """Set a vLLM field listed in WRITTEN (its `Class.field` name)."""
+    if internal not in WRITTEN:
+        raise RuntimeError(f"kvedit: {internal} is not in hooks.WRITTEN; list every vLLM field "
+                           "kvedit writes there")
+    setattr(obj, internal.rsplit(".", 1)[1], value)
+
+
+def skip_prefix_cache(request, skip: bool) -> None:
+    """The one writer of a request's `skip_reading_prefix_cache` (WRITTEN)."""
+    write(request, "Request.skip_reading_prefix_cache", skip)
+
+
+def defer_free(scheduler, blocks: list) -> None:
+    """Return `blocks` to the pool behind vLLM's own fence: once the step in flight has run."""
+    scheduler.deferred_frees.append((scheduler.sched_step_seq, blocks))
+
+
+def can_defer_free(scheduler) -> bool:
+    """Whether this vLLM fences frees (deferred_frees and the step counter exist)."""
+    return hasattr(scheduler, "deferred_frees") and hasattr(scheduler, "sched_step_seq")
+
+
+def yield_turn(scheduler, request, now: float) -> None:
+    """Preempt a running `request` and queue it behind the waiting ones' head (time slicing),
+    with vLLM's own preemption (its blocks freed, its state reset)."""
+    scheduler.running.remove(request)
+    scheduler._preempt_request(request, now)
+    scheduler.waiting.remove_request(request)
+    scheduler.waiting.add_request(request)
+
+
+def can_preempt(scheduler) -> bool:
+    return hasattr(scheduler, "schedule") and hasattr(scheduler, "_preempt_request")
+
+
+def block_uncacher(pool) -> Callable | None:
+    """vLLM's own removal of one allocated block from its prefix cache: the block pool's
+    `evict_blocks` (for connectors: a block still referenced stays allocated, only its
+    lookup entries go), else the `_maybe_evict_cached_block` it calls; both drop every
+    lookup entry that points at the block, reset its hash and emit vLLM's KV-event of the
+    removal. None where the pool has neither."""
+    evict = getattr(pool, "evict_blocks", None)
+    if callable(evict):
+        return lambda block: evict({block.block_id})
+    one = getattr(pool, "_maybe_evict_cached_block", None)
+    return one if callable(one) else None
+
 
 # ---- shadowing ------------------------------------------------------------------------------
 class Hook:

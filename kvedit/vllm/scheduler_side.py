@@ -24,10 +24,11 @@ from kvedit.request_params import read_asks
 from kvedit.vllm.budget.scheduler import NOT_MINE, BudgetScheduler
 from kvedit.vllm.capture.scheduler import WindowPlanner
 from kvedit.vllm.capture.support import capture_unavailable
+from kvedit.vllm import hooks
 from kvedit.vllm.link import ServerLink
 from kvedit.vllm.metadata import KVEditMetadata
 from kvedit.vllm.scheduler_stats import SchedulerStats
-from kvedit.vllm.settings import ConnectorSettings, model_layout
+from kvedit.vllm.settings import ConnectorSettings, check_chunk_size, model_layout
 from kvedit.vllm.transfer.admission import Admission, Deferred
 from kvedit.vllm.transfer.inflight import InFlightKeys
 from kvedit.vllm.transfer.pins import Pins
@@ -81,9 +82,7 @@ class SchedulerSide:
 
     # ---- server connection ------------------------------------------------------------
     def _set_chunk_size(self, chunk_size: int) -> None:
-        if chunk_size % self.block_size:
-            raise ValueError(f"kvedit connector: chunk_size {chunk_size} must be a multiple of "
-                             f"vLLM's block size {self.block_size}")
+        check_chunk_size(chunk_size, self.block_size)
         self.layouts = [model_layout(self.vllm_config, chunk_size, r, self.settings.rope_is_neox)
                         for r in range(self.tp_size)]
         self.admission.chunk = chunk_size
@@ -129,6 +128,14 @@ class SchedulerSide:
     def bind(self, manager, scheduler) -> None:
         """vLLM's KVCacheManager and Scheduler (found when vLLM binds its block pool)."""
         self.budgets.scheduler = scheduler
+        if getattr(scheduler, "defer_block_free", False) and \
+                not self.settings.transfer.defer_frees:
+            # Before any step (vLLM binds from its constructor): kvedit's loads scatter on
+            # the forward's stream, after the step in flight, so freed blocks need no fence
+            # (settings.TransferSettings.defer_frees says what the fence costs).
+            hooks.write(scheduler, "Scheduler.defer_block_free", False)
+            logger.info("kvedit: vLLM's deferred block frees are off (kvedit's loads are "
+                        "ordered on the forward's stream; defer_frees true keeps them)")
         if self.settings.budgets.in_engine:
             self.budgets.bind(manager, scheduler)
 

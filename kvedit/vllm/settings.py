@@ -39,6 +39,14 @@ class TransferSettings:
     # waits for the whole device before a store's gather and after a load (the older way,
     # far slower for vLLM's thread: docs/gpu.md).
     device_wait: bool = False
+    # vLLM holds back the blocks a preempted or finished request frees until the step in
+    # flight has run, when a connector that loads KV runs under async scheduling (its loads
+    # might not be ordered against that step's writes). kvedit's loads scatter on the
+    # forward's stream, ordered after it, so by default the connector turns that deferral
+    # off: with it, a request short of one block makes vLLM preempt running requests one
+    # after another in one step (their blocks stay unusable until it ends): 1,036
+    # preemptions against plain vLLM's 39 on an H100 under KV pressure (docs/connector.md).
+    defer_frees: bool = False
     # Which computed chunks are stored, and when (transfer/admission.py; docs/connector.md):
     # "eager" every chunk as it is computed, "evict" only when vLLM is about to evict its
     # blocks, "reuse" on the second sight of its prefix. A request whose kv_transfer_params
@@ -171,7 +179,7 @@ def _check(extra: dict) -> None:
     if kept not in get_args(CachedKeptBlocks):
         raise ValueError(f"kvedit connector: cached_kept_blocks {kept!r}; expected one of "
                          f"{list(get_args(CachedKeptBlocks))}")
-    for name in ("in_engine", "device_wait", "key_watch"):
+    for name in ("in_engine", "device_wait", "key_watch", "defer_frees"):
         if not isinstance(extra.get(name, default(name)), bool):
             raise ValueError(f"kvedit connector: {name} {extra[name]!r}; expected true or "
                              "false")
@@ -179,6 +187,14 @@ def _check(extra: dict) -> None:
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 300:
         raise ValueError(f"kvedit connector: store_wait_s {wait!r}; expected seconds "
                          "between 0 and 300 (0: never wait for an in-flight store)")
+
+
+def check_chunk_size(chunk_size: int, block_size: int) -> None:
+    """Both connector sides' one rule: a chunk is whole vLLM blocks (its slots are the blocks'
+    own, so a chunk never splits a block between two keys)."""
+    if chunk_size % block_size:
+        raise ValueError(f"kvedit connector: chunk_size {chunk_size} must be a multiple of "
+                         f"vLLM's block size {block_size}")
 
 
 def rope_params(hf_config, head_dim: int, is_neox: bool | None = None) -> RopeParams | None:

@@ -23,7 +23,7 @@ from kvedit.vllm.capture.worker import STATS, QueryCapture, current_forward_cont
 from kvedit.vllm.link import UNAVAILABLE, ServerLink
 from kvedit.vllm.metadata import KVEditMetadata
 from kvedit.vllm.paged import PagedKV
-from kvedit.vllm.settings import ConnectorSettings, model_layout
+from kvedit.vllm.settings import ConnectorSettings, check_chunk_size, model_layout
 from kvedit.vllm.transfer.copier import PagedCopier
 
 logger = logging.getLogger("vllm.kvedit")
@@ -101,9 +101,7 @@ class WorkerSide:
         """(Re-)register this rank's layout: a restarted server starts empty."""
         if self.layout is None:
             chunk = self.settings.chunk_size or client.server_info().chunk_size
-            if chunk % self.block_size:
-                raise ValueError(f"kvedit connector: chunk_size {chunk} must be a multiple of "
-                                 f"vLLM's block size {self.block_size}")
+            check_chunk_size(chunk, self.block_size)
             # with TP the SDK gathers the ranks' heads: it needs the model's total count
             layout = model_layout(self.vllm_config, chunk, self.tp_rank,
                                   self.settings.rope_is_neox)

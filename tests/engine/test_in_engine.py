@@ -31,7 +31,8 @@ import torch
 
 import kvedit
 from kvedit.budget import EngineBudget
-from kvedit.edits import POLICIES, KeyDiff, KeyNorm, RandomDrop, StreamingLLM
+from kvedit.edits import (POLICIES, KeyDiff, KeyNorm, PromptAnchored, RandomDrop,
+                          StreamingLLM)
 from kvedit.layout import ModelLayout
 from kvedit.request_params import RequestAsks
 from tests.fixtures_vllm import CHUNK
@@ -143,6 +144,33 @@ def test_query_aware_policies_score_with_the_same_queries_as_the_host_path(engin
     assert eng == host
     torch.testing.assert_close(torch.tensor(eng_lp[1:]), torch.tensor(host_lp[1:]),
                                rtol=0, atol=1e-4)
+
+
+def test_prompt_anchored_ranks_the_prompt_once_as_the_host_path_does(engine, kv_server):
+    """PromptAnchored: the engine ranks the prompt by its last W rows once, when it is
+    computed, and its first compaction (right after the prefill: all prompt, no reply yet)
+    keeps what the host path's edit keeps with the same captured rows; then a prompt shorter
+    than the window (its ring holds fewer rows than W) ranks and compacts too, and the ring
+    is dropped after the ranking (one ranking a request, W rows: the workers' counters)."""
+    W = 64
+    prompt = prompt_of(P, seed=77)
+    policy = PromptAnchored(0.5, window=W)
+    host, host_lp = host_path(engine, kv_server, prompt, policy, N, capture_queries=W)
+    before = stats(engine, "worker ")
+    eng, eng_lp = greedy(engine, prompt, N + 1,
+                         EngineBudget(KEEP + EVERY, EVERY, "prompt_anchored", {},
+                                      protect=0, queries=W))
+    assert eng == host
+    torch.testing.assert_close(torch.tensor(eng_lp[1:]), torch.tensor(host_lp[1:]),
+                               rtol=0, atol=1e-4)
+    short = prompt_of(20, seed=78)   # 20 rows in the ring, W = 64
+    out, _ = greedy(engine, short, 200, EngineBudget(96, 32, "prompt_anchored", {},
+                                                     queries=W))
+    assert len(out) == 200
+    after = stats(engine, "worker ")
+    assert after["query_scored"] - before.get("query_scored", 0) == 2
+    assert after["query_rows"] - before.get("query_rows", 0) == W + 20
+    assert after["compactions"] - before.get("compactions", 0) >= 1 + (20 + 200 - 96) // 32
 
 
 @pytest.mark.parametrize("positions", ["compact", "logical"])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvedit.bench import long as bench_long
-from kvedit.bench.long_engine import mean_footprint
+from kvedit.bench.long.arms import mean_footprint as host_footprint
+from kvedit.bench.long.engine import mean_footprint
 
 
 def test_in_engine_streams_hold_a_whole_block_more_at_the_same_budget():
@@ -19,5 +19,5 @@ def test_in_engine_streams_hold_a_whole_block_more_at_the_same_budget():
 def test_host_rounds_are_counted_per_generated_token():
     g = SimpleNamespace(prompt_tokens=513, token_ids=list(range(128)))
     batch = [SimpleNamespace(generations=[g, g])]
-    assert bench_long._mean_footprint(batch, 128) == 5.0
-    assert bench_long._mean_footprint(batch) == 513 + 127 / 2
+    assert host_footprint(batch, 128) == 5.0
+    assert host_footprint(batch) == 513 + 127 / 2

@@ -8,15 +8,14 @@ import argparse
 
 import pytest
 
-from kvedit.bench import long as bench_long
-from kvedit.bench.long_policies import DEFAULT_QUERIES, entries
-from kvedit.edits import TOVA, KeyNorm, RandomDrop, SnapKV
+from kvedit.bench.long import figures, run, speed
+from kvedit.bench.long.cli import parse
+from kvedit.bench.long.policies import DEFAULT_QUERIES, budget_list, entries
+from kvedit.edits import TOVA, KeyNorm, PromptAnchored, RandomDrop, SnapKV
 
 
 def _args(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    bench_long.register(p.add_subparsers())
-    return p.parse_args(["long", *argv])
+    return parse(list(argv))
 
 
 def test_entries_become_policies_with_head_and_query_ring():
@@ -26,6 +25,10 @@ def test_entries_become_policies_with_head_and_query_ring():
         ("keynorm:head", KeyNorm, True, 0), ("snapkv", SnapKV, False, DEFAULT_QUERIES),
         ("tova", TOVA, False, 1),  # TOVA's own window: the last query
         ("random:head", RandomDrop, True, 0), ("SnapKV:head", SnapKV, True, DEFAULT_QUERIES)]
+    # PromptAnchored ranks the prompt by its last 64 rows once: no ring, no protect needed
+    a = entries(_args("--in-engine", "--budget", "96", "--every", "32", "--engine-policies",
+                      "anchored"))
+    assert (type(a[0].policy), a[0].queries) == (PromptAnchored, 64)
     w = entries(_args("--in-engine", "--engine-policies", "snapkv", "--engine-queries", "64"))
     assert w[0].queries == 64
     assert entries(_args("--in-engine")) == []
@@ -60,25 +63,50 @@ def test_bad_entries_are_refused_up_front(argv, message):
 
 
 def test_main_refuses_before_starting_anything(monkeypatch):
-    monkeypatch.setattr(bench_long, "_speed", lambda *a: pytest.fail("an engine was started"))
+    monkeypatch.setattr(speed, "run", lambda *a: pytest.fail("an engine was started"))
     with pytest.raises(SystemExit, match="entry 'nope'"):
-        bench_long._main(_args("--in-engine", "--engine-policies", "nope"))
+        run.main(_args("--in-engine", "--engine-policies", "nope"), print)
+    with pytest.raises(SystemExit, match=r"--budgets \[64\]: each budget must exceed"):
+        run.main(_args("--in-engine", "--every", "64", "--budgets", "1024,64"), print)
+    with pytest.raises(SystemExit, match="needs --in-engine"):
+        run.main(_args("--budgets", "1024"), print)
+
+
+def test_budgets_put_the_runs_budget_first_once():
+    assert budget_list(_args("--in-engine", "--budget", "1024", "--budgets",
+                             "1536,1024,2048,1536")) == [1024, 1536, 2048]
+    assert budget_list(_args("--budget", "512")) == [512]
+
+
+def test_presets_fill_what_was_not_given():
+    a = _args("--preset", "real-cpu", "--streams", "8")
+    assert (a.streams, a.model, a.pool, a.kv_blocks, a.policy, a.host_arm) == (
+        8, "qwen2.5-coder-1.5b", 0.4, None, "anchored", False)
+    b = _args()
+    assert (b.kv_blocks, b.pool, b.streams, b.host_arm) == (36, None, 8, True)
+    assert _args("--no-host-arm").matched_arm is False
 
 
 def test_extra_arms_join_the_block_limits_and_the_vllm_full_comparison():
     def arm(tput, step):
         return {"decode_tput": tput, "tokens_per_step": step, "mean_footprint_blocks": 4.0,
-                "mean_footprint_tokens": 512.0}
+                "mean_footprint_tokens": 512.0, "preemptions": 2.0}
 
     out = {"none": arm(10.0, 2.0), "host": arm(12.0, 2.0), "in_engine": arm(15.0, 3.0),
-           "in_engine_policies": {"snapkv:head": arm(20.0, 4.0)}}
-    limits = bench_long._block_limits(out, 8, 12)
-    assert list(limits) == ["none", "host", "in_engine", "in_engine:snapkv:head"]
+           "in_engine_policies": {"snapkv:head": arm(20.0, 4.0)},
+           "in_engine_budgets": {"1024": arm(16.0, 3.5)}, "vllm_full": arm(5.0, 1.0)}
+    limits = figures.block_limits(out, 8, 12)
+    assert list(limits) == ["vllm_full", "none", "host", "in_engine", "in_engine:snapkv:head",
+                            "in_engine@1024"]
     assert limits["in_engine:snapkv:head"] == {"mean_blocks": 4.0, "limit": 3.0,
                                                "tokens_per_step": 4.0,
                                                "efficiency": 4.0 / 3.0}
-    full = {**arm(5.0, 1.0), "outputs": []}
-    bench_long._vs_full(out, full, [], out["none"], out["host"], 8, 1536, 2.0)
+    figures.vs_full(out)
     r = out["in_engine_policies"]["snapkv:head"]
     assert (r["vs_vllm_full_decode_throughput"], r["vs_vllm_full_step_gain"]) == (4.0, 4.0)
     assert out["in_engine"]["vs_vllm_full_decode_throughput"] == 3.0
+    assert out["in_engine_budgets"]["1024"]["vs_vllm_full_step_gain"] == 3.5
+    rows = figures.frontier(out, {"in_engine": {"count": {"correct": 3, "n": 4}}})
+    assert [r["arm"] for r in rows][-1] == "in_engine@1024"
+    assert rows[3]["answers"] == {"count": "3/4"}
+    assert "in_engine@1024" in figures.table(rows)

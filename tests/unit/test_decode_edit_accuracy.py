@@ -9,14 +9,12 @@ import sys
 
 import pytest
 
-from kvedit.bench import long as bench_long
-from kvedit.bench import long_accuracy as A
+from kvedit.bench.long import accuracy as A
+from kvedit.bench.long.cli import parse
 
 
 def _args(**kw) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    bench_long.register(p.add_subparsers())
-    base = p.parse_args(["long"])
+    base = parse([])
     for k, v in kw.items():
         setattr(base, k, v)
     return base
@@ -26,18 +24,18 @@ def test_missing_model_is_skipped_with_what_to_run(tmp_path, monkeypatch):
     monkeypatch.setenv("KVEDIT_CACHE_DIR", str(tmp_path))
     path, why = A.cached_model()
     assert path is None and "kvedit model smollm2" in why and str(tmp_path) in why
-    assert bench_long._accuracy(_args(), lambda *a: None) == {"skipped": why}
+    assert A.from_args(_args(), lambda *a: None) == {"skipped": why}
 
 
 def test_accuracy_model_none_skips():
-    assert bench_long._accuracy(_args(accuracy_model="none"), print) == {
+    assert A.from_args(_args(accuracy_model="none"), print) == {
         "skipped": "--accuracy-model none"}
 
 
 def test_unknown_arm_is_refused_with_the_choices(tmp_path, monkeypatch):
     monkeypatch.setattr(A, "cached_model", lambda name: (tmp_path, ""))  # refused before use
     with pytest.raises(SystemExit, match=r"unknown \['snapkv'\].*'none', 'rounds'"):
-        bench_long._accuracy(_args(accuracy_arms="none,snapkv"), print)
+        A.from_args(_args(accuracy_arms="none,snapkv"), print)
 
 
 def test_summary_counts_each_task_with_wilson_intervals():

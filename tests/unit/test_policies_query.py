@@ -159,8 +159,8 @@ def test_call_drops_and_rerotates_with_queries():
 def test_needs_queries_flags_and_errors():
     assert SnapKV.needs_queries and TOVA.needs_queries
     assert not any(cls.needs_queries for cls in (DropPolicy, KeyNorm, SnapKVProxy))
-    assert {name for name, cls in POLICIES.items() if cls.needs_queries} == {"snapkv", "tova",
-                                                                             "kvzip"}
+    assert {name for name, cls in POLICIES.items() if cls.needs_queries} == {
+        "snapkv", "tova", "kvzip", "prompt_anchored"}
     kv = rand(2, L, 16, HKV * HD)
     with pytest.raises(ValueError, match=r"capture_queries=W"):
         SnapKV(0.5)(kv, list(range(16)), layout=LAYOUT)

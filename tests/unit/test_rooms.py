@@ -110,3 +110,46 @@ def test_the_vllm_core_stays_a_core():
     sides = {"kvedit.vllm.connector", "kvedit.vllm.scheduler_side", "kvedit.vllm.worker_side"}
     assert [(m, t) for m, ts in _graph().items() for t in ts
             if m.count(".") == 3 and m.startswith("kvedit.vllm.") and t in sides] == []
+
+
+# vLLM fields kvedit writes and vLLM private methods it calls: only kvedit/vllm/hooks.py, which
+# lists each (WRITTEN, CALLED) and holds the one function that touches it.
+WRITTEN_FIELDS = {"skip_reading_prefix_cache", "defer_block_free", "deferred_frees"}
+PRIVATE_CALLS = {"_preempt_request", "_maybe_evict_cached_block"}
+
+
+def vllm_internals_touched(tree) -> list[str]:
+    """`field =` writes of WRITTEN_FIELDS, `x.deferred_frees.append(...)`, and any use of
+    PRIVATE_CALLS, as 'line: what'."""
+    import ast
+
+    out = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            if isinstance(t, ast.Attribute) and t.attr in WRITTEN_FIELDS:
+                out.append(f"{node.lineno}: writes .{t.attr}")
+        if isinstance(node, ast.Attribute) and node.attr in PRIVATE_CALLS:
+            out.append(f"{node.lineno}: uses .{node.attr}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                isinstance(node.func.value, ast.Attribute) and \
+                node.func.value.attr in WRITTEN_FIELDS:
+            out.append(f"{node.lineno}: changes .{node.func.value.attr}")
+    return out
+
+
+def test_vllm_internals_are_written_and_called_in_hooks_only():
+    import ast
+
+    from tests.unit.test_imports import MODULES
+
+    found = {m: hits for m, path in MODULES.items()
+             if m != "kvedit.vllm.hooks"
+             and (hits := vllm_internals_touched(ast.parse(path.read_text())))}
+    assert found == {}, "go through kvedit.vllm.hooks (and list the internal there)"
+    planted = ast.parse("r.skip_reading_prefix_cache = True\ns._preempt_request(r, 0)\n"
+                        "s.deferred_frees.append((0, []))\nx = r.skip_reading_prefix_cache\n")
+    assert sorted(h.split(":", 1)[1].strip() for h in vllm_internals_touched(planted)) == [
+        "changes .deferred_frees", "uses ._preempt_request",
+        "writes .skip_reading_prefix_cache"]

@@ -40,6 +40,18 @@ class Restore:
 
 
 @dataclass(slots=True)
+class RankPrompt:
+    """Rank a request's computed prompt by the queries its ring holds. `computed`: the
+    tokens whose queries are in the ring by this step (the ring's newest row is token
+    computed - 1: under async scheduling a decode step may already have run, its row after
+    the prompt's)."""
+    req_id: str
+    prompt_tokens: int
+    computed: int
+    budget: EngineBudget
+
+
+@dataclass(slots=True)
 class BudgetStep:
     compactions: list[Compaction] = field(default_factory=list)
     stashes: list[Stash] = field(default_factory=list)
@@ -47,7 +59,10 @@ class BudgetStep:
     forget: list[str] = field(default_factory=list)  # drop offsets and stashes of these
     # requests whose policy scores with queries: keep the queries of their last W tokens
     capture: list[tuple[str, int]] = field(default_factory=list)
+    # requests whose prompt was just computed and whose policy ranks it once by its last
+    # queries (PromptAnchored), ranked before this step's compactions
+    rank_prompt: list[RankPrompt] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.compactions or self.stashes or self.restores or self.forget
-                    or self.capture)
+                    or self.capture or self.rank_prompt)

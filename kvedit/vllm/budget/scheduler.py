@@ -53,7 +53,9 @@ from typing import Callable
 from kvedit.budget import EngineBudget
 from kvedit.request_params import RequestAsks
 from kvedit.vllm import hooks
-from kvedit.vllm.budget.plan import BudgetStep, Compaction, Restore, Stash
+from kvedit.vllm.budget.install import install
+from kvedit.vllm.budget.stats import BudgetStats
+from kvedit.vllm.budget.plan import BudgetStep, Compaction, RankPrompt, Restore, Stash
 
 logger = logging.getLogger("vllm.kvedit")
 
@@ -74,29 +76,7 @@ class _Req:
     stash_logical: int = 0    # computed tokens the stash stands for
     restore: int = 0          # resuming from the stash in this schedule: its resident tokens
     started: int = 0          # computed tokens when it last started running (its turn's start)
-
-
-@dataclass(slots=True)
-class BudgetStats:
-    """Counters of this engine's in-engine budgets (logged as JSON; `bench long` reads them)."""
-    requests: int = 0
-    refused: int = 0
-    compactions: int = 0
-    early_compactions: int = 0  # of them: before the budget, for want of a free block
-    tokens_dropped: int = 0
-    blocks_released: int = 0   # the requests' block lists shrank by this many
-    blocks_reused: int = 0     # blocks freed by a compaction that vLLM handed out again
-    cow_blocks: int = 0        # kept blocks replaced rather than written (shared, or cached
-                               # with cached_kept_blocks "copy")
-    uncached_blocks: int = 0   # kept blocks taken out of the prefix cache, written in place
-    no_room: int = 0           # compactions put off: no free block for a copy on write
-    stashes: int = 0
-    restores: int = 0
-    recomputes: int = 0        # preempted with no room in the stash: recomputed in full
-    rotations: int = 0         # requests preempted to let a stashed one take its turn
-    decide_s: float = 0.0      # scheduler time spent deciding compactions
-    pool_free: int = 0         # vLLM's free blocks when last logged
-    pool_total: int = 0
+    ranked: bool = True       # False: its policy ranks the prompt once it is computed (not yet)
 
 
 @dataclass
@@ -145,76 +125,13 @@ class BudgetScheduler:
         self.manager, self.scheduler, self.stm, self.pool = manager, scheduler, managers[0], pool
         self.stats.pool_total = pool.num_gpu_blocks
         if self.cached_kept_blocks == "uncache":
-            self._uncache = prefix_uncacher(pool)
+            self._uncache = hooks.block_uncacher(pool)
             if self._uncache is None:
                 logger.warning("kvedit: vLLM's block pool has no eviction of a cached block "
                                "(evict_blocks, _maybe_evict_cached_block); cached kept blocks "
                                "are copied on write")
 
-        def allocate_slots(orig):
-            def hook(request, num_new_tokens, *args, **kwargs):
-                st = self.reqs.get(request.request_id)
-                if st is None:
-                    return orig(request, num_new_tokens, *args, **kwargs)
-                return self._allocate(st, sig.bind(request, num_new_tokens, *args, **kwargs),
-                                      orig)
-            return hook
-
-        def free(orig):
-            def hook(request):
-                st = self.reqs.get(request.request_id)
-                if st is not None and not request.is_finished():
-                    self._preempted(st, request)   # preemption: free before the status changes
-                return orig(request)
-            return hook
-
-        def pop_blocks_for_free(orig):
-            def hook(request):
-                # deferred free (async scheduling with a consumer connector): vLLM returns
-                # the blocks to the pool once the step in flight has run; a preemption
-                # through here is still a preemption
-                st = self.reqs.get(request.request_id)
-                if st is not None and not request.is_finished():
-                    self._preempted(st, request)
-                return orig(request)
-            return hook
-
-        def cache_blocks(orig):
-            def hook(request, *args, **kwargs):
-                st = self.reqs.get(request.request_id)
-                if st is not None and st.compacted:
-                    return None  # its blocks hold compacted KV: never in the prefix cache
-                return orig(request, *args, **kwargs)
-            return hook
-
-        def get_new_blocks(orig):
-            def hook(num_blocks):
-                blocks = orig(num_blocks)
-                if self.freed:
-                    for b in blocks:
-                        if b.block_id in self.freed:
-                            self.freed.discard(b.block_id)
-                            self.stats.blocks_reused += 1
-                return blocks
-            return hook
-
-        def schedule(orig):
-            def hook(*args, **kwargs):
-                if self.reqs:
-                    self._rotate()
-                return orig(*args, **kwargs)
-            return hook
-
-        hooks.shadow(manager, "allocate_slots", "KVCacheManager.allocate_slots", allocate_slots)
-        hooks.shadow(manager, "free", "KVCacheManager.free", free)
-        if hasattr(manager, "pop_blocks_for_free"):
-            hooks.shadow(manager, "pop_blocks_for_free", "KVCacheManager.pop_blocks_for_free",
-                         pop_blocks_for_free)
-        if hasattr(manager, "cache_blocks"):
-            hooks.shadow(manager, "cache_blocks", "KVCacheManager.cache_blocks", cache_blocks)
-        hooks.shadow(pool, "get_new_blocks", "BlockPool.get_new_blocks", get_new_blocks)
-        if hasattr(scheduler, "schedule") and hasattr(scheduler, "_preempt_request"):
-            hooks.shadow(scheduler, "schedule", "Scheduler.schedule", schedule)
+        install(self, manager, scheduler, pool, sig)
 
     # ---- requests -------------------------------------------------------------------------
     def add(self, request, asks: RequestAsks) -> None:
@@ -233,9 +150,10 @@ class BudgetScheduler:
                 return self._refuse(request, f"its policy scores with queries and "
                                              f"{self.no_queries}")
             # every token of the window must be computed for its query to exist
-            request.skip_reading_prefix_cache = True
+            hooks.skip_prefix_cache(request, True)
             self.step.capture.append((request.request_id, budget.queries))
-        self.reqs[request.request_id] = _Req(request, budget)
+        self.reqs[request.request_id] = _Req(request, budget,
+                                             ranked=not budget.ranks_prompt)
         self.stats.requests += 1
 
     def is_budgeted(self, req_id: str) -> bool:
@@ -301,7 +219,7 @@ class BudgetScheduler:
         logger.info("kvedit: in-engine stats %s", json.dumps(asdict(self.stats)))
 
     # ---- internals ------------------------------------------------------------------------
-    def _allocate(self, st: _Req, bound, orig):
+    def allocate(self, st: _Req, bound, orig):
         args = bound.arguments
         request = args["request"]
         if st.restore:
@@ -336,6 +254,8 @@ class BudgetScheduler:
     def _maybe_compact(self, st: _Req, request, num_new: int, lookahead: int = 0,
                        reserved: int = 0) -> None:
         computed = request.num_computed_tokens
+        if st.budget.queries and computed >= request.num_prompt_tokens:
+            self._prompt_computed(st, request)
         # Only once the prompt is computed, and on a step that reaches the last token
         # (a chunked prefill, or a recompute after preemption, first catches up).
         if computed < request.num_prompt_tokens or computed + num_new < request.num_tokens:
@@ -349,6 +269,22 @@ class BudgetScheduler:
         elif computed >= request.num_tokens - 1:  # a decode step, not a recompute's last chunk
             self._compact_early(st, request.request_id, resident, keep, num_new + lookahead,
                                 reserved)
+
+    def _prompt_computed(self, st: _Req, request) -> None:
+        """A query-aware request's prompt is computed, and with it the window's queries."""
+        if not st.ranked:
+            # the prompt's KV and its last rows' queries exist (the step that computed them
+            # ran before this one on every worker): rank it before anything is dropped
+            st.ranked = True
+            self.step.rank_prompt.append(RankPrompt(
+                request.request_id, request.num_prompt_tokens, request.num_computed_tokens,
+                st.budget))
+        if request.skip_reading_prefix_cache:
+            # It read no cache so that its window was computed; now that it was, a resume
+            # after a preemption must load its stash: vLLM >= 0.31 drops the connector's
+            # tokens for a request that skips the cache (it would recompute its whole
+            # logical length instead, in as many blocks).
+            hooks.skip_prefix_cache(request, False)
 
     def _compact_early(self, st: _Req, req_id: str, resident: int, keep: int, new: int,
                        reserved: int) -> None:
@@ -389,7 +325,7 @@ class BudgetScheduler:
         if deferred:
             # the step in flight may still write these blocks: they go back to the pool
             # with vLLM's own fence, once that step's output is processed (tail first)
-            self.scheduler.deferred_frees.append((self.scheduler.sched_step_seq, release))
+            hooks.defer_free(self.scheduler, release)
             self.freed.update(b.block_id for b in release if b.ref_cnt == 1)
         else:
             self.pool.free_blocks(reversed(release))  # tail first: evicted first
@@ -434,10 +370,9 @@ class BudgetScheduler:
         """Whether vLLM returns freed blocks to the pool only once the step in flight has
         run (async scheduling with a consumer connector: `defer_block_free`)."""
         sched = self.scheduler
-        return bool(getattr(sched, "defer_block_free", False)) \
-            and hasattr(sched, "deferred_frees") and hasattr(sched, "sched_step_seq")
+        return bool(getattr(sched, "defer_block_free", False)) and hooks.can_defer_free(sched)
 
-    def _preempted(self, st: _Req, request) -> None:
+    def preempted(self, st: _Req, request) -> None:
         """vLLM preempts a budgeted request: stash its resident KV (a prompt still being
         computed is recomputed instead). A request at its budget is compacted into the
         stash, so that it resumes in the blocks of its kept tokens and the next one."""
@@ -468,7 +403,7 @@ class BudgetScheduler:
         self.stats.stashes += 1
         st.compacted = False  # its blocks are gone; a resume starts a new list
 
-    def _rotate(self) -> None:
+    def rotate(self) -> None:
         """Time slicing between budgeted requests when they do not all fit, by equal service:
         when the next request vLLM would resume is a stashed budgeted one that does not fit in
         the free blocks, the running budgeted request that has generated the most tokens
@@ -502,10 +437,7 @@ class BudgetScheduler:
                 best, most = r, served
         if best is None or free + len(self.stm.req_to_blocks[best.request_id]) < need:
             return
-        sched.running.remove(best)
-        sched._preempt_request(best, time.monotonic())
-        waiting.remove_request(best)   # behind the one it yields to, not in front of it
-        waiting.add_request(best)
+        hooks.yield_turn(sched, best, time.monotonic())  # behind the one it yields to
         self.stats.rotations += 1
 
     def _drop_stash(self, st: _Req, recompute: bool) -> None:
@@ -513,7 +445,14 @@ class BudgetScheduler:
             self.stash_left += st.stash * self.token_bytes
         st.stash = st.stash_logical = st.restore = st.started = 0
         st.offset, st.compacted = 0, False
-        self.step.forget.append(st.request.request_id)
+        req_id = st.request.request_id
+        self.step.forget.append(req_id)
+        if st.budget.queries:
+            # recomputed from its tokens: its query ring (and a prompt ranking) start again,
+            # from a window computed again
+            self.step.capture.append((req_id, st.budget.queries))
+            st.ranked = not st.budget.ranks_prompt
+            hooks.skip_prefix_cache(st.request, True)
         if recompute:
             self.stats.recomputes += 1
 
@@ -552,16 +491,3 @@ class _ReleasePlan:
 def _served(request) -> int:
     """Tokens a request has generated (its service, for time slicing)."""
     return len(request.output_token_ids)
-
-
-def prefix_uncacher(pool) -> Callable | None:
-    """vLLM's own removal of one allocated block from its prefix cache: the block pool's
-    `evict_blocks` (for connectors: a block still referenced stays allocated, only its
-    lookup entries go), else the `_maybe_evict_cached_block` it calls; both drop every
-    lookup entry that points at the block, reset its hash and emit vLLM's KV-event of the
-    removal. None where the pool has neither."""
-    evict = getattr(pool, "evict_blocks", None)
-    if callable(evict):
-        return lambda block: evict({block.block_id})
-    one = getattr(pool, "_maybe_evict_cached_block", None)
-    return one if callable(one) else None

@@ -24,38 +24,22 @@ import dataclasses
 import json
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from kvedit.edits.anchored import PromptRanks
 from kvedit.layout import ModelLayout
 from kvedit.vllm import hooks
 from kvedit.vllm.budget import compact
-from kvedit.vllm.budget.plan import BudgetStep, Compaction
+from kvedit.vllm.budget.plan import BudgetStep, Compaction, RankPrompt
 from kvedit.vllm.budget.recent import RecentQueries
+from kvedit.vllm.budget.stats import WorkerStats
 from kvedit.vllm.paged import PagedKV
 
 logger = logging.getLogger("vllm.kvedit")
 
 MRV2_HINT = "VLLM_USE_V2_MODEL_RUNNER=0"
-
-
-@dataclass(slots=True)
-class WorkerStats:
-    steps: int = 0             # steps that compacted, stashed or restored
-    compactions: int = 0
-    tokens_in: int = 0         # resident tokens scored
-    tokens_kept: int = 0
-    stashed: int = 0
-    restored: int = 0
-    most_in_a_step: int = 0    # compactions in the busiest step
-    compact_s: float = 0.0     # host time in run() (on the CPU: all of its work)
-    device_s: float = 0.0      # CUDA: device time of the work run() queued
-    shifted_steps: int = 0     # steps whose inputs were shifted for compacted requests
-    shift_s: float = 0.0       # time spent shifting them (every step with one in the batch)
-    query_scored: int = 0      # compactions a query-aware policy scored with its ring's rows
-    query_rows: int = 0        # the ring rows those compactions scored with
 
 
 def find_runner():
@@ -95,6 +79,7 @@ class BudgetWorker:
         # writes for `write`: (blocks, KV, first slot)
         self.pending: list[tuple[list[int], torch.Tensor, int]] = []
         self.policies: dict[str, object] = {}
+        self.ranks: dict[str, PromptRanks] = {}  # req -> its prompt's ranking (PromptAnchored)
         self.stats = WorkerStats()
         self.stats_every, self._logged = stats_every, 0.0
         self._events: list = []  # CUDA (start, end) events of queued work not yet read
@@ -126,8 +111,8 @@ class BudgetWorker:
         are then derived from; the writes wait for `write`."""
         self.write()  # a step whose metadata was never bound (no forward) left them
         t0 = self._begin()
-        for req_id, window in step.capture:
-            self.recent.add(req_id, window)
+        for r in step.rank_prompt:
+            self._rank_prompt(r)
         gone = {s.req_id for s in step.stashes} | set(step.forget)
         kept: dict[str, tuple[torch.Tensor, int]] = {}  # req -> (kept KV, its first slot)
         for c in step.compactions:
@@ -160,7 +145,11 @@ class BudgetWorker:
             self.modes.pop(req_id, None)
             self.stash.pop(req_id, None)
             self.policies.pop(req_id, None)
+            self.ranks.pop(req_id, None)
             self.recent.drop(req_id)
+        # after forget: a request recomputed from its tokens is forgotten and captures again
+        for req_id, window in step.capture:
+            self.recent.add(req_id, window)
         s = self.stats
         s.steps += 1
         s.compactions += len(step.compactions)
@@ -208,16 +197,22 @@ class BudgetWorker:
         of kept slots start..keep-1, start). Unless `whole` (a stash takes it), the leading
         kept slots that stay where they are are left out (`compact.unmoved`; only where the
         kept slots are on the host: finding them on a device would wait for it)."""
-        base = self.policies.get(c.req_id)
-        if base is None:
-            base = self.policies[c.req_id] = c.budget.policy_object()
+        base = self._policy(c.req_id, c.budget)
         units = base.units(c.resident, self.layout)
         drop = (c.resident - c.keep) // units.size
         # ratio matters only to policies that score by it (DropMiddle): drop what is needed
         policy = dataclasses.replace(base, ratio=min(0.999, (drop + 0.5) / units.count)) \
             if drop > 0 else base
         kw = {}
-        if policy.needs_queries:
+        if c.budget.ranks_prompt:
+            ranks = self.ranks.get(c.req_id)
+            if ranks is None:
+                raise RuntimeError(f"kvedit: {c.req_id}'s policy {c.budget.policy} ranks its "
+                                   "prompt once it is computed, and it was not ranked")
+            if c.offset == c.resident - c.keep:  # the first since its KV was computed whole
+                ranks = self.ranks[c.req_id] = PromptRanks.fresh(ranks.scores)
+            kw = {"prompt": ranks}
+        elif policy.needs_queries:
             # the queries of the last tokens; protect >= their count keeps them resident, so
             # they are the last slots of kv
             q = self.recent.window(c.req_id)
@@ -241,6 +236,34 @@ class BudgetWorker:
         idx = policy.select(kv, c.keep, self.layout, **kw)
         start = self._unmoved(c, idx, whole)
         return compact.kept_kv(kv, idx, self.layout, c.budget.positions, start), start
+
+    def _policy(self, req_id: str, budget) -> object:
+        """The request's policy object (built once from its budget)."""
+        base = self.policies.get(req_id)
+        if base is None:
+            base = self.policies[req_id] = budget.policy_object()
+        return base
+
+    def _rank_prompt(self, r: RankPrompt) -> None:
+        """Rank a just-computed prompt by its last rows' queries (the ring holds them: the
+        steps that computed them ran before this one), then stop capturing: the policy needs
+        no queries during decode. The ring's newest row is token r.computed - 1, so with a
+        decode step already run its last rows are the reply's: only the prompt's rank it."""
+        q = self.recent.window(r.req_id)
+        if q is None or r.req_id not in self.runner.requests:
+            raise RuntimeError(f"kvedit: {r.req_id} ranks its prompt once it is computed, and "
+                               f"{'no queries were captured' if q is None else 'vLLM does not know it'}")
+        start = r.computed - q.shape[1]             # the token of the ring's oldest row
+        rows = min(q.shape[1], r.prompt_tokens - start)
+        if start < 0 or rows <= 0:
+            raise RuntimeError(f"kvedit: {r.req_id}'s query ring holds tokens {start}.."
+                               f"{r.computed - 1}, none of its {r.prompt_tokens}-token prompt's")
+        kv = compact.gather(self.paged, self._blocks(r.req_id), r.prompt_tokens)
+        policy = self._policy(r.req_id, r.budget)
+        self.ranks[r.req_id] = policy.rank_prompt(kv, self.layout, q[:, :rows], start)
+        self.recent.drop(r.req_id)
+        self.stats.query_scored += 1
+        self.stats.query_rows += rows
 
     def _unmoved(self, c: Compaction, idx: torch.Tensor, whole: bool) -> int:
         if whole or idx.device.type != "cpu":

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from kvedit.keys import namespace, query_key
 from kvedit.query_contract import CaptureRows
 from kvedit.request_params import RequestAsks
+from kvedit.vllm import hooks
 from kvedit.vllm.capture.plan import QueryRun
 
 logger = logging.getLogger("vllm.kvedit")
@@ -73,7 +74,7 @@ class WindowPlanner:
             return self._refuse(request, f"{nbytes} bytes of queries would exceed "
                                          f"max_capture_bytes={self.max_bytes} in flight")
         self.in_flight += nbytes
-        request.skip_reading_prefix_cache = True  # every window token must be computed
+        hooks.skip_prefix_cache(request, True)  # every window token must be computed
         self.windows[request.request_id] = _Window(request, at, nbytes)
 
     def asks(self, req_id: str) -> bool:
@@ -88,14 +89,14 @@ class WindowPlanner:
     def lift(self, request) -> None:
         """vLLM has looked in its own prefix cache for `request` (it skipped it) and now
         weighs the connector's hit: let the hit count until `relock`."""
-        request.skip_reading_prefix_cache = False
+        hooks.skip_prefix_cache(request, False)
         self.lifted.append(request)
 
     def relock(self) -> None:
         """End of a step's scheduling: asking requests skip vLLM's prefix cache again (one
         that was not admitted, or is preempted later, is looked up afresh)."""
         for request in self.lifted:
-            request.skip_reading_prefix_cache = True
+            hooks.skip_prefix_cache(request, True)
         self.lifted.clear()
 
     def plan(self, req_id: str, block_ids: list[int], computed: int, scheduled: int,

@@ -1,5 +1,6 @@
-"""The entries of `kvedit bench long --in-engine --engine-policies LIST`: one more in-engine arm
-per entry, each parsed and checked here before any engine starts.
+"""The entries of `kvedit bench long --in-engine --engine-policies LIST` (one more in-engine arm
+per entry) and of `--budgets LIST` (the in_engine arm again at each budget), each parsed and
+checked here before any engine starts.
 
 Why a module of its own: what an entry may say (a policy, `:head`, the device query ring of a
 query-aware policy) is checked without an engine, and long.py only runs the arms it gets.
@@ -46,6 +47,8 @@ def entries(args) -> list[EngineEntry]:
     """The checked entries of args.engine_policies ([] when not given); SystemExit naming the
     entry, what was expected and the fix."""
     text, w = getattr(args, "engine_policies", None), getattr(args, "engine_queries", None)
+    if text is not None and not text.strip():
+        text = None   # given empty: none (e.g. over a preset's entries)
     if text is None:
         if w is not None:
             raise SystemExit("--engine-queries sets the query ring of --engine-policies' "
@@ -72,6 +75,39 @@ def entries(args) -> list[EngineEntry]:
     return out
 
 
+def budget_list(args) -> list[int]:
+    """--budgets as numbers, the run's --budget first ([--budget] when not given); SystemExit
+    naming a bad entry."""
+    text = getattr(args, "budgets", None)
+    if text is None:
+        return [args.budget]
+    if not getattr(args, "in_engine", False):
+        raise SystemExit("--budgets runs the in_engine arm at each budget: it needs --in-engine")
+    try:
+        got = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--budgets {text!r}: expected comma-separated token counts, e.g. "
+                         "1024,1536,2048") from None
+    bad = [b for b in got if b <= args.every]
+    if bad:
+        raise SystemExit(f"--budgets {bad}: each budget must exceed --every {args.every} (a "
+                         "compaction keeps budget - every tokens)")
+    return [args.budget] + [b for b in dict.fromkeys(got) if b != args.budget]
+
+
+def main_policy(args) -> DropPolicy:
+    """--policy's object (the host and in_engine arms')."""
+    return make_policy(policy_key(args.policy))
+
+
+def queries_of(policy: DropPolicy, w: int | None = None) -> int:
+    """The device query ring a policy needs in an in-engine budget: W = `w`, else the
+    policy's own window (TOVA: 1), else DEFAULT_QUERIES; 0 for one that scores without."""
+    if not policy.needs_queries:
+        return 0
+    return w or getattr(policy, "window", None) or DEFAULT_QUERIES
+
+
 def _entry(entry: str, w: int | None, args) -> EngineEntry:
     name, sep, mod = entry.partition(":")
     if sep and mod != "head":
@@ -91,9 +127,8 @@ def _entry(entry: str, w: int | None, args) -> EngineEntry:
         raise SystemExit(f"--engine-policies entry {entry!r}: {who} scores by position alone "
                          f"and keeps the same tokens in every head; use {name!r}, or :head "
                          "with a policy that scores per head (keynorm, keydiff, snapkv, ...)")
-    queries = (w or getattr(policy, "window", None) or DEFAULT_QUERIES) \
-        if policy.needs_queries else 0
-    if queries > args.budget - args.every:
+    queries = queries_of(policy, w)
+    if queries > args.budget - args.every and not policy.queries_at_prefill:
         raise SystemExit(f"--engine-policies entry {entry!r}: its query ring of {queries} "
                          f"tokens stays resident, but a compaction keeps --budget {args.budget} "
                          f"- --every {args.every} = {args.budget - args.every}; lower "

@@ -1,6 +1,6 @@
 """The in-engine arm of `kvedit bench long --in-engine`: the same streams and budget as the
 host arm, but each stream sends one request and vLLM compacts its KV in place
-(`BatchedStream.run` given an EngineBudget), and the figures that compare the three arms.
+(`BatchedStream.run` given an EngineBudget).
 
 Where the in-engine figures come from:
 - decode throughput and tokens per engine step: as for the other arms (wall clock; vLLM's
@@ -80,15 +80,17 @@ def flush(vllm_url: str, model: str) -> None:
         r.read()
 
 
-def arm(ctx, completion, prompts, args, eng, policy, sampling, per_step, *,
-        progress: bool, budget: int | None = None, queries: int = 0) -> tuple[dict, object]:
-    """The in-engine arm on fresh streams: (result dict, the batch). `per_step(before,
-    after)` turns vLLM's counters around the arm into steps and tokens per step; `budget`:
-    the budget's tokens (default args.budget); `queries`: the device query ring's rows, for
-    a query-aware policy (kvedit.budget)."""
-    from kvedit.harness.experiment import block_size
+def arm(ctx, completion, prompts, args, eng, policy, *, progress: bool,
+        budget: int | None = None, queries: int = 0) -> dict:
+    """The in-engine arm on fresh streams: its figures and outputs (`outputs`); its streams
+    are released when it ends (kvedit.bench.long.arms.release). `budget`: the budget's tokens
+    (default args.budget); `queries`: the device query ring's rows of a query-aware policy,
+    or the prompt's last rows that rank it (PromptAnchored; kvedit.budget)."""
     import kvedit
-    from kvedit.harness.experiment import cpu_seconds
+    from kvedit.bench.long.arms import release
+    from kvedit.bench.long.full import InFlight
+    from kvedit.harness.experiment import block_size, cpu_seconds
+    from kvedit.harness.vocab import engine_steps, fixed_length
     from kvedit.harness.vocab import vllm_counters as counters
 
     salt = f"long-engine-{uuid.uuid4().hex[:8]}"
@@ -101,10 +103,8 @@ def arm(ctx, completion, prompts, args, eng, policy, sampling, per_step, *,
     budget = args.budget if budget is None else budget
     spec = kvedit.EngineBudget.from_policy(policy, budget, args.every, positions=args.positions,
                                            queries=queries)
-    from kvedit.bench.long_full import InFlight
-
     with InFlight(eng.vllm_url) as running:
-        batch.run(sampling(1), spec, sampling(args.max_tokens))
+        batch.run(fixed_length(1), spec, fixed_length(args.max_tokens))
     wall = time.perf_counter() - t0
     cpu = cpu_seconds(eng.pids) - cpu0
     after = counters(eng.vllm_url)
@@ -117,7 +117,7 @@ def arm(ctx, completion, prompts, args, eng, policy, sampling, per_step, *,
     total_blocks = after_stats.get("scheduler", {}).get("pool_total")
     out = {"budget": budget, "engine_budget": spec.to_dict(), "wall_s": wall, "cpu_s": cpu,
            "output_tokens": sum(len(s.output_token_ids) for s in batch),
-           **per_step(before, after),
+           **engine_steps(before, after),
            # compactions, stash copies and the per-step input shifts of compacted requests:
            # the workers' host time and (on a GPU) the device time of the same work are
            # one interval seen from two sides (the device runs the copies as the host
@@ -138,4 +138,6 @@ def arm(ctx, completion, prompts, args, eng, policy, sampling, per_step, *,
                                        for p in prompts) / len(prompts)
     out["leaked_blocks"] = round(usage * total_blocks) if usage is not None and total_blocks \
         else None
-    return out, batch
+    out["outputs"] = [list(s.output_token_ids) for s in batch]
+    out.update(release(ctx, batch))
+    return out

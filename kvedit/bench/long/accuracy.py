@@ -1,4 +1,4 @@
-"""The accuracy part of `kvedit bench long`: long-generation tasks (kvedit.harness.eval.longgen)
+"""The accuracy part of `kvedit bench long` (without KV pressure): long-generation tasks (kvedit.harness.eval.longgen)
 with and without a per-stream KV budget, on `kvedit eval`'s model (SmolLM2).
 
 Arms, each on fresh streams of the same samples (greedy, stopping at EOS or max_tokens):
@@ -178,3 +178,31 @@ def run(cfg: AccuracyConfig, model_dir: Path, log) -> dict:
             kvedit.close(ctx)
     return {"model": model_dir.name, "config": asdict(cfg), "arms": arms,
             "elapsed_s": time.perf_counter() - t0}
+
+
+def from_args(args, log) -> dict:
+    """The accuracy arms as the options ask, or why they did not run."""
+    if args.accuracy_model == "none":
+        return {"skipped": "--accuracy-model none"}
+    model_dir, why = cached_model(args.accuracy_model)
+    if model_dir is None:
+        log(f"accuracy: skipped ({why})")
+        return {"skipped": why}
+    default = "none,rounds,streaming,keynorm" + (
+        ",engine_streaming,engine_keynorm" if getattr(args, "in_engine", False) else "")
+    arms = tuple(x.strip() for x in (args.accuracy_arms or default).split(",") if x.strip())
+    bad = [x for x in arms if x not in ARMS]
+    if bad or not arms:
+        raise SystemExit(f"--accuracy-arms: unknown {bad}; expected some of {ARMS}")
+    from kvedit.harness.eval.longgen import TASKS
+
+    default_tasks = "count,recall" + (",restate" if "qwen" in args.accuracy_model else "")
+    tasks = tuple(x.strip() for x in (args.accuracy_tasks or default_tasks).split(",")
+                  if x.strip())
+    if not tasks or any(t not in TASKS for t in tasks):
+        raise SystemExit(f"--accuracy-tasks: got {tasks}; expected some of {TASKS}")
+    cfg = AccuracyConfig(samples=args.accuracy_samples, numbers=args.accuracy_numbers,
+                         every=args.accuracy_every, budget=args.accuracy_budget,
+                         chunk_size=args.chunk_size, arms=arms, seed=args.seed, tasks=tasks,
+                         note_tokens=args.accuracy_note_tokens)
+    return run(cfg, model_dir, log)
