@@ -153,3 +153,41 @@ def test_vllm_internals_are_written_and_called_in_hooks_only():
     assert sorted(h.split(":", 1)[1].strip() for h in vllm_internals_touched(planted)) == [
         "changes .deferred_frees", "uses ._preempt_request",
         "writes .skip_reading_prefix_cache"]
+
+
+def bench_room_breaches(path, source: str) -> list[str]:
+    """Where a module of a bench sub-room breaks its shape: over 500 lines, a function over
+    80, a private name of another kvedit module imported or reached through its module."""
+    import ast
+
+    tree = ast.parse(source)
+    out = [f"{path}: {len(source.splitlines())} lines"] if len(source.splitlines()) > 500 else []
+    modules = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                node.end_lineno - node.lineno >= 80:
+            out.append(f"{path}:{node.lineno}: {node.name} is {node.end_lineno - node.lineno + 1}"
+                       f" lines")
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvedit"):
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    out.append(f"{path}:{node.lineno}: imports {node.module}.{alias.name}")
+                modules.add(alias.asname or alias.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                node.value.id in modules and node.attr.startswith("_") and \
+                not node.attr.startswith("__"):
+            out.append(f"{path}:{node.lineno}: uses {node.value.id}.{node.attr}")
+    return out
+
+
+def test_the_bench_sub_rooms_keep_their_shape():
+    """Each family of `kvedit bench` with a folder of its own (soak/, long/): short files and
+    functions, and what one module shares with another is public."""
+    found = [hit for m, path in MODULES.items() if m.startswith("kvedit.bench.")
+             and m.count(".") == 3 for hit in bench_room_breaches(path, path.read_text())]
+    assert found == []
+    planted = "from kvedit.bench.soak.common import _x\nfrom kvedit.bench.soak import watch\n" \
+              "watch._Prober\n" + "def f():\n" + "    pass\n" * 80
+    assert sorted(h.split(": ", 1)[1] for h in bench_room_breaches("p", planted)) == [
+        "f is 81 lines", "imports kvedit.bench.soak.common._x", "uses watch._Prober"]

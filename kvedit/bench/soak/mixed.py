@@ -1,31 +1,9 @@
-"""`kvedit bench soak`: minutes or hours of mixed, hostile and unlucky load on a loopback server.
+"""`kvedit bench soak`'s mixed phase: one server on its made secret (and its L2 Redis), the
+client and attacker processes, the timeline of kills, stalls, restarts and idle periods, the
+RSS and queue sampler, then the leak check (the package docstring says what each does).
 
-Shared-memory and socket clients (separate processes, kvedit/bench/soak_procs.py) store,
-look up, retrieve and delete random keys of a working set larger than the pool (eviction
-pressure), checking every chunk they read against bytes derived from its key. Meanwhile, in
-every cycle of the run: clients SIGKILLed mid-store and mid-lease, a writer past its write
-TTL and a reader past its lease TTL, data-link GET and PUT transfers that stall half-way,
-oversized requests, a restart of the L2 Redis, and idle periods longer than the data link's
-idle timeout; one server restart early and, in runs of several cycles, one half-way. All run
-long: a client sending a small Hello every ~10 ms (the control loop's latency) and, at a low
-rate, the attacks of outside red-team runs: a lease flood of one key x the key limit, a
-session pinning all the pool it may, unfinished HTTP heads and churned connections beside
-/health probes and half-closed requests, records planted in the L2 Redis without the secret,
-a key watch re-subscribed and never read, a stranger holding data-link handshakes, a relay
-of /health to the server (kvedit/bench/soak_bounds.py: it must get no token), a model of
-thousands of objects unregistered again and again, sockets that never read their replies,
-and 8 sessions together leasing up to the leases' total; a connector-style key watch
-checks every miss it answers. The server runs with the secret it
-made itself (the default): its restarts reuse it, and every client finds it in the runtime
-directory. The server's RSS and its queues (L2 write-behind, key watches) are sampled
-throughout. After every client has stopped and the TTLs have passed, the server's /status
-must show no lease and, once the cache is deleted, no slot in use; its memory is measured
-once the L2 queue has drained. Then a scaling phase: the latency of a small request while
-/metrics (and /status, /cache pages) are scraped with 1M objects in the index (4 KiB chunks,
-lazy pool, never written), beside the same request with nobody scraping; the key-watch
-phase on that server (kvedit/bench/soak_watch.py); stores evicting 8,192 objects each from
-the full pool, and the Unregister of the million (kvedit/bench/soak_scale.py).
-Everything is bounded in time and count and stops every process it started.
+Why a module of its own: it owns every child process it starts (`Procs`: all of them are
+stopped whatever happens) and the one server instance whose leaks and memory are measured.
 """
 from __future__ import annotations
 
@@ -35,63 +13,31 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-from kvedit.bench.soak_scale import rss_mb, scaling_phase
-from kvedit.bench.soak_summary import ATTACKERS, CLIENT_TIMEOUT_S, pct, summarize, thin
+import httpx
 
-TARGETS = {"torn_reads": 0, "leaked_slots": 0, "leaked_leases": 0, "unexpected_errors": 0,
-           "hello_p99_ms": 50.0, "rss_growth_mb": 50.0, "scale_lookup_p99_ms": 50.0,
-           "watch_attack_rss_growth_mb": 64.0, "watch_attack_hello_p99_ms": 50.0,
-           "watched_delete_hello_max_ms": 50.0, "watch_loop_cpu_max_ms": 50.0,
-           "evicting_store_hello_max_ms": 50.0, "unregister_hello_max_ms": 50.0}
+from kvedit import auth
+from kvedit.bench.soak import attacks
+from kvedit.bench.soak import procs as clients
+from kvedit.bench.soak.common import LAYOUT
+from kvedit.bench.soak.restart import env_with_rundir, made_secret_server
+from kvedit.bench.soak.scale import rss_mb
+from kvedit.bench.soak.summary import ATTACKERS, CLIENT_TIMEOUT_S, pct, summarize, thin
+from kvedit.launch.redis import RedisProcess, redis_server_path
+
 CYCLE_S = 600.0         # a long run repeats the timeline of events every this many seconds
 DATA_IDLE_S = 10.0      # the soak server's --data-idle-timeout (idle periods outlast it),
                         # at most a twentieth of a cycle (short runs keep working)
 RSS_EVERY_S = 2.0
 
 
-def register(bsub) -> None:
-    p = bsub.add_parser("soak", help="minutes or hours of mixed, hostile load; leaks, torn "
-                                     "reads, latency, memory", description=__doc__.splitlines()[0])
-    p.add_argument("--minutes", type=float, default=3.0,
-                   help="length of the mixed phase (default 3; fractions are fine)")
-    p.add_argument("--hours", type=float, default=None,
-                   help="length of the mixed phase in hours (instead of --minutes)")
-    p.add_argument("--shm-clients", type=int, default=2)
-    p.add_argument("--socket-clients", type=int, default=2)
-    p.add_argument("--pool-mb", type=int, default=32,
-                   help="pool size (default 32 MiB: half the working set)")
-    p.add_argument("--keys", type=int, default=1024,
-                   help="working set in 64 KiB chunks (default 1024 = 64 MiB)")
-    p.add_argument("--ttl", type=float, default=2.0, help="lease and write TTL of the server")
-    p.add_argument("--no-l2", action="store_true",
-                   help="no L2 Redis (default: one, with --l2-mac, when redis-server exists)")
-    p.add_argument("--scale-objects", type=int, default=1_000_000,
-                   help="objects in the index for the scaling phase (0: skip it)")
-    p.add_argument("--scale-seconds", type=float, default=180.0,
-                   help="time budget to fill the index for the scaling phase")
-    p.add_argument("--no-watch-phase", dest="watch_phase", action="store_false",
-                   help="skip the key-watch phase on the scaling phase's server")
-    p.add_argument("--watch-objects", type=int, default=262_144,
-                   help="objects of the model 64 watches follow and DELETE /cache removes in "
-                        "the key-watch phase (default 262144)")
-    p.add_argument("--restart-vllm", action="store_true",
-                   help="instead: restart the server (default secret) under a running vLLM "
-                        "with the connector and an SDK client, and time their return "
-                        "(kvedit/bench/soak_restart.py; starts vLLM: a minute or two)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print only the JSON object")
-    p.set_defaults(func=run)
-
-
-class _Procs:
+class Procs:
     """Every child process started, so that all of them are stopped whatever happens.
 
-    A child imports, prints one "ready" line, then waits for its "go" line (see soak_procs)."""
+    A child imports, prints one "ready" line, then waits for its "go" line (common.py)."""
 
     def __init__(self, logdir: Path, base: dict, env: dict | None = None):
         self.logdir, self.base, self.env = logdir, base, env
@@ -163,15 +109,11 @@ class _Procs:
 
 
 def _module(role: str) -> str:
-    """The module whose `main` runs a child role."""
-    from kvedit.bench import soak_attacks, soak_bounds
-    for mod in (soak_attacks, soak_bounds):
-        if role in mod.ROLES:
-            return mod.__name__
-    return "kvedit.bench.soak_procs"
+    """The module whose `main` runs a child role: the attackers start without torch."""
+    return attacks.__name__ if role in attacks.ROLES else clients.__name__
 
 
-def _victim(procs: _Procs, p: subprocess.Popen, rng: random.Random, shm: bool, what: str,
+def _victim(procs: Procs, p: subprocess.Popen, rng: random.Random, shm: bool, what: str,
             deadline: float) -> str:
     """Let a ready victim take a lease or prepare a store, and SIGKILL it while it holds."""
     procs.go(p, shm=shm, what=what, seed=rng.randrange(1 << 30), deadline=deadline)
@@ -192,13 +134,13 @@ EVENTS = sorted([(0.30, "stall get"), (0.35, "oversized"), (0.45, "stall put"),
 IDLE_AT = (0.40, 0.75)   # workers pause for the data idle timeout + 1 s here, each cycle
 VICTIM_KINDS = [(True, "store"), (False, "store"), (True, "lease"), (False, "lease"),
                 (True, "storing"), (False, "storing")]   # (shared memory?, what it holds)
-class _MixedRun:
+
+
+class MixedRun:
     """The mixed phase: one server (and its L2 Redis), client processes, the timeline, the
     RSS sampler, then the leak check."""
 
     def __init__(self, args, rundir: Path, logdir: Path):
-        from kvedit.bench.soak_procs import LAYOUT
-        from kvedit.launch.redis import RedisProcess, redis_server_path
         self.args, self.ttl = args, args.ttl
         self.run_s = args.hours * 3600 if args.hours is not None else args.minutes * 60
         self.cycles = max(1, round(self.run_s / CYCLE_S))
@@ -212,7 +154,6 @@ class _MixedRun:
         t = str(args.ttl)
         l2 = ["--l2-url", self.redis.url, "--l2-mac"] if self.redis is not None else []
         # every process of the run finds the server's own secret in this runtime directory
-        from kvedit.bench.soak_restart import env_with_rundir, made_secret_server
         self.env = env_with_rundir(rundir)
         try:
             self.srv = made_secret_server(args.pool_mb / 1024, self.env, [
@@ -232,7 +173,7 @@ class _MixedRun:
         self.secret_file = str(rundir / "kvedit" / f"{self.srv.port}.secret")
         self.base = {"url": self.srv.url, "keys": args.keys, "ttl": args.ttl,
                      "timeout": CLIENT_TIMEOUT_S, "data_port": self.srv.data_port}
-        self.procs = _Procs(logdir, self.base, self.env)
+        self.procs = Procs(logdir, self.base, self.env)
         self.queues: list[list[float]] = []   # [t, L2 write-behind MiB, key-watch MiB]
         self.server_stops_s: list[float] = []   # how long each restart's stop took
         self.victims: list[str] = []
@@ -268,9 +209,6 @@ class _MixedRun:
                 self.redis.stop()
 
     def _sample_rss(self) -> None:
-        import httpx
-
-        from kvedit import auth
         while not self._sampling.wait(RSS_EVERY_S):
             t = round(time.time() - self.t0, 1)
             try:
@@ -372,9 +310,6 @@ class _MixedRun:
 
     def _check(self) -> dict:
         """Every client is gone: wait out the TTLs and the quarantine, then read /status."""
-        import httpx
-
-        from kvedit import auth
         headers = auth.bearer_header(auth.load_secret(None, self.secret_file))
         with httpx.Client(base_url=self.srv.http_url, headers=headers, timeout=30) as http:
             settle_end = time.monotonic() + 4 * self.ttl + 10
@@ -431,60 +366,10 @@ class _MixedRun:
 
 
 def mixed_phase(args, rundir: Path, logdir: Path) -> dict:
-    run = _MixedRun(args, rundir, logdir)
+    run = MixedRun(args, rundir, logdir)
     out = run.run()
     return out | {"server_exit_code": run.server_exit_code}
 
 
 def _quarantined(st: dict) -> bool:
     return any(v for k, v in st.get("counters", {}).items() if k.startswith("quarantine"))
-
-
-def measure(args) -> dict:
-    from kvedit import auth
-    with tempfile.TemporaryDirectory(prefix="kvedit-soak-") as tmp:
-        secret_file = str(Path(tmp) / "secret")   # the scaling phase's server
-        auth.generate_secret(secret_file)
-        rundir = Path(tmp) / "run"                # the mixed phase's server makes its own
-        rundir.mkdir(mode=0o700)
-        logdir = Path(tmp) / "logs"
-        logdir.mkdir()
-        t0 = time.time()
-        minutes = args.hours * 60 if args.hours is not None else args.minutes
-        res = {"minutes": minutes, "shm_clients": args.shm_clients,
-               "socket_clients": args.socket_clients, "pool_mb": args.pool_mb,
-               "working_set_mb": args.keys * 64 // 1024, "ttl_s": args.ttl}
-        res |= mixed_phase(args, rundir, logdir)
-        if args.scale_objects:
-            res["scaling"] = scaling_phase(args, secret_file)
-        res["wall_s"] = round(time.time() - t0, 1)
-    scale = res.get("scaling", {})
-    watch = scale.get("watch", {})
-    got = res | {"scale_lookup_p99_ms": res.get("scaling", {}).get("scale_lookup_p99_ms"),
-                 "watch_attack_rss_growth_mb": watch.get("attacker", {}).get(
-                     "rss_peak_growth_mb"),
-                 "watch_attack_hello_p99_ms": watch.get("attacker", {}).get(
-                     "hello_beside_attacker", {}).get("p99_ms"),
-                 "watched_delete_hello_max_ms": watch.get("delete", {}).get(
-                     "hello_during_delete", {}).get("max_ms"),
-                 "watch_loop_cpu_max_ms": max((v for k, v in watch.get("loop_cpu", {}).items()
-                                               if k.endswith("_ms")), default=None),
-                 "evicting_store_hello_max_ms": scale.get("evicting_stores", {}).get(
-                     "hello_during", {}).get("max_ms"),
-                 "unregister_hello_max_ms": scale.get("unregister", {}).get(
-                     "hello_during", {}).get("max_ms")}
-    res["targets"] = TARGETS
-    res["targets_not_measured"] = [k for k in TARGETS if got.get(k) is None]
-    res["targets_missed"] = [k for k, v in TARGETS.items()
-                             if got.get(k) is not None and got[k] > v]
-    return res
-
-
-def run(args) -> int:
-    if args.restart_vllm:
-        from kvedit.bench.soak_restart import restart_under_vllm
-        res = restart_under_vllm()
-    else:
-        res = measure(args)
-    print(json.dumps(res) if args.json else json.dumps(res, indent=2))
-    return 0

@@ -1,8 +1,8 @@
-"""`kvedit bench soak`: what its clients' results add up to (kvedit/bench/soak.py runs them).
+"""`kvedit bench soak`: what its clients' results add up to (mixed.py runs them).
 
 Every worker and laggard counts its operations, the chunks it checked byte for byte, torn
 reads and errors; every attacker counts what it was answered. Here they are summed, and an
-error is *unexpected* unless the role may get it (EXPECTED in soak_procs for clients,
+error is *unexpected* unless the role may get it (EXPECTED in common.py for clients,
 ATTACK_OK for attackers, each of which must also meet its ATTACK_MUST at least once) or it
 came during a server restart (a restart, and calls sent up to CLIENT_TIMEOUT_S before it).
 """

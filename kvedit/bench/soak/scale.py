@@ -4,7 +4,7 @@ The index is filled with up to --scale-objects 4 KiB objects (prepared and commi
 written: a lazy pool then costs no memory). Then, a Hello or a one-key lookup measuring the
 loop throughout (a request waits behind whatever the loop is doing):
 - lookups with nobody scraping, and while /metrics, /status and /cache pages are scraped;
-- the key-watch phase on that server (kvedit/bench/soak_watch.py);
+- the key-watch phase on that server (watch.py);
 - stores of 8,192 new keys into a full pool, each evicting as many objects;
 - the Unregister of the million-object model (answered at once, deleted in slices).
 """
@@ -14,7 +14,17 @@ import threading
 import time
 from pathlib import Path
 
-from kvedit.bench.soak_summary import pct
+import httpx
+
+from kvedit import auth
+from kvedit import protocol as P
+from kvedit.bench.soak import watch
+from kvedit.bench.soak.common import RawPeer
+from kvedit.bench.soak.summary import pct
+from kvedit.bench.soak.watch import Prober, hello_stats
+from kvedit.client import KVClient
+from kvedit.launch.server import start_server
+from kvedit.layout import ModelLayout
 
 TINY_KEYS = 8192   # keys of one store here: --max-keys-per-request's default
 
@@ -40,17 +50,11 @@ def scaling_phase(args, secret_file: str) -> dict:
     scraping (5 s), and while /metrics, /status and /cache pages are scraped back to back;
     then the key-watch phase, evicting stores into a full pool, and the Unregister of it
     all."""
-    from kvedit import auth
-    from kvedit.client import KVClient
-    from kvedit.layout import ModelLayout
-    from kvedit.launch.server import start_server
-
     tiny = ModelLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16",
                        chunk_size=256)          # 2 x 1 x 256 x 4 x 2 bytes = 4 KiB
     n = args.scale_objects
     pool_gb = (n * tiny.chunk_bytes * 1.02 + (64 << 20)) / 2**30
     out: dict = {"objects_asked": n, "chunk_bytes": tiny.chunk_bytes}
-    from kvedit.bench import soak_watch
     pool_gb += (args.watch_objects + 10 * 8192) * tiny.chunk_bytes * 1.02 / 2**30
     with start_server(pool_gb, lazy=True, extra_args=["--secret-file", secret_file]) as srv, \
             KVClient(srv.url, secret_file=secret_file, timeout=120) as c:
@@ -79,7 +83,6 @@ def _keys(start: int, n: int, tag: bytes) -> list[bytes]:
 def _evicting_stores(srv, c, secret: bytes | None, tiny, stores: int = 10) -> dict:
     """What is left of the pool filled by a model of its own; then stores of 8,192 new keys,
     each evicting as many (it is parked while the loop evicts a slice at a time)."""
-    from kvedit.bench.soak_watch import _Prober, _stats
     c.register("fill", tiny)
     t0, n = time.monotonic(), 0
     while c.stats()["pool_free"] >= TINY_KEYS * tiny.chunk_bytes and \
@@ -87,7 +90,7 @@ def _evicting_stores(srv, c, secret: bytes | None, tiny, stores: int = 10) -> di
         c.prepare_store("fill", _keys(n, TINY_KEYS, b"f")).commit()
         n += TINY_KEYS
     before = c.stats()["evictions"]
-    with _Prober(srv.url, secret) as probe:
+    with Prober(srv.url, secret) as probe:
         time.sleep(3)
         t_idle = time.monotonic()
         for i in range(stores):
@@ -96,23 +99,20 @@ def _evicting_stores(srv, c, secret: bytes | None, tiny, stores: int = 10) -> di
         time.sleep(0.5)
     return {"filled": n, "stores": stores, "keys_each": TINY_KEYS,
             "evictions": c.stats()["evictions"] - before, "seconds": round(t_end - t_idle, 2),
-            "hello_idle": _stats(probe.between(t_idle - 3, t_idle)),
-            "hello_during": _stats(probe.between(t_idle, t_end + 0.1))}
+            "hello_idle": hello_stats(probe.between(t_idle - 3, t_idle)),
+            "hello_during": hello_stats(probe.between(t_idle, t_end + 0.1))}
 
 
 def _unregister(srv, c, secret: bytes | None, model: str = "scale") -> dict:
     """Unregister the model of a million objects: answered at once, its objects deleted a
     slice at a time, the loop probed throughout."""
-    from kvedit import protocol as P
-    from kvedit.bench.soak_procs import RawPeer
-    from kvedit.bench.soak_watch import _Prober, _stats
     peer = RawPeer({"url": srv.url})
     if secret is not None and peer.secret is None:
         peer.secret = secret
         peer.reset()
     ready = c.stats()["ready"]
     try:
-        with _Prober(srv.url, secret) as probe:
+        with Prober(srv.url, secret) as probe:
             time.sleep(3)
             t0 = time.monotonic()
             r = peer.call(P.Unregister(model=model), 60.0)
@@ -126,35 +126,25 @@ def _unregister(srv, c, secret: bytes | None, model: str = "scale") -> dict:
         peer.close()
     return {"objects": n, "reply": type(r).__name__ if r is not None else None,
             "reply_ms": round((t_reply - t0) * 1e3, 2), "deleted_s": round(t_gone - t0, 2),
-            "hello_idle": _stats(probe.between(t0 - 3, t0)),
-            "hello_during": _stats(probe.between(t0, t_gone + 0.1))}
+            "hello_idle": hello_stats(probe.between(t0 - 3, t0)),
+            "hello_during": hello_stats(probe.between(t0, t_gone + 0.1))}
 
 
 def _watch_phase(srv, client, secret_file: str, objects: int) -> dict:
-    import httpx
-
-    from kvedit import auth
-    from kvedit.bench import soak_watch
     secret = auth.load_secret(None, secret_file)
 
     def rss() -> float:
         return rss_mb(srv.pid)
 
-    out = {"attacker": soak_watch.watch_attack(srv, rss, secret, "scale")}
+    out = {"attacker": watch.watch_attack(srv, rss, secret, "scale")}
     with httpx.Client(base_url=srv.http_url, headers=auth.bearer_header(secret),
                       timeout=600) as http:
-        out["delete"] = soak_watch.watched_delete(srv, client, secret, rss, http, objects)
-    out["loop_cpu"] = soak_watch.loop_costs(objects)   # load-proof: thread CPU time
+        out["delete"] = watch.watched_delete(srv, client, secret, rss, http, objects)
+    out["loop_cpu"] = watch.loop_costs(objects)   # load-proof: thread CPU time
     return out
 
 
 def _probe(srv, secret_file: str, idle_s: float = 5.0, busy_s: float = 10.0) -> dict:
-    import httpx
-
-    from kvedit import auth
-    from kvedit import protocol as P
-    from kvedit.bench.soak_procs import RawPeer
-
     headers = auth.bearer_header(auth.load_secret(None, secret_file))
     http = httpx.Client(base_url=srv.http_url, headers=headers, timeout=60)
     ready = http.get("/status").json()["objects"]["ready"]
