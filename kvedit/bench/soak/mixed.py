@@ -27,11 +27,13 @@ from kvedit.bench.soak.restart import env_with_rundir, made_secret_server
 from kvedit.bench.soak.scale import rss_mb
 from kvedit.bench.soak.summary import ATTACKERS, CLIENT_TIMEOUT_S, pct, summarize, thin
 from kvedit.launch.redis import RedisProcess, redis_server_path
+from kvedit.server.config import ServerConfig
 
 CYCLE_S = 600.0         # a long run repeats the timeline of events every this many seconds
 DATA_IDLE_S = 10.0      # the soak server's --data-idle-timeout (idle periods outlast it),
                         # at most a twentieth of a cycle (short runs keep working)
 RSS_EVERY_S = 2.0
+POOL_SHARE = ServerConfig(l1_size_gb=1).max_client_pool_fraction   # the soak keeps the default
 
 
 class Procs:
@@ -147,6 +149,9 @@ class MixedRun:
         self.data_idle = round(min(DATA_IDLE_S, self.run_s / self.cycles / 20), 2)
         self.rng = random.Random(args.seed)
         self.pool_chunks = (args.pool_mb << 20) // LAYOUT.chunk_bytes
+        # a stalled GET outgrows the kernel's buffers (tcp_wmem up to 4 MiB) but stays within
+        # what one session may pin of the pool (else its store is refused, over_quota)
+        self.stall_chunks = min(192, int(self.pool_chunks * POOL_SHARE))
         self.chunk_bytes = LAYOUT.chunk_bytes
         self.redis = None
         if not args.no_l2 and redis_server_path() is not None:
@@ -265,7 +270,7 @@ class MixedRun:
                 self._one_shot("stall", what=what.split()[1], stall_seconds=8.0,
                                data_port=self.srv.data_port,
                                seed=self.rng.randrange(1 << 30),
-                               stall_chunks=min(192, self.pool_chunks * 3 // 4))
+                               stall_chunks=self.stall_chunks)
             elif what == "oversized":
                 self._one_shot("oversized")
             elif what == "redis restart" and self.redis is not None:
