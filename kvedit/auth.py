@@ -11,10 +11,12 @@ One secret (a token of printable ASCII, at least 16 characters) authenticates ev
   port without the secret gets nothing it could replay: the client hangs up before sending
   a MAC, and a MAC it relays to the real server is bound to nonces and a port it cannot
   reuse.
-- HTTP: `Authorization: Bearer <secret>` on the endpoints that list, read or change data.
-  A client that must know it talks to the real server first asks /health to prove it knows
-  the secret (`http_proof`: an HMAC over the client's challenge); kvedit's own clients send
-  the bearer only after that, on the same connection.
+- HTTP: `Authorization: Bearer <token>` on the endpoints that list, read or change data,
+  where the token is derived from the secret for HTTP alone (`http_token`): the secret
+  never crosses HTTP. A client first asks /health to prove it knows the secret and answers
+  on the endpoint the client connected to (`http_proof`: an HMAC over the client's
+  challenge and that address and port), and sends the token only after that, on the same
+  connection (kvedit.client.http_proof).
 Without a secret the ZMQ sockets use the NULL mechanism and the handshake still carries the
 session id (unchecked), so holder checks work the same on a loopback-only server. A client
 that has a secret refuses a server that cannot prove it has the same one.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import secrets as _secrets
@@ -44,7 +47,8 @@ __all__ = ["AuthError", "SECRET_ENV", "SECRET_FILE_ENV", "NONCE_BYTES", "SESSION
            "l2_mac_key", "curve_keys", "curve_server",
            "start_authenticator", "curve_client", "server_handshake", "client_handshake",
            "link_mac", "http_authorized", "bearer_header", "http_challenge", "http_proof",
-           "check_http_proof", "CHALLENGE_HEADER", "PROOF_HEADER"]
+           "check_http_proof", "http_token", "sent_raw_secret", "endpoint", "HTTP_AUTH",
+           "CHALLENGE_HEADER", "PROOF_HEADER", "AUTH_HEADER", "ENDPOINT_HEADER"]
 log = logging.getLogger("kvedit.auth")
 
 SECRET_ENV = "KVEDIT_SECRET"            # the secret itself
@@ -56,7 +60,10 @@ _SERVER_PERSON, _CLIENT_PERSON = b"kvedit-zmq-srv", b"kvedit-zmq-cli"
 _L2_PERSON = b"kvedit-l2-mac"
 _LINK_SERVER, _LINK_CLIENT = b"kvedit-link-server", b"kvedit-link-client"
 _HTTP_SERVER = b"kvedit-http-server"
+_HTTP_TOKEN_PERSON, _HTTP_PROOF_PERSON = b"kvedit-http-tok", b"kvedit-http-prf"
 CHALLENGE_HEADER, PROOF_HEADER = "X-Kvedit-Challenge", "X-Kvedit-Proof"
+# /health also says which HTTP auth it speaks and the endpoint its proof names
+AUTH_HEADER, ENDPOINT_HEADER = "X-Kvedit-Auth", "X-Kvedit-Endpoint"
 
 
 class AuthError(Exception):
@@ -298,25 +305,52 @@ def client_handshake(conn: socket.socket, secret: bytes | None, session: bytes) 
 
 
 # ---- HTTP --------------------------------------------------------------------------------
+# HTTP carries neither the secret nor anything a listener could take to another door: the
+# bearer token is a key derived from the secret for HTTP alone (`http_token`), and a client
+# sends it only after /health proved, on the same connection, that the server knows the
+# secret and answers on the very address and port the client connected to (`http_proof`
+# covers that endpoint). So a process squatting a port (a stopped server's, or [::1] where
+# the real server listens on 127.0.0.1) that relays the challenge to a real server gets a
+# proof for the wrong endpoint, and the client hangs up having sent nothing.
+HTTP_AUTH = 2   # 1: the raw secret as bearer, proofs not bound to an endpoint; 2: this
+
+
+def http_token(secret: bytes) -> str:
+    """The HTTP bearer token of `secret` (64 hex digits): good for HTTP only; neither the
+    secret nor the ZMQ, data-link or L2 keys can be computed from it."""
+    return _derive(secret, _HTTP_TOKEN_PERSON).hex()
+
+
 def http_authorized(authorization_header: str | None, secret: bytes | None) -> bool:
-    """True when no secret is set, or the header is `Bearer <secret>` (constant-time compare)."""
+    """True when no secret is set, or the header is `Bearer <http_token(secret)>`
+    (constant-time compare)."""
     if secret is None:
         return True
-    if not authorization_header:
-        return False
-    scheme, _, token = authorization_header.strip().partition(" ")
+    token = _bearer(authorization_header)
+    return token is not None and hmac.compare_digest(token, http_token(secret).encode())
+
+
+def sent_raw_secret(authorization_header: str | None, secret: bytes | None) -> bool:
+    """Whether the bearer token is the secret itself (a client from before HTTP_AUTH 2): it
+    is refused, and told so."""
+    token = _bearer(authorization_header)
+    return secret is not None and token is not None and hmac.compare_digest(token, secret)
+
+
+def _bearer(header: str | None) -> bytes | None:
+    scheme, _, token = (header or "").strip().partition(" ")
     if scheme.lower() != "bearer":
-        return False
+        return None
     try:
-        given = token.strip().encode("ascii")
+        return token.strip().encode("ascii")
     except UnicodeEncodeError:
-        return False
-    return hmac.compare_digest(given, secret)
+        return None
 
 
 def bearer_header(secret: bytes | None) -> dict[str, str]:
-    """The HTTP header a client sends (empty without a secret)."""
-    return {} if secret is None else {"Authorization": f"Bearer {secret.decode('ascii')}"}
+    """The HTTP header a client sends (empty without a secret): the derived token, never the
+    secret. Send it only to a server that proved itself (kvedit.client.http_proof)."""
+    return {} if secret is None else {"Authorization": f"Bearer {http_token(secret)}"}
 
 
 def http_challenge() -> str:
@@ -324,19 +358,36 @@ def http_challenge() -> str:
     return _secrets.token_hex(NONCE_BYTES)
 
 
-def http_proof(secret: bytes | None, challenge: str | None) -> str | None:
-    """The server's answer to a /health challenge (PROOF_HEADER): HMAC of the challenge with
-    the secret; None without a secret or a well-formed challenge (16-128 hex digits)."""
+def endpoint(addr) -> str:
+    """The endpoint of a socket address (a socket's getsockname/getpeername) as both sides
+    name it: "127.0.0.1:8080", "[::1]:8080"; an IPv4-mapped IPv6 address as IPv4."""
+    host, port = addr[0], int(addr[1])
+    try:
+        ip = ipaddress.ip_address(str(host).split("%")[0])
+    except ValueError:
+        return f"{host}:{port}"
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return f"[{ip.compressed}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def http_proof(secret: bytes | None, challenge: str | None, where: str) -> str | None:
+    """The server's answer to a /health challenge (PROOF_HEADER): an HMAC, keyed by a key
+    derived from the secret, of the challenge and the endpoint `where` the server answers
+    on (`endpoint` of its socket's own address); None without a secret or a well-formed
+    challenge (16-128 hex digits)."""
     if secret is None or not challenge or not 16 <= len(challenge) <= 128:
         return None
     try:
         raw = bytes.fromhex(challenge)
     except ValueError:
         return None
-    return hmac.new(secret, _HTTP_SERVER + raw, hashlib.sha256).hexdigest()
+    return hmac.new(_derive(secret, _HTTP_PROOF_PERSON), _HTTP_SERVER + raw + where.encode(),
+                    hashlib.sha256).hexdigest()
 
 
-def check_http_proof(secret: bytes, challenge: str, proof: str | None) -> bool:
-    """Whether `proof` (the PROOF_HEADER of /health's answer) shows the server knows `secret`."""
-    want = http_proof(secret, challenge)
+def check_http_proof(secret: bytes, challenge: str, proof: str | None, where: str) -> bool:
+    """Whether `proof` (the PROOF_HEADER of /health's answer) shows that a server knowing
+    `secret` answered on endpoint `where` (the client's socket's peer address)."""
+    want = http_proof(secret, challenge, where)
     return proof is not None and want is not None and hmac.compare_digest(proof.strip(), want)

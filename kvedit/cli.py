@@ -13,6 +13,7 @@ import sys
 
 COMMAND_MODULES = [
     "kvedit.server.cli",   # kvedit server
+    "kvedit.token_cli",    # kvedit http-token
     "kvedit.harness.cli",  # kvedit vllm serve, kvedit tiny-model, kvedit model
     "kvedit.bench.cli",    # kvedit bench transfer|connector|modify|dropping
     "kvedit.harness.demo", # kvedit demo

@@ -151,6 +151,30 @@ def lookup(url: str) -> tuple[bytes, Path] | None:
     return data, path
 
 
+def secrets_here(limit: int = 64) -> list[bytes]:
+    """The secrets of this user's servers left here (newest first, at most `limit`): an HTTP
+    client that knows only a server's HTTP URL finds which one it is by the server's proof
+    (kvedit.client.http_proof), sending nothing derived from any."""
+    found = []
+    for d in candidates():
+        if not _private(d):
+            continue
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                if e.name.endswith(SUFFIX) and e.is_file(follow_symlinks=False) and \
+                        e.stat(follow_symlinks=False).st_uid == os.getuid():
+                    found.append((e.stat(follow_symlinks=False).st_mtime_ns,
+                                  Path(e.path).read_bytes().strip()))
+            except OSError:
+                continue
+    found.sort(reverse=True)
+    return list(dict.fromkeys(data for _, data in found if data))[:limit]
+
+
 # ---- internals -----------------------------------------------------------------------------
 def _why_not_private(d: Path) -> str:
     """What is wrong with runtime directory `d` and what to do: named owner and mode."""
@@ -194,6 +218,11 @@ def _host_port(url: str) -> tuple[str, int | None]:
     if not sep or not port.isdigit():
         return rest, None
     return host.strip("[]"), int(port)
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` (a name or an address) is this machine's loopback."""
+    return _is_loopback(host)
 
 
 def _is_loopback(host: str) -> bool:

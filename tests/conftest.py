@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pytest
 
+import kvedit.launch.server
+
 pytest_plugins = ["tests.fixtures_server", "tests.fixtures_vllm"]
+
+# start_server() makes a private secret by default; most of the suite speaks the raw protocol
+# (bare DEALERs, HTTP without a token) to servers open to this user. Tests of the secure
+# paths give a secret, or insecure=False (tests/server/test_launch_secure.py).
+kvedit.launch.server.OPEN_BY_DEFAULT = True
 
 _HERE = Path(__file__).resolve().parent
 _FOLDER_MARKS = {"engine": ("vllm",), "model": ("vllm",), "gpu": ("gpu", "vllm")}

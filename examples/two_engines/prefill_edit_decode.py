@@ -37,6 +37,8 @@ import json
 import random
 
 import kvedit
+from kvedit import auth
+from kvedit.client.http_proof import found
 from kvedit.edits import DropMiddle
 from kvedit.harness.tiny_model import default_tiny_model
 from kvedit.launch.vllm import start_vllm
@@ -49,9 +51,18 @@ SERVED = "tiny-qwen3"
 
 
 def _status(server) -> dict:
-    import urllib.request
-    with urllib.request.urlopen(server.http_url + "/status", timeout=10) as r:
-        return json.load(r)
+    """The server's GET /status, with the bearer token sent only once it proved its secret
+    (kvedit.client.http_proof: a loopback server of this user is recognised by its proof)."""
+    conn, _, key = found(server.http_url, timeout=10)
+    try:
+        conn.request("GET", "/status", headers=auth.bearer_header(key))
+        r = conn.getresponse()
+        body = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"GET {server.http_url}/status answered {r.status}: {body[:200]!r}")
+        return json.loads(body)
+    finally:
+        conn.close()
 
 
 def _streams(ctx, post, prompts, salt: str) -> kvedit.BatchedStream:

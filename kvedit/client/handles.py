@@ -145,6 +145,18 @@ class Retrieved:
     def __len__(self) -> int:
         return len(self.tensors)
 
+    def spread(self, asked: list[bytes], keys: list[bytes]) -> Retrieved:
+        """This lease of `asked` (each key once) as the answer to `keys` (with repeats): a
+        repeated key gets its first chunk again, up to the first key not leased. A data-link
+        lease ends at its first repeated key (a GET sends each chunk once), so the client asks
+        for each once and both transports answer a retrieve alike."""
+        where = {k: i for i, k in enumerate(asked)}
+        n = next((j for j, k in enumerate(keys) if where[k] >= len(self.tensors)), len(keys))
+        self.tensors = [self.tensors[where[k]] for k in keys[:n]]
+        if self.offsets is not None:
+            self.offsets = [self.offsets[where[k]] for k in keys[:n]]
+        return self
+
     def expired(self) -> bool:
         """Has the lease (client-side estimate, with a margin) run out?"""
         return self.deadline is not None and time.monotonic() >= self.deadline

@@ -380,6 +380,9 @@ class KVClient:
     def _retrieve(self, model: str, keys: list[bytes], tp_rank: int,
                   kind: P.ObjectKind) -> Retrieved:
         transport = self._transport
+        if transport.with_data and len(set(keys)) < len(keys):   # a GET sends a chunk once
+            first = list(dict.fromkeys(keys))
+            return self._retrieve(model, first, tp_rank, kind).spread(first, list(keys))
         msg = P.Retrieve(model=model, keys=list(keys), tp_rank=tp_rank,
                          with_data=transport.with_data, kind=kind)
         t0 = time.monotonic()  # the server's lease TTL starts later: a conservative deadline

@@ -7,17 +7,18 @@ of a prefill-edit-decode hand-off, call `wait_l2_written(A's http_url)`: it retu
 write-behind queue is empty and nothing is being sent, which holds every commit made before
 the call (a write dropped at the queue bound or skipped because L1 evicted it first is
 counted in the returned `l2` object, not waited for).
-The bearer token goes only to a server that first proved, on the same connection, that it
-knows the secret (kvedit.auth.http_proof): a process squatting the port gets none.
+The bearer token (derived from the secret for HTTP only) goes only to a server that first
+proved, on the same connection, that it knows the secret and answers on the endpoint this
+client reached (kvedit.client.http_proof): a process squatting the port, or relaying
+another server's proof, gets none.
 """
 from __future__ import annotations
 
-import http.client
 import json
 import time
-from urllib.parse import urlsplit
 
 from kvedit import auth
+from kvedit.client.http_proof import NotProven, found, proven
 
 
 class L2NotWritten(TimeoutError):
@@ -28,10 +29,18 @@ def wait_l2_written(http_url: str, timeout: float = 60.0, secret: str | None = N
                     poll: float = 0.01) -> dict:
     """Block until the server at `http_url` has written its queued chunks to L2 -> its
     /status "l2" object. Raises L2NotWritten (with that object) after `timeout` seconds and
-    ValueError when the server runs without --l2-url."""
+    ValueError when the server runs without --l2-url. Without `secret`, a loopback server
+    that made its own (kvedit.rundir) is recognised by its proof."""
     deadline = time.monotonic() + timeout
-    conn = _proven(http_url, secret)
-    headers = auth.bearer_header(secret.encode()) if secret else {}
+    key = secret.encode() if secret else None
+    try:
+        if key is not None:
+            conn, _ = proven(http_url, key, timeout=10)
+        else:   # a loopback server of this user: its secret is found by its proof
+            conn, _, key = found(http_url, timeout=10)
+    except NotProven as e:
+        raise ValueError(f"{e}: not sending it a bearer token") from None
+    headers = auth.bearer_header(key)
     try:
         while True:
             conn.request("GET", "/status", headers=headers)
@@ -45,23 +54,6 @@ def wait_l2_written(http_url: str, timeout: float = 60.0, secret: str | None = N
             time.sleep(poll)   # a background thread drains the queue; nothing to be woken by
     finally:
         conn.close()
-
-
-def _proven(http_url: str, secret: str | None) -> http.client.HTTPConnection:
-    """A connection to the server on which (with a secret) /health proved it knows it."""
-    u = urlsplit(http_url)
-    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=10)
-    if secret:
-        challenge = auth.http_challenge()
-        conn.request("GET", "/health", headers={auth.CHALLENGE_HEADER: challenge})
-        r = conn.getresponse()
-        r.read()
-        if not auth.check_http_proof(secret.encode(), challenge,
-                                     r.getheader(auth.PROOF_HEADER)):
-            conn.close()
-            raise ValueError(f"{http_url} cannot prove it knows the kvedit secret (no or a "
-                             f"wrong {auth.PROOF_HEADER}): not sending it a bearer token")
-    return conn
 
 
 def _l2_status(http_url: str, st: dict, deadline: float, timeout: float) -> dict | None:

@@ -25,12 +25,11 @@ import warnings
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import torch
 
-from kvedit.auth import (CHALLENGE_HEADER, PROOF_HEADER, AuthError, SecretSource,
-                         check_http_proof, http_challenge)
+from kvedit.auth import AuthError, SecretSource
 from kvedit.client import KVClient, KVError
+from kvedit.client.http_proof import NotProven, proven
 from kvedit.keys import namespace, query_key, request_keys
 from kvedit.layout import ModelLayout
 from kvedit.sdk import glibc_tuning
@@ -285,22 +284,19 @@ def connect(url: str = "tcp://127.0.0.1:6555", http_url: str | None = None,
 
 
 def _check_health(http_url: str, key: bytes | None, timeout: float) -> None:
-    """/health answers, and (with a secret) proves it knows the secret: a process squatting
-    the HTTP port while the server restarts is refused (it gets no token either way)."""
-    challenge = http_challenge()
+    """/health answers, and (with a secret) proves it knows the secret on the endpoint this
+    process reached (kvedit.client.http_proof): a process squatting the HTTP port while the
+    server restarts, or relaying another server's proof, is refused (it gets no token
+    either way: the SDK sends none)."""
     try:
-        r = httpx.get(f"{http_url.rstrip('/')}/health", headers={CHALLENGE_HEADER: challenge},
-                      timeout=timeout)
-        r.raise_for_status()
-    except httpx.HTTPError as e:
+        conn, _ = proven(http_url, key, timeout=timeout)
+    except NotProven as e:
+        raise ConnectError(str(e)) from None
+    except (OSError, ValueError) as e:
         raise ConnectError(f"the kvedit server's HTTP endpoint {http_url} does not answer "
                            f"/health ({type(e).__name__}: {e}); is `kvedit server` running "
                            f"with that --http-port?") from None
-    if key is not None and not check_http_proof(key, challenge, r.headers.get(PROOF_HEADER)):
-        raise ConnectError(f"{http_url} answers /health but cannot prove it knows the kvedit "
-                           f"secret this client uses (no or a wrong {PROOF_HEADER}): it is "
-                           f"not this kvedit server (another process on the port, or a server "
-                           f"with another secret or none)")
+    conn.close()
 
 
 def _tensor_parallel(client, model: str, layout: ModelLayout, total_kv_heads: int | None,

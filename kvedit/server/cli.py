@@ -53,6 +53,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds the slots of an expired lease/store stay unused while their "
                         "late holder may still touch them (default 0 = 4 x the longer TTL)")
     g = p.add_argument_group("limits (every resource a client can make the server hold)")
+    _add_limits(g)
+    _add_deadlines(g)
+    add_l2_arguments(p)
+    p.add_argument("--exit-with-fd", type=int, default=None, metavar="FD",
+                   help="stop when this inherited file descriptor (the read end of a pipe whose "
+                        "write end only the launcher holds) reaches its end: the server dies "
+                        "with its launcher, whichever thread started it (kvedit.launch)")
+    a = p.add_argument_group("authentication (one shared secret for ZMQ, data link and HTTP)")
+    a.add_argument("--secret-file", default=None,
+                   help="file holding the shared secret (else $KVEDIT_SECRET, then "
+                        "$KVEDIT_SECRET_FILE, else one made at start, see --insecure); with a "
+                        "secret ZMQ uses CurveZMQ, the data link an HMAC handshake and HTTP a "
+                        "bearer token")
+    a.add_argument("--gen-secret", metavar="PATH", default=None,
+                   help="write a new random secret to PATH (mode 0600, must not exist), print "
+                        "the path and use it")
+    a.add_argument("--insecure", action="store_true",
+                   help="run without a secret: anyone who reaches the ports (any local user, "
+                        "or anyone on the network with a non-loopback --host) can read, "
+                        "change and delete every tenant's KV. Without --insecure and without "
+                        "a secret the server makes one at start and writes it (mode 0600) to "
+                        "$XDG_RUNTIME_DIR/kvedit/PORT.secret or /tmp/kvedit-UID/PORT.secret, "
+                        "where clients of the same user find it")
+
+
+def _add_limits(g) -> None:
+    """The bounds of what a client can make the server hold (counts, bytes, shares)."""
     for name, hlp in (
             ("max_models", "registered (model, tp_rank) layouts"),
             ("max_model_name", "bytes of a model name"),
@@ -70,6 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             ("max_handshakes_per_peer", "data-link connections in handshake of one peer (a "
                                         "local user by uid, a remote address; not the "
                                         "server's own user)"),
+            ("max_zmq_conns_per_peer", "ZMQ connections of one peer (a local user by uid, a "
+                                       "remote address); beyond, a new one is shut at once"),
             ("max_watches", "key watches of all clients"),
             ("max_watches_per_client", "key watches of one client session"),
             ("max_query_bytes", "bytes of the largest captured-queries object (a store of a "
@@ -98,12 +127,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{_D.max_client_pool_fraction})")
     g.add_argument("--max-client-total-share", type=float, default=_D.max_client_total_share,
                    help=f"fraction of each total cap (--max-leases-total, --max-stores-total, "
-                        f"--max-leased-keys-total) one client session may hold, whatever its "
-                        f"per-client cap says (default {_D.max_client_total_share})")
+                        f"--max-leased-keys-total, --watch-queue-total-mb) one client session "
+                        f"may hold, whatever its per-client cap says (default "
+                        f"{_D.max_client_total_share})")
+    g.add_argument("--quota-reserve", type=float, default=_D.quota_reserve,
+                   help=f"fraction of each total cap and of the pool kept for client sessions "
+                        f"that hold little: past it a session is admitted only while it holds "
+                        f"at most --max-client-total-share of the reserve, so a few sessions "
+                        f"cannot take a total from the rest (default {_D.quota_reserve}; 0: "
+                        f"none)")
     g.add_argument("--fence-gone-sessions", action="store_true",
                    help="quarantine the slots of an expired store/lease even when its client "
                         "session had already disconnected (default: freed at expiry; see "
                         "docs/protocol.md, the fence)")
+
+
+def _add_deadlines(g) -> None:
+    """Deadlines (seconds) and the byte and rate bounds of the key watches and replies."""
     for name, hlp in (
             ("max_wait_seconds", "longest Lookup wait_timeout"),
             ("data_idle_timeout", "data link: close a connection idle this long between "
@@ -117,34 +157,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             ("watch_ttl", "key watch: end one not renewed this long, or whose client left "
                           "what it was sent unacknowledged this long (then its connection "
                           "is cut)"),
-            ("watch_queue_mb", "key watch: MiB sent to one watch and not acknowledged by its "
-                               "client, at most (a snapshot waits; a push past it drops the "
-                               "watch, whose client subscribes again)"),
-            ("watch_queue_total_mb", "key watch: MiB sent to all watches and not "
-                                     "acknowledged, at most"),
-            ("watch_subscribes_per_min", "key watch: subscriptions one session may make a "
-                                         "minute (a burst of 8)"),
-            ("watch_slice_ms", "key watch: milliseconds of loop time a pass spends building "
-                               "snapshots (they are sent in parts)")):
+            ):
         g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(_D, name),
                        help=f"seconds: {hlp} (default {getattr(_D, name)})")
-    add_l2_arguments(p)
-    a = p.add_argument_group("authentication (one shared secret for ZMQ, data link and HTTP)")
-    a.add_argument("--secret-file", default=None,
-                   help="file holding the shared secret (else $KVEDIT_SECRET, then "
-                        "$KVEDIT_SECRET_FILE, else one made at start, see --insecure); with a "
-                        "secret ZMQ uses CurveZMQ, the data link an HMAC handshake and HTTP a "
-                        "bearer token")
-    a.add_argument("--gen-secret", metavar="PATH", default=None,
-                   help="write a new random secret to PATH (mode 0600, must not exist), print "
-                        "the path and use it")
-    a.add_argument("--insecure", action="store_true",
-                   help="run without a secret: anyone who reaches the ports (any local user, "
-                        "or anyone on the network with a non-loopback --host) can read, "
-                        "change and delete every tenant's KV. Without --insecure and without "
-                        "a secret the server makes one at start and writes it (mode 0600) to "
-                        "$XDG_RUNTIME_DIR/kvedit/PORT.secret or /tmp/kvedit-UID/PORT.secret, "
-                        "where clients of the same user find it")
+    for name, hlp in (
+            ("watch_queue_mb", "MiB: key watch: sent to one watch and not acknowledged by its "
+                               "client, at most (a snapshot waits; a push past it drops the "
+                               "watch, whose client subscribes again)"),
+            ("watch_queue_total_mb", "MiB: key watch: sent to all watches and not "
+                                     "acknowledged, at most; one session holds at most "
+                                     "--max-client-total-share of it, and over it the watch "
+                                     "waiting longest is cut first"),
+            ("watch_subscribes_per_min", "a rate: key watch subscriptions one session may make "
+                                         "a minute (a burst of 8)"),
+            ("watch_slice_ms", "milliseconds: key watch: loop time a pass spends building "
+                               "snapshots (they are sent in parts)"),
+            ("reply_queue_mb", "MiB: replies queued for one client socket that the kernel "
+                               "has not delivered (a client that does not read), at most; "
+                               "beyond, its connection is cut"),
+            ("reply_queue_total_mb", "MiB: ... for all client sockets together; beyond, the "
+                                     "sockets holding the most are cut first")):
+        g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(_D, name),
+                       help=f"{hlp} (default {getattr(_D, name):g})")
 
 
 def _eviction(name: str) -> str:
@@ -194,12 +228,13 @@ def config_from_args(args) -> ServerConfig:
              "max_waits_per_client", "max_waits_total", "max_parked_keys", "max_wait_seconds",
              "max_data_conns", "max_query_bytes", "data_idle_timeout", "handshake_timeout",
              "max_handshakes", "max_handshakes_per_peer", "max_client_total_share",
+             "max_zmq_conns_per_peer", "reply_queue_mb", "reply_queue_total_mb",
              "max_watches", "max_watches_per_client", "watch_ttl", "watch_queue_mb",
              "watch_queue_total_mb", "watch_subscribes_per_min", "watch_slice_ms",
              "transfer_idle_timeout", "transfer_timeout", "insecure",
              "max_leases_per_client", "max_leases_total", "max_stores_per_client",
              "max_stores_total", "max_leased_keys_per_client", "max_leased_keys_total",
-             "max_client_pool_fraction", "fence_gone_sessions",
+             "max_client_pool_fraction", "fence_gone_sessions", "quota_reserve",
              "http_max_conns", "http_max_conns_per_peer", "http_max_requests",
              "http_head_timeout",
              "l2_url", "l2_prefix", "l2_ttl", "l2_write_on", "l2_write_queue_mb",
@@ -232,7 +267,7 @@ def run(args) -> int:
         log.error("cannot start: %s", e)
         return 2
     cfg.authenticated = secret is not None
-    return serve(cfg, secret)
+    return serve(cfg, secret, exit_fd=args.exit_with_fd)
 
 
 def _made_secret(cfg: ServerConfig, log) -> bytes:

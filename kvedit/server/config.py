@@ -8,6 +8,7 @@ lists them with the error code a client gets at the bound.
 from __future__ import annotations
 
 import ipaddress
+import socket
 from dataclasses import asdict, dataclass
 
 from kvedit.layout import ModelLayout
@@ -31,6 +32,17 @@ def eviction_name(name: str) -> str:
                      f"{[p.lower() for p in EVICTION_POLICIES]}")
 GIB = 1 << 30
 MIB = 1 << 20
+
+
+def listen_backlog() -> int:
+    """The listen backlog of every TCP listener (HTTP, data link): the kernel's cap
+    (net.core.somaxconn; 4096 on Linux >= 5.4). With a small one a user churning connections
+    fills the accept queue and everyone else's connect waits for SYN retransmits (1 s, 3 s)."""
+    try:
+        with open("/proc/sys/net/core/somaxconn") as f:
+            return max(socket.SOMAXCONN, int(f.read()))
+    except (OSError, ValueError):
+        return socket.SOMAXCONN
 # The queries cap for a layout that does not say its query heads (registered by a connector
 # older than captured-queries shapes): the fixed default of before.
 LEGACY_QUERY_BYTES = 256 * MIB
@@ -65,6 +77,10 @@ class ServerConfig:
                                       # most half of max_data_conns)
     max_handshakes_per_peer: int = 8  # ... per peer (a local user by uid, else an address;
                                       # not the server's own user)
+    max_zmq_conns_per_peer: int = 256 # ZMQ connections of one peer (peers.py); beyond, shut
+    reply_queue_mb: float = 2.0       # MiB queued for one client socket, not delivered by
+                                      # the kernel, at most (replies.py); beyond, it is cut
+    reply_queue_total_mb: float = 32.0  # ... for all sockets; beyond, the biggest are cut
     # Largest captured-queries object (kind "queries"); 0: the largest the query contract lets
     # a client ask for the model (query_bytes).
     max_query_bytes: int = 0
@@ -75,10 +91,12 @@ class ServerConfig:
     max_stores_total: int = 65536
     max_leased_keys_per_client: int = 1 << 18   # objects kept by a session's leases
     max_leased_keys_total: int = 1 << 21
-    max_client_pool_fraction: float = 0.75  # of the pool: slot bytes one session's leases
+    max_client_pool_fraction: float = 0.25  # of the pool: slot bytes one session's leases
                                             # and pending stores pin together
-    max_client_total_share: float = 0.125   # of each total cap (leases, stores, leased keys):
-                                            # what one session may hold of it at most
+    max_client_total_share: float = 0.125   # of each total cap (leases, stores, leased keys,
+                                            # the key watches' queue): one session's at most
+    quota_reserve: float = 0.25       # of each total and of the pool: kept for sessions that
+                                      # hold little (quota.py)
     fence_gone_sessions: bool = False  # quarantine also what a disconnected session held
     # ---- HTTP (http.py) ----
     http_max_conns: int = 256           # open connections; beyond, the oldest idle one goes
@@ -169,6 +187,9 @@ class ServerConfig:
             max_watches=self.max_watches, per_client=self.max_watches_per_client,
             ttl_s=self.watch_ttl, queued_bytes=int(self.watch_queue_mb * MIB),
             queued_total=int(self.watch_queue_total_mb * MIB),
+            # a session's share of the total, but at least one watch's worth
+            per_holder=max(int(self.watch_queue_total_mb * MIB * self.max_client_total_share),
+                           int(self.watch_queue_mb * MIB)),
             subscribes_per_min=self.watch_subscribes_per_min,
             slice_s=self.watch_slice_ms / 1000)
 
@@ -188,7 +209,10 @@ class ServerConfig:
             lease_keys_total=self.max_leased_keys_total,
             # 1: no share at all (the pool itself bounds a session), not "at most the pool"
             bytes_per_client=(int(pool * self.max_client_pool_fraction)
-                              if self.max_client_pool_fraction < 1 else 1 << 62))
+                              if self.max_client_pool_fraction < 1 else 1 << 62),
+            # the pool's reserve goes with the pool share: 1 turns both off
+            pool_bytes=pool if self.max_client_pool_fraction < 1 else None,
+            reserve=self.quota_reserve, share=self.max_client_total_share)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad setting and what is expected."""
@@ -214,7 +238,8 @@ class ServerConfig:
                      "max_leases_total", "max_stores_per_client", "max_stores_total",
                      "max_leased_keys_per_client", "max_leased_keys_total", "http_max_conns",
                      "http_max_conns_per_peer", "http_max_requests", "max_handshakes",
-                     "max_handshakes_per_peer", "max_watches", "max_watches_per_client"):
+                     "max_handshakes_per_peer", "max_watches", "max_watches_per_client",
+                     "max_zmq_conns_per_peer"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
                                  f"{getattr(self, name)}")
@@ -230,6 +255,9 @@ class ServerConfig:
         if not 0 < self.max_client_pool_fraction <= 1:
             raise ValueError(f"--max-client-pool-fraction is a fraction of the pool in (0, 1], "
                              f"got {self.max_client_pool_fraction}")
+        if not 0 <= self.quota_reserve < 1:
+            raise ValueError(f"--quota-reserve is a fraction of each total in [0, 1), got "
+                             f"{self.quota_reserve}")
         if not 0 < self.max_client_total_share <= 1:
             raise ValueError(f"--max-client-total-share is a fraction of each total cap in "
                              f"(0, 1], got {self.max_client_total_share}")
@@ -237,6 +265,10 @@ class ServerConfig:
             raise ValueError(f"--watch-queue-mb must be at least 1 (a snapshot part must fit) "
                              f"and at most --watch-queue-total-mb ({self.watch_queue_total_mb}),"
                              f" got {self.watch_queue_mb}")
+        if not 0.25 <= self.reply_queue_mb <= self.reply_queue_total_mb:
+            raise ValueError(f"--reply-queue-mb must be at least 0.25 (the largest reply must "
+                             f"fit) and at most --reply-queue-total-mb "
+                             f"({self.reply_queue_total_mb}), got {self.reply_queue_mb}")
         if not self.http_head_timeout > 0:
             raise ValueError(f"--http-head-timeout must be > 0 seconds, got "
                              f"{self.http_head_timeout}")

@@ -35,6 +35,7 @@ import threading
 import time
 
 from kvedit import auth
+from kvedit.server.config import listen_backlog
 from kvedit.server.handshakes import Handshakes
 from kvedit.wire import FAILED, GET, MAGIC, OK, PUT, REPLY, REQUEST, recv_exact, tune
 
@@ -48,7 +49,8 @@ class TransferCut(Exception):
 class DataLink:
     def __init__(self, service, cfg, secret: bytes | None):
         self.service, self.cfg, self.secret = service, cfg, secret
-        self.listener = socket.create_server((cfg.host, cfg.data_port))
+        self.listener = socket.create_server((cfg.host, cfg.data_port),
+                                             backlog=listen_backlog())
         self.port = self.listener.getsockname()[1]
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()   # guards _conns (accept thread vs connection threads)

@@ -27,10 +27,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvedit.auth import CHALLENGE_HEADER, PROOF_HEADER, http_authorized, http_proof
+from kvedit import __version__
+from kvedit.auth import (AUTH_HEADER, CHALLENGE_HEADER, ENDPOINT_HEADER, HTTP_AUTH, PROOF_HEADER,
+                         endpoint, http_authorized, http_proof, sent_raw_secret)
 from kvedit.server import http_state as state
 from kvedit.server.http_openapi import MAX_CURSOR, MAX_MODEL_PARAM, MAX_PAGE, SPEC
 from kvedit.server.http_peer import PeerKey, peer_key
+from kvedit.server.config import listen_backlog
 from kvedit.server.service import Service
 
 log = logging.getLogger("kvedit.server")
@@ -112,9 +115,10 @@ class _Routes:
     def guarded(self, fn):
         """The endpoint needs `Authorization: Bearer <secret>` when the server has one."""
         async def endpoint(req: Request) -> Response:
-            if not http_authorized(req.headers.get("authorization"), self.secret):
-                return _error(401, f"{req.url.path} needs the header 'Authorization: Bearer "
-                                   f"<secret>' (the server's --secret-file / KVEDIT_SECRET)",
+            header = req.headers.get("authorization")
+            if not http_authorized(header, self.secret):
+                return _error(401, _unauthorized(req.url.path, sent_raw_secret(header,
+                                                                               self.secret)),
                               {"WWW-Authenticate": 'Bearer realm="kvedit"'})
             if req.method == "DELETE" and await req.is_disconnected():
                 return _error(499, "the client went away before its request was run")
@@ -130,11 +134,15 @@ class _Routes:
         return endpoint
 
     async def health(self, req: Request) -> Response:
-        # a client that has the secret asks the server to prove it has it too before it
-        # sends a bearer token (auth.http_proof): a process squatting the port cannot
-        proof = http_proof(self.secret, req.headers.get(CHALLENGE_HEADER))
-        return _json({"status": "ok", "instance": self.service.instance},
-                     headers={PROOF_HEADER: proof} if proof else None)
+        # a client that has the secret asks the server to prove it has it too, on the
+        # endpoint the client connected to, before it sends a bearer token (auth.http_proof):
+        # a process squatting a port cannot, nor can it relay the proof of another server
+        where = endpoint(req.scope.get("server") or ("", 0))
+        proof = http_proof(self.secret, req.headers.get(CHALLENGE_HEADER), where)
+        headers = {AUTH_HEADER: str(HTTP_AUTH)}
+        if proof:
+            headers |= {PROOF_HEADER: proof, ENDPOINT_HEADER: where}
+        return _json({"status": "ok", "instance": self.service.instance}, headers=headers)
 
     async def metrics(self, _req: Request) -> Response:
         body = await asyncio.to_thread(state.metrics, self.service)
@@ -166,6 +174,19 @@ class _Routes:
             return _error(405, f"{req.method} is not allowed on {req.url.path}; endpoints: "
                                f"{ENDPOINTS}", dict(exc.headers or {}))
         return _error(exc.status_code, str(exc.detail), dict(exc.headers or {}))
+
+
+def _unauthorized(path: str, raw_secret: bool) -> str:
+    if raw_secret:   # a client from before HTTP auth 2 sent the secret itself
+        return (f"{path}: the bearer token is the kvedit secret itself, which this server "
+                f"(kvedit {__version__}, HTTP auth {HTTP_AUTH}) never takes over HTTP: a "
+                f"client from before HTTP auth {HTTP_AUTH} sent it (treat the secret as seen "
+                f"by whoever could read this connection). Send the token derived from it "
+                f"for HTTP: `kvedit http-token --secret-file PATH`, kvedit.auth.http_token, "
+                f"or a kvedit client of this release")
+    return (f"{path} needs the header 'Authorization: Bearer <token>', the HTTP token derived "
+            f"from the server's secret: `kvedit http-token --secret-file PATH` (or --port "
+            f"for a secret the server made), kvedit.auth.bearer_header")
 
 
 def build_app(service: Service, secret: bytes | None) -> Starlette:
@@ -332,7 +353,7 @@ def _bind(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
-        sock.listen(128)
+        sock.listen(listen_backlog())
     except OSError:
         sock.close()
         raise
@@ -350,8 +371,11 @@ class HttpApi:
                                head_timeout=c.http_head_timeout,
                                max_requests=c.http_max_requests)
         # log_level "error": a peer's malformed request is its problem, not a server log line
+        # asyncio listens again with uvicorn's backlog and accepts up to that many per wakeup
+        # (until EAGAIN): the kernel's cap for both
         cfg = uvicorn.Config(build_app(service, secret), log_config=None, log_level="error",
                              access_log=False, lifespan="off", loop="asyncio", http=proto,
+                             backlog=listen_backlog(),
                              timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self._serve, name="kvedit-http", daemon=True)

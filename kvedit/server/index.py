@@ -13,7 +13,8 @@ concern:
 - pending.py: stores and leases in flight (holders, TTLs, the deadline heap, data-link
   transfers and `busy`, the fence of ended ids, quarantine pins);
 - eviction.py: the LRU/FIFO/ARC order of the evictable objects, per slot size, and the victim;
-- pages.py: ready objects in commit order (/cache pages, clear, drop_model).
+- pages.py: ready objects in commit order (/cache pages, clear, drop_model), counted per
+  (model, tp_rank).
 The index evicts only when the allocator has no free range that fits (best fit, pool.py):
 `_alloc` evicts the victim eviction.py names until one fits.
 Kinds: KV chunks and captured-queries objects live in two tables (`table(kind)`),
@@ -65,6 +66,9 @@ class Index:
         self.pages = CommitOrder()
         self.on_evict = None   # called with an object just before eviction frees it (L2)
         self.feed = None       # told of keys that become ready or go (key_feed.py)
+        # live objects of each (model, tp_rank) being written or leased: Unregister is busy
+        # while any is, and asking must not walk a million objects (`droppable`)
+        self._in_use: dict[tuple[str, int], int] = {}
 
     @property
     def stores(self) -> dict[int, Pending]:
@@ -108,19 +112,45 @@ class Index:
         """Objects in the eviction order (READY, live, not leased, not quarantined)."""
         return len(self.order)
 
+    def missing(self, model: str, tp_rank: int, keys: list[bytes],
+                kind: ObjectKind = "kv") -> int:
+        """How many distinct keys of `keys` are neither ready nor being written: the slots a
+        store of them would need."""
+        get = self.table(kind).get
+        return len({k for k in keys if get((model, tp_rank, k)) is None})
+
+    def admit_store(self, holder: bytes, nbytes: int) -> None:
+        """OverQuota if a store pinning `nbytes` slot bytes would take `holder` over a cap."""
+        self.pending.admit("store", holder, [], nbytes)
+
+    def slot_bytes(self, nbytes: int) -> int:
+        """The slot an object of `nbytes` takes (whole pages)."""
+        return self.alloc.rounded(nbytes)
+
+    def evict_one(self, need: int) -> bool:
+        """Evict the next victim for a slot of `need` bytes (False: nothing is evictable):
+        room made ahead of a large store, a slice at a time (slices.py)."""
+        return self._evict_one(need)
+
     # ---- leases -----------------------------------------------------------------------
     def lease(self, model: str, tp_rank: int, keys: list[bytes], holder: bytes,
               kind: ObjectKind = "kv", ordered: bool = False) -> Leased:
         """Lease the leading ready objects of `keys`. The lease keeps each object once (a key
         repeated in the request costs nothing more); `ordered` (a data-link retrieve) keeps
-        them in key order, repeats included, for the GET that sends them.
+        them in key order for the GET that sends them, and ends at the first repeated key
+        (the GET never needs a chunk twice, so a repeat is never counted twice).
         OverQuota (nothing leased) past the holder's or the total caps (quota.py)."""
         self.pending.admit("lease", holder, [])   # a session at its lease cap: refused cheaply
         objs, get = [], self.table(kind).get
+        seen: set[Obj] | None = set() if ordered else None
         for k in keys:   # the leading ready objects
             o = get((model, tp_rank, k))
             if o is None or o.state != READY:
                 break
+            if seen is not None:   # a data-link GET needs no chunk twice: counted once
+                if o in seen:
+                    break
+                seen.add(o)
             objs.append(o)
         distinct = list(dict.fromkeys(objs)) if len(objs) > 1 else objs
         kept = objs if ordered else distinct
@@ -131,6 +161,7 @@ class Index:
                 first.append(o)
             o.leases += 1
         self.counters.leased += len(first)
+        self._use(model, tp_rank, len(first))
         self.order.leave(first)
         self.order.touch(distinct)   # LRU: their place when their last lease goes
         p = self.pending.open("lease", holder, kept, distinct=distinct)
@@ -191,6 +222,7 @@ class Index:
             table[o.ident] = o
         self.counters.objects += len(objs)
         self.counters.writing += len(objs)
+        self._use(model, tp_rank, len(objs))
         p = self.pending.open("store", holder, objs, len(objs) * slot)
         return Prepared(p.id, missing, offsets, len(keys) - len(missing))
 
@@ -202,6 +234,8 @@ class Index:
         c = self.counters
         c.writing -= len(objs)
         c.ready += len(objs)
+        if objs:
+            self._use(objs[0].model, objs[0].tp_rank, -len(objs))
         self.order.stamp(objs)   # newest of all; FIFO keeps this place, /cache this cursor
         for o in objs:
             o.state = READY
@@ -243,28 +277,43 @@ class Index:
         """The commit stamp of the newest ready object (of one model); None if none."""
         return self.pages.newest(model)
 
-    def clear_some(self, model: str | None, upto: int, limit: int) -> tuple[int, bool]:
-        """Delete up to `limit` of the ready objects (of one model) committed at or before
-        stamp `upto` -> (how many, whether any are left): DELETE /cache, a slice at a time."""
-        objs, _ = self.pages.after(model, None, limit)
-        victims = [o for o in objs if o.seq <= upto]
-        for o in victims:
-            self._forget(o)
-        return len(victims), len(victims) == limit
+    def clear_some(self, model: str | None, upto: int, limit: int, tp_rank: int | None = None,
+                   cursor: int | None = None) -> tuple[int, int | None]:
+        """Delete the ready objects (of `model`, of `tp_rank`) committed at or before stamp
+        `upto`, looking at no more than `limit` of them after stamp `cursor` -> (how many were
+        deleted, the stamp to go on from; None when none are left): DELETE /cache and
+        Unregister, a slice at a time (kvedit/server/slices.py)."""
+        objs, last = self.pages.after(model, cursor, limit)
+        n = 0
+        for o in objs:
+            if o.seq > upto:
+                return n, None
+            if tp_rank is None or o.tp_rank == tp_rank:
+                self._forget(o)
+                n += 1
+        return n, (last if len(objs) == limit else None)
+
+    def droppable(self, model: str, tp_rank: int) -> int:
+        """The ready objects of (model, tp_rank) (O(1)); Busy if any of its objects is leased
+        or being written: Unregister waits for them."""
+        busy = self._in_use.get((model, tp_rank), 0)
+        if busy:
+            raise Busy(f"model {model!r} tp_rank {tp_rank} has {busy} leased or in-flight "
+                       f"object(s); release/commit them first")
+        return self.pages.count(model, tp_rank)
 
     def drop_model(self, model: str, tp_rank: int) -> int:
-        """Delete every object of (model, tp_rank) before Unregister; Busy if any is leased
-        or being written (nothing is deleted then)."""
-        writing = sum(1 for p in self.stores.values() for o in p.objs
-                      if o.model == model and o.tp_rank == tp_rank)
-        mine = [o for o in self.pages.ready(model) if o.tp_rank == tp_rank]
-        leased = sum(1 for o in mine if o.leases)
-        if writing or leased:
-            raise Busy(f"model {model!r} tp_rank {tp_rank} has {leased} leased and {writing} "
-                       f"in-flight object(s); release/commit them first")
-        for o in mine:
-            self._forget(o)
-        return len(mine)
+        """Delete every object of (model, tp_rank) at once -> how many (Busy, as droppable).
+        The server drops a large model a slice at a time instead (clear_some)."""
+        self.droppable(model, tp_rank)
+        upto, n = self.pages.newest(model), 0
+        cursor: int | None = None
+        while upto is not None:
+            k, cursor = self.clear_some(model, upto, 4096, tp_rank, cursor)
+            n += k
+            if cursor is None:
+                break
+        return n
 
     # ---- data-link transfers ----------------------------------------------------------
     def begin_put(self, store_id: int, holder: bytes) -> Transfer:
@@ -350,6 +399,14 @@ class Index:
         return Expiry(stores, leases, cut, freed)
 
     # ---- internals: an object's life --------------------------------------------------
+    def _use(self, model: str, tp_rank: int, n: int) -> None:
+        key = (model, tp_rank)
+        left = self._in_use.get(key, 0) + n
+        if left:
+            self._in_use[key] = left
+        else:
+            self._in_use.pop(key, None)
+
     def _unlease(self, objs: list[Obj]) -> None:
         """Drop one lease on each entry of `objs` (an ordered lease may list an object more
         than once); the ones no lease holds any more are let go."""
@@ -359,6 +416,8 @@ class Index:
             if o.leases == 0:
                 self.counters.leased -= 1
                 last.append(o)
+                if o.live:
+                    self._use(o.model, o.tp_rank, -1)
         self._let_go(last)
 
     def _let_go(self, objs: list[Obj]) -> int:
@@ -385,6 +444,8 @@ class Index:
         del self.table(o.kind)[o.ident]
         o.live = False
         c.objects -= 1
+        if o.state != READY or o.leases:
+            self._use(o.model, o.tp_rank, -1)   # a writing or leased one no longer counts
         if o.state == READY:
             c.ready -= 1
             if o.kind == "queries":

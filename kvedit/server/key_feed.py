@@ -20,7 +20,10 @@ server send much (a snapshot of a million keys is ~18 MB), and bytes sent to a c
 does not read stay in the server (ZMQ's queue for that peer) until it reads or goes. So
 (WatchLimits, from the server's --watch-* settings; docs/protocol.md, "Key watches"):
 - what the server sent a watch's socket and the client has not acknowledged is at most
-  `queued_bytes` per watch and `queued_total` in all. A renewal acknowledges the last seq the
+  `queued_bytes` per watch, `per_holder` for all watches of one session (a share of the
+  total: two sessions' unread watches used to fill it and keep every other watch waiting)
+  and `queued_total` in all; when only the total is short, the watch whose bytes have
+  waited longest (over RECLAIM_AFTER_S) is cut first to make room. A renewal acknowledges the last seq the
   client applied, counted only as far as the kernel says bytes reached the client
   (peers.py), so a client cannot acknowledge what it did not read. A snapshot is sent while
   there is room and waits for acknowledgements when there is none; a push that does not fit
@@ -55,6 +58,7 @@ PART_KEYS = 4096          # keys in one snapshot part or push message
 # the most one part or push message can take, keys of MAX_KEY_BYTES included: what a watch
 # must have room for before the server scans for one
 PART_BYTES = PART_KEYS * (P.MAX_KEY_BYTES + 3) + 256
+RECLAIM_AFTER_S = 2.0     # a watch acknowledges every second: one waiting this long is stuck
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +68,7 @@ class WatchLimits:
     ttl_s: float = 30.0
     queued_bytes: int = 4 << 20     # per watch: sent, not yet acknowledged
     queued_total: int = 32 << 20    # all watches together
+    per_holder: int = 4 << 20       # all watches of one session together
     subscribes_per_min: float = 30.0
     subscribe_burst: int = 8
     slice_s: float = 0.004          # loop time a pass may spend building snapshots
@@ -120,6 +125,8 @@ class KeyFeed:
         self._changes: dict[str, dict[tuple[int, bytes], bool]] = {}
         self._tokens: dict[bytes, tuple[float, float]] = {}   # holder -> (tokens, when)
         self.total = 0          # bytes queued for all watches (sent, unacknowledged)
+        self._held: dict[bytes, int] = {}   # ... for each session's watches
+        self.reclaimed = 0      # watches cut to make room in the total for another
         self.pushes = 0
         self.parts = 0
         self.dropped = 0        # watches dropped past a byte bound
@@ -143,19 +150,51 @@ class KeyFeed:
             self._changes.setdefault(o.model, {})[(o.tp_rank, o.key)] = ready
 
     # ---- bytes -------------------------------------------------------------------------
-    def count(self, ident: bytes, nbytes: int) -> None:
+    def count(self, ident: bytes, nbytes: int) -> bool:
         """The service sent `nbytes` to `ident` (every message to a watched socket counts:
-        they share its queue)."""
+        they share its queue) -> whether `ident` is a watch's socket (counted here)."""
         w = self.watches.get(ident)
-        if w is not None:
-            w.sent += nbytes
-            self.total += nbytes
-            if w.since is None:
-                w.since = self.clock()
+        if w is None:
+            return False
+        w.sent += nbytes
+        self._add(w, nbytes)
+        if w.since is None:
+            w.since = self.clock()
+        return True
+
+    def _add(self, w: Watch, nbytes: int) -> None:
+        """`nbytes` more (or fewer) queued for `w`: in the total and its session's."""
+        self.total += nbytes
+        left = self._held.get(w.holder, 0) + nbytes
+        if left:
+            self._held[w.holder] = left
+        else:
+            self._held.pop(w.holder, None)
 
     def _fits(self, w: Watch, nbytes: int) -> bool:
         return (w.queued + nbytes <= self.lim.queued_bytes
+                and self._held.get(w.holder, 0) + nbytes <= self.lim.per_holder
                 and self.total + nbytes <= self.lim.queued_total)
+
+    def _room(self, w: Watch, nbytes: int) -> bool:
+        """`_fits`, after cutting the watches whose bytes have waited longest (over
+        RECLAIM_AFTER_S) when only the total is short."""
+        if self._fits(w, nbytes):
+            return True
+        if (w.queued + nbytes > self.lim.queued_bytes
+                or self._held.get(w.holder, 0) + nbytes > self.lim.per_holder):
+            return False
+        now = self.clock()
+        while self.total + nbytes > self.lim.queued_total:
+            stuck = [x for x in self.watches.values() if x is not w and x.queued
+                     and x.since is not None and now - x.since > RECLAIM_AFTER_S]
+            if not stuck:
+                return False
+            victim = min(stuck, key=lambda x: x.since)
+            self._end(victim)
+            self.reclaimed += 1
+            self._cut(victim.ident)   # frees what ZMQ still holds for it
+        return True
 
     def _ack(self, w: Watch, seen: int) -> None:
         """The client says it applied message `seen` of the current subscription."""
@@ -171,12 +210,12 @@ class KeyFeed:
                 return
             claimed = min(claimed, now[1] - w.conn[1])   # no more than the kernel delivered
         if claimed > w.acked:
-            self.total -= claimed - w.acked
+            self._add(w, -(claimed - w.acked))
             w.acked = claimed
             w.since = self.clock() if w.queued else None
 
     def _reset_bytes(self, w: Watch, conn: tuple[int, int] | None) -> None:
-        self.total -= w.queued
+        self._add(w, -w.queued)
         w.sent = w.acked = 0
         w.since = None
         w.ends = array("q")
@@ -218,7 +257,7 @@ class KeyFeed:
         w.deadline = now + self.lim.ttl_s
         self._by_model.setdefault(w.model, []).append(w)
         self._building[ident] = w
-        if self._fits(w, PART_BYTES):
+        if self._room(w, PART_BYTES):
             self._part(w)   # the first part at once: the client knows it is answered
         return None
 
@@ -277,7 +316,7 @@ class KeyFeed:
 
     def _end(self, w: Watch) -> None:
         self._unfollow(w)
-        self.total -= w.queued
+        self._add(w, -w.queued)
         del self.watches[w.ident]
 
     def _drop(self, w: Watch) -> None:
@@ -295,9 +334,11 @@ class KeyFeed:
         """Build and send snapshot parts, taking turns, for at most `slice_s`."""
         end = self.clock() + self.lim.slice_s
         for ident in list(self._building):
-            w = self._building.pop(ident)   # to the back of the turn order
+            w = self._building.pop(ident, None)   # to the back of the turn order
+            if w is None:   # cut meanwhile to make room for another
+                continue
             self._building[ident] = w
-            while w.building and self._fits(w, PART_BYTES):
+            while w.building and self._room(w, PART_BYTES):
                 self._part(w)
                 if self.clock() >= end:
                     return
@@ -337,7 +378,7 @@ class KeyFeed:
                         if not w.live:
                             continue
                         size = len(added) + len(removed) + 64   # + the header
-                        if not self._fits(w, size):
+                        if not self._room(w, size):
                             self._drop(w)
                             continue
                         self._emit(w, P.KeyEvents(epoch=w.epoch, seq=w.seq + 1,
@@ -348,6 +389,7 @@ class KeyFeed:
         return {"key_watches": len(self.watches), "key_pushes": self.pushes,
                 "key_snapshot_parts": self.parts, "key_watch_queued_bytes": self.total,
                 "key_watch_drops": self.dropped, "key_watch_cuts": self.cuts,
+                "key_watch_reclaimed": self.reclaimed,
                 "key_snapshots_building": len(self._building)}
 
 

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import signal
 import socket
+import threading
 
 import zmq
 
@@ -16,11 +18,12 @@ from kvedit.server.pool import Arena, PoolError
 log = logging.getLogger("kvedit.server")
 
 
-def serve(cfg: ServerConfig, secret: bytes | None = None) -> int:
-    """Blocks until SIGINT/SIGTERM. Returns the process exit code.
+def serve(cfg: ServerConfig, secret: bytes | None = None, exit_fd: int | None = None) -> int:
+    """Blocks until SIGINT/SIGTERM (or `exit_fd` reaching its end). Returns the exit code.
 
     `secret` (kvedit.auth.load_secret) turns on CurveZMQ, the data-link handshake check and
-    HTTP bearer tokens; cfg.authenticated must say whether it is set."""
+    HTTP bearer tokens; cfg.authenticated must say whether it is set. `exit_fd`: the read
+    end of a pipe only the launcher can write to; its end means the launcher is gone."""
     from kvedit.server.http import HttpApi
     from kvedit.server.service import Service
 
@@ -61,18 +64,12 @@ def serve(cfg: ServerConfig, secret: bytes | None = None) -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    if exit_fd is not None:
+        threading.Thread(target=_stop_when_closed, args=(exit_fd,), name="kvedit-launcher",
+                         daemon=True).start()
     http.start()
     service.data.start()
-    mode = (f"shm (segment /dev/shm/{cfg.shm_name}; data link for clients that cannot map it)"
-            if cfg.shm_name else "socket only (no shared memory: --shm-name ''), data link")
-    log.info("kvedit server %s: ZMQ tcp://%s:%d, HTTP http://%s:%d, data link port %d, "
-             "pool %.2f GiB (%s), eviction %s, chunk %d tokens, transfer mode: %s, auth: %s",
-             hex(instance), cfg.host, cfg.port,
-             cfg.host, cfg.http_port, service.data.port, cfg.pool_bytes / 2**30,
-             "lazy" if cfg.l1_use_lazy else "pre-faulted", cfg.eviction_policy,
-             cfg.chunk_size, mode,
-             f"shared secret ({cfg.secret_path or cfg.secret_file or 'environment'}): "
-             f"CurveZMQ, data-link HMAC, HTTP bearer" if secret else "none (--insecure)")
+    _log_start(cfg, instance, service.data.port, secret)
     if secret is None:
         who = "any local user" if is_loopback(cfg.host) else "anyone who reaches them"
         log.warning("--insecure: no secret; %s can read, change and delete every tenant's KV "
@@ -99,6 +96,30 @@ def serve(cfg: ServerConfig, secret: bytes | None = None) -> int:
         wsock.close()
         log.info("stopped; shared-memory segment %s", "unlinked" if cfg.shm_name else "n/a")
     return 0
+
+
+def _log_start(cfg: ServerConfig, instance: int, data_port: int, secret: bytes | None) -> None:
+    mode = (f"shm (segment /dev/shm/{cfg.shm_name}; data link for clients that cannot map it)"
+            if cfg.shm_name else "socket only (no shared memory: --shm-name ''), data link")
+    log.info("kvedit server %s: ZMQ tcp://%s:%d, HTTP http://%s:%d, data link port %d, "
+             "pool %.2f GiB (%s), eviction %s, chunk %d tokens, transfer mode: %s, auth: %s",
+             hex(instance), cfg.host, cfg.port, cfg.host, cfg.http_port, data_port,
+             cfg.pool_bytes / 2**30, "lazy" if cfg.l1_use_lazy else "pre-faulted",
+             cfg.eviction_policy, cfg.chunk_size, mode,
+             f"shared secret ({cfg.secret_path or cfg.secret_file or 'environment'}): "
+             f"CurveZMQ, data-link HMAC, HTTP token" if secret else "none (--insecure)")
+
+
+def _stop_when_closed(fd: int) -> None:
+    """Nothing is ever written to the pipe: a read returns only when the launcher's end is
+    closed, i.e. the launcher is gone (however it ended). Then stop as on SIGTERM."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError:
+        pass
+    log.info("the launcher is gone (its end of the pipe closed): shutting down")
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _hand_over_secret(cfg: ServerConfig, secret: bytes | None) -> None:

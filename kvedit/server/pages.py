@@ -17,6 +17,7 @@ class CommitOrder:
         self._all = SortedInts()                        # seqs of ready objects
         self._by_model: dict[str, SortedInts] = {}
         self._by_seq: dict[int, Obj] = {}
+        self._counts: dict[tuple[str, int], int] = {}   # ready objects of (model, tp_rank)
 
     def __len__(self) -> int:
         """Ready objects (of every model)."""
@@ -32,6 +33,9 @@ class CommitOrder:
             self._by_seq[o.seq] = o
         self._all.update(seqs)
         self._by_model.setdefault(objs[0].model, SortedInts()).update(seqs)
+        for o in objs:
+            key = (o.model, o.tp_rank)
+            self._counts[key] = self._counts.get(key, 0) + 1
 
     def remove(self, o: Obj) -> None:
         """A ready object hidden (deleted, evicted, expired)."""
@@ -41,6 +45,16 @@ class CommitOrder:
         if not model_seqs:
             del self._by_model[o.model]
         del self._by_seq[o.seq]
+        key = (o.model, o.tp_rank)
+        left = self._counts[key] - 1
+        if left:
+            self._counts[key] = left
+        else:
+            del self._counts[key]
+
+    def count(self, model: str, tp_rank: int) -> int:
+        """Ready objects of (model, tp_rank): O(1)."""
+        return self._counts.get((model, tp_rank), 0)
 
     def ready(self, model: str | None = None) -> list[Obj]:
         """Every ready object (of `model`), oldest commit first. O(objects returned)."""

@@ -18,6 +18,10 @@ The same descriptor answers two questions about one socket's connection for the 
 claims to have read is believed only that far), and, for a peer that does not read what the
 server queued for it, `cut` shuts the connection down: libzmq then drops the connection and
 frees the messages it still held for that peer (a DEALER reconnects by itself).
+
+Connections are counted per peer (a local user by uid, a remote address: http_peer.py), and
+one over `per_peer` is shut down as soon as the monitor reports it: sockets cost their
+opener nothing, and each one the server keeps costs it a descriptor and queues.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ import struct
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
+
+from kvedit.server.http_peer import PeerKey, peer_key
 
 log = logging.getLogger("kvedit.server")
 
@@ -42,8 +48,12 @@ def holder_of(ident: bytes) -> bytes:
 
 
 class Peers:
-    def __init__(self, router: zmq.Socket):
+    def __init__(self, router: zmq.Socket, per_peer: int = 1 << 30):
         self.monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.per_peer = per_peer
+        self._fd_peer: dict[int, PeerKey] = {}      # counted connections
+        self._peer_conns: dict[PeerKey, int] = {}
+        self.refused = 0                            # connections shut over per_peer
         self._fd_ident: dict[int, bytes] = {}
         self._ident_fd: dict[bytes, int] = {}
         self._open: set[int] = set()
@@ -83,10 +93,41 @@ class Peers:
                 old = self._fd_ident.get(fd)
                 if old is not None:  # a reused descriptor: its old ident left unnoticed
                     gone += self._drop_ident(old)
+                self._count(fd)
             elif ev["event"] == zmq.EVENT_DISCONNECTED:
                 gone += self._close(fd)
 
+    def _count(self, fd: int) -> None:
+        """A new connection on `fd`: counted for its peer, or shut over the peer's bound."""
+        try:
+            s = socket.socket(fileno=fd)   # borrowed: detached below, never closed here
+        except OSError:
+            return
+        try:
+            peer = peer_key(s.getsockname(), s.getpeername())
+            if self._peer_conns.get(peer, 0) >= self.per_peer:
+                s.shutdown(socket.SHUT_RDWR)
+                self.refused += 1
+                if self.refused & (self.refused - 1) == 0:   # 1, 2, 4, ...: not a flood
+                    log.warning("shut a ZMQ connection of %s: it has %d open, at most "
+                                "(--max-zmq-conns-per-peer); %d shut so far", peer,
+                                self.per_peer, self.refused)
+                return
+        except OSError:   # closed meanwhile: its DISCONNECTED follows
+            return
+        finally:
+            s.detach()
+        self._fd_peer[fd] = peer
+        self._peer_conns[peer] = self._peer_conns.get(peer, 0) + 1
+
     def _close(self, fd: int) -> list[bytes]:
+        peer = self._fd_peer.pop(fd, None)
+        if peer is not None:
+            n = self._peer_conns[peer] - 1
+            if n:
+                self._peer_conns[peer] = n
+            else:
+                del self._peer_conns[peer]
         self._open.discard(fd)
         ident = self._fd_ident.get(fd)
         return self._drop_ident(ident) if ident is not None else []

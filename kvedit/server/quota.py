@@ -17,11 +17,19 @@ What counts, per session (holder) and in total:
   loading one shared prefix pin it once), together (a session that could fill half the
   pool with stores and the other half with leases would pin all of it).
 Pinned bytes are capped per session as a fraction of the pool; in total they are bounded by
-the pool itself (every counted object sits in a slot). Counts are capped per session and in
-total, so the memory of all leases and stores together is bounded whatever the number of
-sessions. A refusal is `OverQuota` (protocol code `over_quota`): nothing was opened,
-allocated or evicted. The server's own holders (L2 promotions) are `exempt` from the
-per-session caps.
+the pool itself (every counted object sits in a slot; an object several sessions lease
+counts once in the total). Counts are capped per session and in total, so the memory of all
+leases and stores together is bounded whatever the number of sessions.
+A share per session does not stop a few sessions: 8 sessions with an eighth each reached
+the leased-keys total, and 2 with three quarters of the pool each pinned all of it. So the
+last `reserve` of every total (the pool for pinned bytes) is kept for sessions that hold
+little: past that line a request is admitted only when the session's holding stays within
+its `share` of the reserve. The sessions holding the most are the ones refused first, and
+even many newcomers take the reserve only a share at a time; a legitimate client that holds
+little between its requests (a store, a retrieve and its release) is not refused by a few.
+A refusal is `OverQuota` (protocol code `over_quota`): nothing was opened, allocated or
+evicted. The server's own holders (L2 promotions) are `exempt` from the per-session caps
+and the reserve.
 
 `Held` also remembers whether the holder's last socket has gone (`gone`), so that a store or
 lease of a session that already disconnected is not quarantined when it expires (pending.py):
@@ -43,6 +51,9 @@ class QuotaLimits:
     lease_keys_per_client: int = 1 << 18
     lease_keys_total: int = 1 << 21
     bytes_per_client: int = 1 << 62   # leased + pending-store slot bytes (a pool fraction)
+    pool_bytes: int | None = None     # what pinned bytes are a share of (the reserve's base)
+    reserve: float = 0.0              # of each total: kept for sessions holding little
+    share: float = 0.125              # ... of which one such session may hold this much
 
 
 @dataclass(slots=True)
@@ -76,6 +87,7 @@ _FLAG = {"leases": "--max-leases-per-client", "stores": "--max-stores-per-client
          "pinned_bytes": "--max-client-pool-fraction"}
 _TOTAL_FLAG = {"leases": "--max-leases-total", "stores": "--max-stores-total",
                "lease_keys": "--max-leased-keys-total"}
+_TOTAL_FLAG["pinned_bytes"] = "the pool"
 _WHAT = {"leases": "lease(s)", "stores": "pending store(s)", "lease_keys": "leased key(s)",
          "pinned_bytes": "bytes of pool slots (leased and pending)"}
 
@@ -84,8 +96,9 @@ _WHAT = {"leases": "lease(s)", "stores": "pending store(s)", "lease_keys": "leas
 class Quotas:
     limits: QuotaLimits
     exempt: frozenset[bytes] = frozenset()
-    total: Held = field(default_factory=Held)
+    total: Held = field(default_factory=Held)   # lease_bytes: each object once
     _by_holder: dict[bytes, Held] = field(default_factory=dict)
+    _sessions_of: dict[Obj, int] = field(default_factory=dict)   # object -> sessions leasing
 
     def held(self, holder: bytes) -> Held | None:
         return self._by_holder.get(holder)
@@ -94,30 +107,55 @@ class Quotas:
               distinct: list[Obj] | None = None) -> None:
         """Raise OverQuota when opening a lease of `objs` (the entries it keeps; `distinct`:
         each once, when known), or a store of `nbytes` slot bytes, would take `holder` (or
-        everyone) over a cap."""
-        lim, tot = self.limits, self.total
+        everyone) over a cap, or past the reserve line while `holder` holds much."""
+        lim = self.limits
         mine = self._by_holder.get(holder) or Held()
         if kind == "lease":
-            new = mine.new_lease_bytes(objs if distinct is None else distinct)
-            want = {"leases": (1, lim.leases_per_client, lim.leases_total),
-                    "lease_keys": (len(objs), lim.lease_keys_per_client,
+            d = objs if distinct is None else distinct
+            new = mine.new_lease_bytes(d)   # pinned anew by this session / by anyone:
+            sessions = self._sessions_of
+            added = sum([o.slot for o in d if o not in sessions]) if sessions else new
+            want = {"leases": (1, 1, lim.leases_per_client, lim.leases_total),
+                    "lease_keys": (len(objs), len(objs), lim.lease_keys_per_client,
                                    lim.lease_keys_total),
-                    "pinned_bytes": (new, lim.bytes_per_client, None)}
+                    "pinned_bytes": (new, added, lim.bytes_per_client, None)}
         else:
-            want = {"stores": (1, lim.stores_per_client, lim.stores_total),
-                    "pinned_bytes": (nbytes, lim.bytes_per_client, None)}
-        for name, (n, per_client, total) in want.items():
-            if holder not in self.exempt and getattr(mine, name) + n > per_client:
+            want = {"stores": (1, 1, lim.stores_per_client, lim.stores_total),
+                    "pinned_bytes": (nbytes, nbytes, lim.bytes_per_client, None)}
+        exempt = holder in self.exempt
+        for name, (n, added, per_client, total) in want.items():
+            have = getattr(mine, name)
+            if not exempt and have + n > per_client:
                 raise OverQuota(
-                    f"this client session holds {getattr(mine, name)} {_WHAT[name]} and the "
-                    f"{kind} would add {n}; at most {per_client} per session ({_FLAG[name]}; "
-                    f"expired ones count until their quarantine ends): release or commit "
-                    f"what it holds first")
-            if total is not None and getattr(tot, name) + n > total:
+                    f"this client session holds {have} {_WHAT[name]} and the {kind} would add "
+                    f"{n}; at most {per_client} per session ({_FLAG[name]}; expired ones count "
+                    f"until their quarantine ends): release or commit what it holds first")
+            used = getattr(self.total, name)
+            if total is not None and used + added > total:
                 raise OverQuota(
-                    f"all client sessions together hold {getattr(tot, name)} {_WHAT[name]} "
-                    f"and the {kind} would add {n}; at most {total} ({_TOTAL_FLAG[name]}): "
-                    f"retry later")
+                    f"all client sessions together hold {used} {_WHAT[name]} and the {kind} "
+                    f"would add {added}; at most {total} ({_TOTAL_FLAG[name]}): retry later")
+            if not exempt and added:   # (leasing what others pin takes nothing of it)
+                self._reserve(name, kind, have, n, used + added,
+                              total if total is not None else lim.pool_bytes)
+
+    def _reserve(self, name: str, kind: Kind, have: int, n: int, after: int,
+                 base: int | None) -> None:
+        """Past the reserve line of `base`, a session is admitted only while it holds (with
+        this request) at most its share of the reserve."""
+        lim = self.limits
+        if base is None or not lim.reserve:
+            return
+        kept = int(base * lim.reserve)
+        small = max(1, int(kept * lim.share))
+        if after <= base - kept or have + n <= small:
+            return
+        where = _TOTAL_FLAG[name]
+        raise OverQuota(
+            f"all client sessions together would hold {after} {_WHAT[name]} of {base} "
+            f"({where}); the last {kept} (--quota-reserve) are kept for sessions that hold "
+            f"little (at most {small} each, --max-client-total-share of it), and this one "
+            f"would hold {have + n}: release or commit what it holds, then retry")
 
     def take(self, p: Pending, distinct: list[Obj]) -> None:
         """`p` (admitted) opened: it counts until `give`. A lease pins `distinct` (its
@@ -130,17 +168,23 @@ class Quotas:
                 held.stores += 1
                 held.store_bytes += p.nbytes
             return
-        added, leased = 0, h.leased
+        added = first = 0
+        leased, sessions = h.leased, self._sessions_of
         get = leased.get
         for o in distinct:
             n = get(o, 0)
             leased[o] = n + 1
             if not n:
                 added += o.slot
+                k = sessions.get(o, 0)
+                sessions[o] = k + 1
+                if not k:
+                    first += o.slot
+        h.lease_bytes += added
+        self.total.lease_bytes += first
         for held in (h, self.total):
             held.leases += 1
             held.lease_keys += len(p.objs)
-            held.lease_bytes += added
 
     def give(self, p: Pending) -> None:
         """`p` no longer counts (it left every table of pending.py)."""
@@ -150,18 +194,26 @@ class Quotas:
                 held.stores -= 1
                 held.store_bytes -= p.nbytes
         else:
-            freed, leased = 0, h.leased
+            freed = last = 0
+            leased, sessions = h.leased, self._sessions_of
             for o in (dict.fromkeys(p.objs) if p.repeats else p.objs):
                 n = leased[o] - 1
                 if n:
                     leased[o] = n
+                    continue
+                del leased[o]
+                freed += o.slot
+                k = sessions[o] - 1
+                if k:
+                    sessions[o] = k
                 else:
-                    del leased[o]
-                    freed += o.slot
+                    del sessions[o]
+                    last += o.slot
+            h.lease_bytes -= freed
+            self.total.lease_bytes -= last
             for held in (h, self.total):
                 held.leases -= 1
                 held.lease_keys -= len(p.objs)
-                held.lease_bytes -= freed
         if h.empty():
             del self._by_holder[p.holder]
 

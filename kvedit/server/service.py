@@ -6,6 +6,8 @@ completes it or by its deadline, and socket-mode bytes move on the data link's o
 Work per message is bounded (keys per request, message size, models), so one large request
 cannot hold the loop for long; docs/protocol.md lists the limits and their error codes.
 
+Work larger than a slice (a big Unregister or DELETE /cache, a store that must evict much)
+is done a slice at a time between requests (slices.py).
 The data link and HTTP call only the narrow methods at the bottom (begin_put/finish_put,
 begin_get/finish_get, snapshot, page, clear, count_error); each takes the lock itself.
 """
@@ -16,7 +18,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -25,49 +26,30 @@ from kvedit import __version__, auth
 from kvedit import protocol as P
 from kvedit.layout import ModelLayout
 from kvedit.query_contract import MAX_WINDOW
-from kvedit.server import layout_limits
-from kvedit.server.config import ServerConfig
+from kvedit.server.config import MIB, ServerConfig
 from kvedit.server.datalink import DataLink
+from kvedit.server.link_service import LinkMethods
 from kvedit.server.index import Index, Refused
 from kvedit.server.key_feed import KeyFeed
 from kvedit.server.l2_service import L2_HOLDER, L2Methods
 from kvedit.server.metrics import Metrics
 from kvedit.server.peers import Peers, holder_of
 from kvedit.server.pool import Allocator, Arena
+from kvedit.server.registry import Fail, Registry, quoted
+from kvedit.server.replies import ReplyQueues
+from kvedit.server.slices import SlicedWork
 from kvedit.server.trim import HeapTrim
 from kvedit.server.waiters import TooManyWaits, Waiter, Waiters, wait_key
 
 log = logging.getLogger("kvedit.server")
-MAX_LISTED_MODELS = 20    # an unknown_model error names at most this many
-MAX_QUOTED_NAME = 80      # characters of a client-given name quoted back in an error
 BURST = 256               # messages handled before housekeeping runs again
 FREEZE_MIN_OBJECTS = 50_000  # below this a full GC pass is cheap enough
 FREEZE_GROWTH = 1.1       # freeze again when the index grew by this factor
 KEY_BYTES = 64            # what a parked or leased key costs the heap, about (trim.py)
-CLEAR_SLICE = 512         # objects DELETE /cache deletes per hold of the lock (~5-10 ms)
-CLEAR_PAUSE_S = 0.001     # ... then the loop gets the lock before the next slice
+TRACEBACK_EVERY_S = 10.0  # an internal error logs its traceback at most this often
 
 
-class Fail(Exception):
-    """Raised by a handler: becomes an Error(code, message) reply."""
-
-    def __init__(self, code: P.ErrorCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-@dataclass(slots=True)
-class Transfer:
-    """What begin_put/begin_get give the data link: the slots' views, or why not."""
-    views: list = field(default_factory=list)
-    error: tuple[P.ErrorCode, str] | None = None
-
-
-def quoted(name: str) -> str:
-    return repr(name if len(name) <= MAX_QUOTED_NAME else name[:MAX_QUOTED_NAME] + "...")
-
-
-class Service(L2Methods):
+class Service(L2Methods, SlicedWork, LinkMethods, Registry):
     def __init__(self, cfg: ServerConfig, arena: Arena, instance: int,
                  secret: bytes | None = None):
         self.cfg, self.arena, self.instance = cfg, arena, instance
@@ -85,6 +67,8 @@ class Service(L2Methods):
         self.stop_requested = False
         self._frozen_objects = 0            # index size at the last gc.freeze()
         self.trim = HeapTrim()              # freed heap back to the OS after a burst
+        self._tracebacks = (0.0, 0)         # (last traceback logged, errors since)
+        self._slices_init()
         self.ctx = zmq.Context()
         self.authenticator = None
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -98,7 +82,7 @@ class Service(L2Methods):
             auth.curve_server(self.sock, secret)
         try:
             self.sock.bind(f"tcp://{cfg.host}:{cfg.port}")
-            self.peers = Peers(self.sock)
+            self.peers = Peers(self.sock, cfg.max_zmq_conns_per_peer)
             self.data = DataLink(self, cfg, secret)
         except BaseException:
             self._close_zmq()
@@ -119,12 +103,16 @@ class Service(L2Methods):
                             ready_after=self.index.pages.after,
                             delivered=self.peers.delivered, cut=self.peers.cut)
         self.index.feed = self.feed
+        self.replies = ReplyQueues(int(cfg.reply_queue_mb * MIB),
+                                   int(cfg.reply_queue_total_mb * MIB),
+                                   delivered=self.peers.delivered, cut=self.peers.cut)
 
     # ---- loop -------------------------------------------------------------------------
     def run(self, wakeup_fd: int | None = None) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.peers.monitor, zmq.POLLIN)
+        poller.register(self.kick_fd, zmq.POLLIN)   # an HTTP thread handed the loop a job
         if wakeup_fd is not None:   # a signal writes here, so poll returns at once
             poller.register(wakeup_fd, zmq.POLLIN)
         if self.l2 is not None:     # the L2 threads post promotions and finished probes
@@ -132,8 +120,11 @@ class Service(L2Methods):
             poller.register(self.l2.wake_fd, zmq.POLLIN)
         while not self.stop_requested:
             with self.lock:
-                timeout = 0 if self.feed.has_work() else self._timeout_ms()
+                busy = self.feed.has_work() or self.has_jobs()
+                timeout = 0 if busy else self._timeout_ms()
             events = dict(poller.poll(timeout))
+            if self.kick_fd in events:
+                self._kicked()
             if self.sock in events:
                 for _ in range(BURST):  # drain a burst, then do housekeeping
                     try:
@@ -153,6 +144,7 @@ class Service(L2Methods):
                         self._session_gone(holder)
                     self._housekeeping(time.monotonic())
                     self.feed.flush()   # what HTTP's threads changed, expiries
+                    self._run_jobs()    # deletions and room for stores, a slice at a time
                     self.feed.work()    # snapshots of key watches, a slice at a time
             except Exception:  # a bug must not take the server (and its data) down
                 log.exception("internal error in housekeeping")
@@ -162,6 +154,7 @@ class Service(L2Methods):
             self.l2.close()
         self.data.close()
         self._close_zmq()
+        self._slices_close()
 
     def _close_zmq(self) -> None:
         if getattr(self, "peers", None) is not None:
@@ -190,7 +183,7 @@ class Service(L2Methods):
         self.feed.expire(now)
         self._freeze_gc()
         self.trim.observe(KEY_BYTES * (self.waiters.keys + self.index.leased_keys())
-                          + self.feed.total
+                          + self.feed.total + self.replies.total
                           + (self.l2.queue_bytes if self.l2 is not None else 0))
 
     def _freeze_gc(self) -> None:
@@ -209,6 +202,7 @@ class Service(L2Methods):
         """Sockets whose connection closed: ZMQ dropped what was queued for them."""
         for ident in self.peers.take_closed():
             self.feed.disconnected(ident)
+            self.replies.gone(ident)
 
     def _session_gone(self, holder: bytes) -> None:
         """The holder's last socket disconnected: let go of what only it could use."""
@@ -219,6 +213,8 @@ class Service(L2Methods):
     # ---- messages ---------------------------------------------------------------------
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
+        if self.replies.doomed(ident):   # cut for not reading: what it sent meanwhile goes
+            return
         try:
             gone = self.peers.seen(ident, frames[-1])
         except Exception:  # tracking is an optimisation: deadlines still bound everything
@@ -253,8 +249,6 @@ class Service(L2Methods):
     def _dispatch(self, ident: bytes, rid: bytes, frames: list[zmq.Frame]):
         try:
             req = P.request_decoder.decode(frames[2].buffer)
-            self.metrics.requests.labels(type(req).__name__).inc()
-            return self._handle(ident, rid, req, frames[3:])
         except msgspec.ValidationError as e:
             if "$.keys" in str(e) and "length" in str(e):   # over the protocol's MAX_KEYS
                 return self._error("too_many_keys", f"more than {P.MAX_KEYS} keys in one "
@@ -263,15 +257,34 @@ class Service(L2Methods):
                                                     f"(--max-keys-per-request): split it")
             return self._error("malformed", f"cannot decode the message frame as a kvedit "
                                             f"request: {str(e)[:200]}")
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, RecursionError) as e:   # RecursionError: nested deep
             return self._error("malformed", f"cannot decode the message frame as a kvedit "
                                             f"request (msgpack map tagged by 't'): "
                                             f"{str(e)[:200]}")
+        self.metrics.requests.labels(type(req).__name__).inc()
+        return self._answer(lambda: self._handle(ident, rid, req, frames[3:]))
+
+    def _answer(self, handle):
+        """handle() -> its reply, or the error reply of what it raised."""
+        try:
+            return handle()
         except (Fail, Refused, TooManyWaits) as e:  # each carries its ErrorCode
             return self._error(e.code, e.message)
         except Exception as e:  # a bug must not take the server (and its data) down
-            log.exception("internal error handling a request")
+            self._log_internal()
             return self._error("internal", f"{type(e).__name__}: {e}")
+
+    def _log_internal(self) -> None:
+        """A traceback now and then: one per request of a peer that triggers a bug would
+        fill the disk (the rest are counted, kvedit_errors_total{code="internal"})."""
+        last, since = self._tracebacks
+        now = time.monotonic()
+        if now - last < TRACEBACK_EVERY_S:
+            self._tracebacks = (last, since + 1)
+            return
+        self._tracebacks = (now, 0)
+        log.exception("internal error handling a request (%d more since the last traceback)",
+                      since)
 
     def _error(self, code: P.ErrorCode, message: str) -> P.Error:
         self.metrics.errors.labels(code).inc()
@@ -281,9 +294,11 @@ class Service(L2Methods):
         self._send_bytes(ident, rid, P.encoder.encode(reply))
 
     def _send_bytes(self, ident: bytes, rid: bytes, body: bytes) -> None:
-        """The one place a message leaves: a key watch's socket counts what it was sent."""
-        self.feed.count(ident, len(rid) + len(body))
-        self.sock.send_multipart([ident, rid, body])
+        """The one place a message leaves: what each socket was sent is counted, by the key
+        feed for a watch's socket, else against the socket's reply bound (replies.py)."""
+        n = len(rid) + len(body)
+        if self.feed.count(ident, n) or self.replies.admit(ident, n):
+            self.sock.send_multipart([ident, rid, body])
 
     def _handle(self, ident: bytes, rid: bytes, req, data: list[zmq.Frame]):
         if data:
@@ -303,12 +318,10 @@ class Service(L2Methods):
             case P.Register(model=model, layout=layout):
                 return self._register(model, layout)
             case P.Unregister(model=model, tp_rank=tp):
-                self._layout(model, tp)
-                n = self.index.drop_model(model, tp)  # Refused("busy") while leased/in flight
-                del self.layouts[(model, tp)]
+                n = self._unregister(model, tp)   # Busy while leased/in flight; sliced
                 log.info("unregistered model %s tp_rank %d (%d object(s) deleted)",
-                         quoted(model), tp, n)
-                return P.Count(n=n)
+                         quoted(model), tp, n.n)
+                return n
             case P.GetLayout(model=model, tp_rank=tp):
                 return P.LayoutReply(layout=self.layouts.get((model, tp)))
             case P.ListModels():
@@ -318,7 +331,7 @@ class Service(L2Methods):
             case P.PrepareStore(kind="queries"):
                 return self._prepare_queries(req, holder)
             case P.PrepareStore(model=model, keys=keys, tp_rank=tp, nbytes=0):
-                return self._prepare(model, tp, keys, holder)
+                return self._prepare(model, tp, keys, holder, park=(ident, rid, req))
             case P.PrepareStore(nbytes=n):
                 raise Fail("malformed", f"prepare_store of kind 'kv' with nbytes {n}: a kv "
                                         f"object's size is the layout's chunk bytes; nbytes "
@@ -348,59 +361,6 @@ class Service(L2Methods):
         raise Fail("unknown_type", f"unhandled message type {type(req).__name__}")
 
     # ---- handlers ---------------------------------------------------------------------
-    def _layout(self, model: str, tp: int, keys: list[bytes] = ()) -> ModelLayout:
-        if len(keys) > self.cfg.max_keys_per_request:
-            raise Fail("too_many_keys", f"{len(keys)} keys in one request, at most "
-                                        f"{self.cfg.max_keys_per_request} "
-                                        f"(--max-keys-per-request): split the request")
-        for i, k in enumerate(keys):
-            if not 0 < len(k) <= P.MAX_KEY_BYTES:
-                raise Fail("bad_key", f"key {i} is {len(k)} bytes, expected 1..{P.MAX_KEY_BYTES}"
-                                      f" (kvedit.keys makes 16-byte keys)")
-        lay = self.layouts.get((model, tp))
-        if lay is None:
-            # bounded: at most MAX_LISTED_MODELS names (each cut short), then a count
-            known = sorted(f"{m}[tp_rank {r}]" for m, r in self.layouts)
-            listed = "none"
-            if known:
-                listed = "[" + ", ".join(quoted(k) for k in known[:MAX_LISTED_MODELS]) + "]"
-            if len(known) > MAX_LISTED_MODELS:
-                listed += f" and {len(known) - MAX_LISTED_MODELS} more"
-            raise Fail("unknown_model", f"model {quoted(model)} (tp_rank {tp}) is not registered;"
-                                        f" registered: {listed}")
-        return lay
-
-    def _register(self, model: str, layout: ModelLayout):
-        if not model:
-            raise Fail("bad_layout", "model name must be a non-empty string")
-        if len(model.encode()) > self.cfg.max_model_name:
-            raise Fail("name_too_long", f"model name is {len(model.encode())} bytes, at most "
-                                        f"{self.cfg.max_model_name} (--max-model-name)")
-        try:
-            layout.validate()
-            layout_limits.check(layout)
-        except ValueError as e:
-            raise Fail("bad_layout", str(e)) from None
-        if layout.chunk_size != self.cfg.chunk_size:
-            raise Fail("bad_layout", f"layout.chunk_size {layout.chunk_size} does not match the "
-                                     f"server's --chunk-size {self.cfg.chunk_size}")
-        if layout.chunk_bytes > self.arena.pool_bytes:
-            raise Fail("too_large", f"one chunk of this layout is {layout.chunk_bytes} bytes, "
-                                    f"larger than the whole pool ({self.arena.pool_bytes} bytes)")
-        old = self.layouts.get((model, layout.tp_rank))
-        if old is not None and old != layout:
-            raise Fail("layout_conflict", f"model {quoted(model)} tp_rank {layout.tp_rank} is "
-                                          f"already registered with {old}, not {layout}")
-        if old is None:
-            if len(self.layouts) >= self.cfg.max_models:
-                raise Fail("too_many_models", f"{len(self.layouts)} model layouts are registered"
-                                              f", at most {self.cfg.max_models} (--max-models);"
-                                              f" unregister one first")
-            self.layouts[(model, layout.tp_rank)] = layout
-            log.info("registered model %s tp_rank %d: chunk %s %s (%d bytes)", quoted(model),
-                     layout.tp_rank, layout.chunk_shape, layout.dtype, layout.chunk_bytes)
-        return P.Ok()
-
     def _lookup(self, ident: bytes, holder: bytes, rid: bytes, req: P.Lookup):
         self._layout(req.model, req.tp_rank, req.keys)
         cfg = self.cfg
@@ -435,13 +395,18 @@ class Service(L2Methods):
                 else:
                     self.waiters.park(w, n)
 
-    def _prepare(self, model: str, tp: int, keys: list[bytes], holder: bytes):
+    def _prepare(self, model: str, tp: int, keys: list[bytes], holder: bytes, park=None):
+        """A kv store: its slots, or None when `park` (ident, rid, request) was parked until
+        the pool has made room for it (slices.py: it is answered then)."""
         lay = self._layout(model, tp, keys)
         need = len(set(keys)) * lay.chunk_bytes
         if need > self.arena.pool_bytes:
             raise Fail("too_large", f"store of {len(keys)} chunk(s) x {lay.chunk_bytes} bytes = "
                                     f"{need} bytes is larger than the pool "
                                     f"({self.arena.pool_bytes} bytes, --l1-size-gb)")
+        if park is not None and self._park_store(park, holder,
+                                                 self.index.slot_bytes(lay.chunk_bytes)):
+            return None
         r = self.index.prepare(model, tp, keys, lay.chunk_bytes, holder)  # Refused: pool_full
         return P.StoreSlots(store_id=r.store_id, missing=r.missing, offsets=r.offsets,
                             present=r.present, layout=lay, instance=self.instance)
@@ -490,57 +455,6 @@ class Service(L2Methods):
             self.index.release(r.lease_id, holder)
         return reply
 
-    # ---- narrow operations for the data link (each takes the lock) ---------------------
-    def begin_put(self, store_id: int, holder: bytes, nbytes: int, cut) -> Transfer:
-        """The slots a PUT of `nbytes` may write, if `holder` holds that store."""
-        with self.lock:
-            try:
-                t = self.index.begin_put(store_id, holder)
-            except Refused as e:
-                return Transfer(error=(e.code, f"PUT: {e.message}"))
-            if nbytes != t.nbytes:
-                self.index.finish_put(store_id, False)
-                return Transfer(error=("malformed", f"PUT of store {store_id} announces {nbytes} "
-                                                    f"bytes, expected {t.nbytes} "
-                                                    f"({len(t.slots)} missing chunk(s) of the "
-                                                    f"layout); the store is void"))
-            self._cuts[store_id] = cut
-            return Transfer(views=[self.arena.view(x.offset, x.nbytes) for x in t.slots])
-
-    def finish_put(self, store_id: int, ok: bool) -> tuple[P.ErrorCode, str] | None:
-        """The PUT ended; None when its bytes count (the store may be committed)."""
-        with self.lock:
-            self._cuts.pop(store_id, None)
-            if not ok:
-                self.metrics.transfers_failed.labels("put").inc()
-            if not self.index.finish_put(store_id, ok) and ok:  # cut as the last bytes came in
-                return "store_expired", (f"PUT: store {store_id} passed its deadline during the "
-                                         f"transfer and was dropped; store again")
-        return None
-
-    def begin_get(self, lease_id: int, holder: bytes, cut) -> Transfer:
-        """The slots a GET sends, if `holder` holds that lease."""
-        with self.lock:
-            try:
-                t = self.index.begin_get(lease_id, holder)
-            except Refused as e:
-                return Transfer(error=(e.code, f"GET: {e.message}"))
-            self._cuts[lease_id] = cut
-            return Transfer(views=[self.arena.view(x.offset, x.nbytes) for x in t.slots])
-
-    def finish_get(self, lease_id: int, ok: bool) -> None:
-        """The GET ended (sent, or cut): the lease is released either way."""
-        with self.lock:
-            self._cuts.pop(lease_id, None)
-            if not ok:
-                self.metrics.transfers_failed.labels("get").inc()
-            released = self.index.finish_get(lease_id, ok)
-            if ok and released is not None:
-                self.metrics.retrieve_latency.observe(time.monotonic() - released.started)
-
-    def count_error(self, code: P.ErrorCode) -> None:
-        self.metrics.errors.labels(code).inc()
-
     # ---- introspection for HTTP and the metrics collector (each takes the lock) --------
     def snapshot(self) -> dict:
         """O(1): what /status, Stats and /metrics show."""
@@ -551,42 +465,14 @@ class Service(L2Methods):
         return self.index.snapshot() | {
             "models": len(self.layouts), "waiting_lookups": len(self.waiters),
             "parked_keys": self.waiters.keys, "data_conns": self.data.connections(),
-            "zmq_conns": self.peers.connected(), "heap_trims": self.trim.trims,
+            "zmq_conns": self.peers.connected(), "zmq_conns_refused": self.peers.refused,
+            "heap_trims": self.trim.trims,
             "transfer_mode": "shm" if self.cfg.shm_name else "socket",
             "uptime_s": round(time.time() - self.started, 3),
-        } | self.feed.snapshot() | (self.l2.snapshot() if self.l2 is not None else {})
-
-    def models(self) -> dict[str, list[ModelLayout]]:
-        """The registered layouts by model name (at most --max-models): ListModels, /status."""
-        with self.lock:
-            return self._models()
-
-    def _models(self) -> dict[str, list[ModelLayout]]:
-        models: dict[str, list[ModelLayout]] = {}
-        for (m, _), lay in sorted(self.layouts.items()):
-            models.setdefault(m, []).append(lay)
-        return models
+        } | self.feed.snapshot() | self.replies.snapshot() | (
+            self.l2.snapshot() if self.l2 is not None else {})
 
     def page(self, model: str | None, after: int | None, limit: int):
         """O(limit): one page of ready objects for GET /cache (see Index.page)."""
         with self.lock:
             return self.index.page(model, after, limit)
-
-    def clear(self, model: str | None) -> int:
-        """DELETE /cache: delete every object (of one model) ready when it was asked -> how
-        many. In slices of CLEAR_SLICE objects, each under the lock, so the loop runs
-        between them (a quarter of a million objects in one go held it for seconds).
-        Raises LookupError for a model that is not registered."""
-        with self.lock:
-            if model is not None and not any(m == model for m, _ in self.layouts):
-                raise LookupError(f"model {quoted(model)} is not registered")
-            upto = self.index.newest_ready(model)
-        n = 0
-        while upto is not None:
-            with self.lock:
-                k, more = self.index.clear_some(model, upto, CLEAR_SLICE)
-            n += k
-            if not more:
-                break
-            time.sleep(CLEAR_PAUSE_S)
-        return n

@@ -37,7 +37,7 @@ def server(request, tmp_path_factory):
             KVClient(s.url, secret_file=path and str(path)) as c:
         c.register("a", SMALL)
         c.store("a", [key(i, "fz") for i in range(8)], [chunk_for(key(i, "fz")) for i in range(8)])
-        yield s, path and auth.load_secret(None, path).decode()
+        yield s, path and auth.http_token(auth.load_secret(None, path))
 
 
 @pytest.fixture(scope="module")

@@ -128,16 +128,20 @@ def test_a_stranger_holding_handshakes_fails_no_socket_client(tmp_path, other_ui
 def test_one_session_holds_at_most_its_share_of_a_total_cap():
     """A per-client cap set above the total: one session still stops at its share (1/8 by
     default) and the other sessions' retrieves go on."""
+    from kvedit.layout import ModelLayout
+    tiny = ModelLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16",
+                       chunk_size=256)
     total = 1 << 20
-    with start_server(0.02, extra_args=["--max-leased-keys-per-client", str(2 * total),
+    with start_server(0.2, extra_args=["--max-leased-keys-per-client", str(2 * total),
                                         "--max-leased-keys-total", str(total)]) as s:
+        keys = [i.to_bytes(16, "little") for i in range(8192)]
         with KVClient(s.url) as c:
-            c.register("m", SMALL)
-            k = key(0, "share")
-            c.store("m", [k], [chunk_for(k)])
+            c.register("m", tiny)
+            for start in range(0, 8192, 1024):
+                c.prepare_store("m", keys[start:start + 1024]).commit()
         greedy = session_dealer(s.url)
         try:
-            body = P.Retrieve(model="m", keys=[k] * 8192, with_data=True)
+            body = P.Retrieve(model="m", keys=keys)   # 8,192 distinct keys a lease
             codes = [type(r).__name__ if not isinstance(r, P.Error) else r.code
                      for r in (call(greedy, body) for _ in range(40))]
             assert codes.count("Leased") == total // 8 // 8192, codes
@@ -146,7 +150,7 @@ def test_one_session_holds_at_most_its_share_of_a_total_cap():
             assert held == total // 8, held
             with KVClient(s.url) as other:   # the rest of the total is there for others
                 for i in range(100):
-                    with other.retrieve("m", [k]) as got:
+                    with other.retrieve("m", keys[i:i + 1]) as got:
                         assert len(got) == 1
             cfg = json.loads(_http(s.http_url + "/config"))
             assert cfg["client_caps"]["lease_keys"] == total // 8

@@ -43,7 +43,7 @@ def _flood(sock, body: bytes, n: int) -> list:
 def test_a_lease_flood_of_one_key_does_not_grow_the_server():
     """1,000 leases of one ready key × 8,192 (the red-team's loop): the server keeps each
     object once per lease, so it grows by a few bytes a lease, not ~66 KiB (~66 MB here)."""
-    with start_server(0.02) as s, KVClient(s.url) as c:
+    with start_server(0.02, client_pool_fraction=None) as s, KVClient(s.url) as c:
         c.register("m", SMALL)
         k = key(0, "flood")
         c.store("m", [k], [chunk_for(k)])
@@ -63,17 +63,17 @@ def test_a_lease_flood_of_one_key_does_not_grow_the_server():
             cfg = httpx.get(s.http_url + "/config", timeout=10).json()
             assert cfg["max_leases_per_client"] == 4096 and cfg["max_leases_total"] == 65536
             assert cfg["max_leased_keys_per_client"] == 1 << 18
-            assert cfg["client_pool_bytes"] == int(0.75 * cfg["pool_bytes"])
+            assert cfg["client_pool_bytes"] == int(0.25 * cfg["pool_bytes"])
         finally:
             close_dealer(flooder)
 
 
 def test_lease_and_store_counts_are_capped_per_session_and_in_total():
-    # a per-session cap of 30 beside a total of 50: no share of the total (the share, one
-    # session at most an eighth of it, is tests/server/test_preauth.py's)
+    # a per-session cap of 30 beside a total of 50: no share of the total and no reserve
+    # (the share is tests/server/test_preauth.py's, the reserve test_few_sessions.py's)
     flags = ["--max-leases-per-client", "30", "--max-leases-total", "50",
              "--max-stores-per-client", "20", "--max-leased-keys-per-client", "100",
-             "--max-client-total-share", "1"]
+             "--max-client-total-share", "1", "--quota-reserve", "0"]
     with start_server(0.02, extra_args=flags) as s, KVClient(s.url) as c:
         c.register("m", SMALL)
         ks = [key(i, "caps") for i in range(4)]
@@ -138,16 +138,16 @@ def test_leased_keys_count_each_object_once_per_lease():
 
 
 def test_one_session_cannot_pin_the_whole_pool():
-    """8 chunks of 16 in flight or leased is all one session may pin by default (3/4);
+    """4 chunks of 16 in flight or leased is all one session may pin by default (1/4);
     another client's stores still find room, before and after the pinner leases."""
-    with start_server(16 * CHUNK / 2**30) as s, KVClient(s.url) as legit:
+    with start_server(16 * CHUNK / 2**30, client_pool_fraction=None) as s, \
+            KVClient(s.url) as legit:
         legit.register("m", SMALL)
         pinner = session_dealer(s.url)
         try:
             stores = []
-            for i in range(3):
-                r = call(pinner, P.PrepareStore(model="m",
-                                                keys=[key(4 * i + j, "pin") for j in range(4)]))
+            for i in range(4):
+                r = call(pinner, P.PrepareStore(model="m", keys=[key(i, "pin")]))
                 assert isinstance(r, P.StoreSlots), r
                 stores.append(r.store_id)
             r = call(pinner, P.PrepareStore(model="m", keys=[key(99, "pin")]))
@@ -158,19 +158,16 @@ def test_one_session_cannot_pin_the_whole_pool():
                 assert legit.store("m", ks, [chunk_for(k) for k in ks]).stored == 4
             for sid in stores:
                 assert isinstance(call(pinner, P.Commit(store_id=sid)), P.Committed)
-            pins = [key(i, "pin") for i in range(12)]
+            pins = [key(i, "pin") for i in range(4)]
             lease = call(pinner, P.Retrieve(model="m", keys=pins))
-            assert isinstance(lease, P.Leased) and lease.count == 12
-            # leasing them again pins nothing more; one more chunk would (13 > 12)
+            assert isinstance(lease, P.Leased) and lease.count == 4
+            # leasing them again pins nothing more; one more chunk would (5 > 4)
             assert isinstance(call(pinner, P.Retrieve(model="m", keys=pins[:1])), P.Leased)
             r = call(pinner, P.PrepareStore(model="m", keys=[key(98, "pin")]))
             assert isinstance(r, P.Error) and r.code == "over_quota"
             ks = [key(j, "after") for j in range(4)]
             assert legit.store("m", ks, [chunk_for(k) for k in ks]).stored == 4
-            with pytest.raises(KVError) as e:   # only the leased 12 are left pinned
-                more = [key(j, "more") for j in range(5)]
-                legit.store("m", more, [chunk_for(k) for k in more])
-            assert e.value.code == "pool_full"
+            assert legit.stats()["held_lease_bytes"] == 4 * CHUNK
         finally:
             close_dealer(pinner)
 

@@ -133,8 +133,11 @@ def test_the_real_server_proves_itself_over_http(tmp_path):
         challenge = auth.http_challenge()
         r = httpx.get(s.http_url + "/health", headers={auth.CHALLENGE_HEADER: challenge},
                       timeout=5)
-        assert auth.check_http_proof(secret, challenge, r.headers.get(auth.PROOF_HEADER))
-        assert not auth.check_http_proof(SECRET, challenge, r.headers.get(auth.PROOF_HEADER))
+        proof, where = r.headers.get(auth.PROOF_HEADER), f"127.0.0.1:{s.http_port}"
+        assert r.headers.get(auth.ENDPOINT_HEADER) == where
+        assert auth.check_http_proof(secret, challenge, proof, where)
+        assert not auth.check_http_proof(SECRET, challenge, proof, where)
+        assert not auth.check_http_proof(secret, challenge, proof, f"[::1]:{s.http_port}")
 
 
 def test_a_runtime_directory_of_another_user_is_refused_naming_its_owner(tmp_path,

@@ -44,6 +44,12 @@ def test_short_soak_keeps_every_invariant():
     assert res["attacks"]["watchflood"].get("subscribed", 0) >= 5, detail
     assert res["attacks"]["handshakes"].get("opened", 0) >= 100, detail
     assert res["attacks"]["watcher"].get("miss_wrong", 0) == 0, detail   # also unexpected
+    # the 2026-12-06 attackers: a relay got no token, a model of thousands went in slices,
+    # sockets that never read were cut, 8 sessions met the leases' reserve line
+    assert res["attacks"]["relay"].get("refused", 0) >= 5, detail
+    assert res["attacks"]["unregister"].get("unregistered", 0) >= 2, detail
+    assert res["attacks"]["fewsessions"].get("over_quota", 0) >= 1, detail
+    assert res["bound_counters"]["reply_cuts"] >= 1, res["bound_counters"]
     # the restarts reused the secret the server made: every client went on by itself
     assert all(w["ops"] > 300 for w in res["per_worker"]), res["per_worker"]
     assert all(w["idle_periods"] >= 1 for w in res["per_worker"]), res["per_worker"]
@@ -58,3 +64,6 @@ def test_short_soak_keeps_every_invariant():
     assert watch["attacker"]["subscriptions_sent"] > 50
     assert watch["attacker"]["rss_peak_growth_mb"] < 64, watch["attacker"]
     assert watch["delete"]["synced"] and watch["delete"]["deleted"] == 16384 + 10 * 8192
+    evict, unreg = res["scaling"]["evicting_stores"], res["scaling"]["unregister"]
+    assert evict["evictions"] >= 9 * 8192, evict   # (what was left free took a part)
+    assert unreg["reply"] == "Count" and unreg["objects"] >= 10 * 8192, unreg   # LRU kept them

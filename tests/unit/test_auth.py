@@ -227,10 +227,28 @@ def test_handshake_short_answer_is_an_auth_error():
 
 # ---- HTTP ---------------------------------------------------------------------------------
 def test_http_bearer_check():
-    tok = SECRET.decode()
+    """The bearer is a token derived from the secret for HTTP only; the secret itself is
+    refused (and recognised, so an old client is told why)."""
+    tok = auth.http_token(SECRET)
+    assert len(tok) == 64 and SECRET.decode() not in tok and tok != auth.http_token(OTHER)
     assert auth.http_authorized(None, None)                  # no secret: open
     assert auth.http_authorized(f"Bearer {tok}", SECRET)
     assert auth.http_authorized(f"bearer  {tok} ", SECRET)
     assert auth.bearer_header(SECRET) == {"Authorization": f"Bearer {tok}"}
-    for bad in (None, "", tok, f"Basic {tok}", f"Bearer {OTHER.decode()}", "Bearer ", "Bearer é"):
+    raw = f"Bearer {SECRET.decode()}"
+    for bad in (None, "", tok, f"Basic {tok}", f"Bearer {auth.http_token(OTHER)}", "Bearer ",
+                "Bearer é", raw):
         assert not auth.http_authorized(bad, SECRET), bad
+    assert auth.sent_raw_secret(raw, SECRET) and not auth.sent_raw_secret(f"Bearer {tok}", SECRET)
+
+
+def test_http_proof_names_its_endpoint():
+    c = auth.http_challenge()
+    proof = auth.http_proof(SECRET, c, "127.0.0.1:8080")
+    assert auth.check_http_proof(SECRET, c, proof, "127.0.0.1:8080")
+    for where in ("127.0.0.1:8081", "[::1]:8080", "127.0.0.2:8080"):   # a relay elsewhere
+        assert not auth.check_http_proof(SECRET, c, proof, where), where
+    assert not auth.check_http_proof(OTHER, c, proof, "127.0.0.1:8080")
+    assert auth.endpoint(("::ffff:127.0.0.1", 80, 0, 0)) == "127.0.0.1:80"
+    assert auth.endpoint(("::1", 80, 0, 0)) == "[::1]:80"
+    assert auth.endpoint(("fe80::1%lo", 80)) == "[fe80::1]:80"

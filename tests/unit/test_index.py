@@ -454,6 +454,15 @@ def _recount(ix: Index) -> dict:
                              if o.state == I.READY and not o.leases and id(o) not in pins)}
 
 
+def _recount_in_use(ix: Index) -> dict:
+    """Live objects being written or leased, per (model, tp_rank): what Unregister waits for."""
+    out: dict = {}
+    for o in [*ix.objects.values(), *ix.queries.values()]:
+        if o.state != I.READY or o.leases:
+            out[(o.model, o.tp_rank)] = out.get((o.model, o.tp_rank), 0) + 1
+    return out
+
+
 def _recount_quota(ix: Index) -> dict:
     """What each holder holds, from the tables (quota.py must agree): a store or lease counts
     while open, cut (until finished) or quarantined."""
@@ -475,6 +484,10 @@ def _recount_quota(ix: Index) -> dict:
             distinct.setdefault(p.holder, {}).update({id(o): o.slot for o in p.objs})
     for holder, h in held.items():
         h["lease_bytes"] = sum(distinct.get(holder, {}).values())
+    everyone = {i: slot for d in distinct.values() for i, slot in d.items()}
+    held[b"total"] = {f: sum(h[f] for h in held.values())
+                      for f in ("leases", "stores", "lease_keys", "store_bytes")}
+    held[b"total"]["lease_bytes"] = sum(everyone.values())   # an object once, whoever leases
     return held
 
 
@@ -485,6 +498,8 @@ def _quota_as_held(ix: Index) -> dict:
         h = q.held(holder)
         if h is not None:
             out[holder] = {f: getattr(h, f) for f in ("leases", "stores", "lease_keys",
+                                                      "store_bytes", "lease_bytes")}
+    out[b"total"] = {f: getattr(q.total, f) for f in ("leases", "stores", "lease_keys",
                                                       "store_bytes", "lease_bytes")}
     return out
 
@@ -563,6 +578,7 @@ def test_counters_equal_a_recount_after_random_operations(seed):
         assert ix.evictable() == _recount(ix)["evictable"]
         assert c.ready == len(ix.pages) == ix.page(None, None, 1).total
         assert _quota_as_held(ix) == _recount_quota(ix), step
+        assert ix._in_use == _recount_in_use(ix), step
     # drain: everything ends; every slot comes back
     for pid in [*ix.pending.cut, *ix.stores, *ix.leases]:
         _finish(ix, pid)
@@ -623,3 +639,28 @@ def test_every_refusal_is_a_protocol_error_code():
     from kvedit.server.waiters import TooManyWaits
     codes = {c.code for c in I.Refused.__subclasses__()} | {TooManyWaits.code}
     assert len(codes) == 9 and codes <= ERROR_CODES
+
+
+def test_the_reserve_of_a_total_is_for_sessions_holding_little():
+    """quota.py's reserve on a real Index: 16 leases in all, 5 a session, the last 4 kept
+    for sessions holding at most 2 (half the reserve here)."""
+    from kvedit.server.quota import QuotaLimits
+    lim = QuotaLimits(leases_per_client=5, leases_total=16, reserve=0.25, share=0.5)
+    ix = Index(Allocator(START, 16 * CH), "LRU", 10.0, 10.0, limits=lim, clock=Clock())
+    store(ix, [k(0)])
+    sessions = [bytes([i]) * 16 for i in range(6)]
+    for h in sessions[:3]:   # three sessions with 4 each reach the line (12)
+        for _ in range(4):
+            ix.lease("m", 0, [k(0)], h)
+    with pytest.raises(I.OverQuota, match="--quota-reserve"):   # holds 4: refused first
+        ix.lease("m", 0, [k(0)], sessions[0])
+    for _ in range(2):       # a session holding little gets its share of the reserve ...
+        ix.lease("m", 0, [k(0)], sessions[3])
+    with pytest.raises(I.OverQuota, match="--quota-reserve"):   # ... and no more
+        ix.lease("m", 0, [k(0)], sessions[3])
+    for _ in range(2):       # so does the next one: 16, the total
+        ix.lease("m", 0, [k(0)], sessions[4])
+    with pytest.raises(I.OverQuota, match="--max-leases-total"):
+        ix.lease("m", 0, [k(0)], sessions[5])
+    # six sessions lease one object: the pool's total counts its slot once
+    assert ix.pending.quota.total.lease_bytes == CH

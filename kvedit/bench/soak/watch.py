@@ -24,9 +24,15 @@ from typing import Union
 import msgspec
 import zmq
 
-from kvedit import auth
 from kvedit import protocol as P
-from kvedit.bench.soak_procs import RawPeer, pct, thin
+from kvedit.bench.soak.common import RawPeer, deaf_socket
+from kvedit.bench.soak.summary import pct, thin
+from kvedit.client import KVClient
+from kvedit.layout import ModelLayout
+from kvedit.server.index import Index
+from kvedit.server.key_feed import KeyFeed, WatchLimits
+from kvedit.server.pool import Allocator
+from kvedit.server.slices import SLICE as CLEAR_SLICE
 
 WATCHERS, SESSIONS = 64, 16
 
@@ -59,7 +65,7 @@ _heads = msgspec.msgpack.Decoder(Union[_Snapshot, _Events, _Ack, _Error])
 PROBE_EVERY_S = 0.005
 
 
-class _Prober:
+class Prober:
     """A Hello every PROBE_EVERY_S on its own socket: (when sent, ms) samples."""
 
     def __init__(self, url: str, secret: bytes | None):
@@ -71,7 +77,7 @@ class _Prober:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> _Prober:
+    def __enter__(self) -> Prober:
         self._thread.start()
         return self
 
@@ -93,21 +99,9 @@ class _Prober:
         return [ms for t, ms in self.samples if a <= t <= b]
 
 
-def _stats(ms: list[float]) -> dict:
+def hello_stats(ms: list[float]) -> dict:
     return {"n": len(ms), "p50_ms": pct(ms, 0.5), "p99_ms": pct(ms, 0.99),
             "max_ms": pct(ms, 1.0)}
-
-
-def _deaf(url: str, secret: bytes | None) -> zmq.Socket:
-    s = zmq.Context().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVHWM, 1)
-    s.setsockopt(zmq.RCVBUF, 4096)
-    s.setsockopt(zmq.ROUTING_ID, os.urandom(16) + bytes(4))
-    if secret is not None:
-        auth.curve_client(s, secret)
-    s.connect(url)
-    return s
 
 
 def watch_attack(srv, rss, secret: bytes | None, model: str, seconds: float = 20.0,
@@ -115,10 +109,10 @@ def watch_attack(srv, rss, secret: bytes | None, model: str, seconds: float = 20
     """One never-reading socket re-subscribing a watch of `model` ten times a second."""
     before = rss()
     peak = before
-    with _Prober(srv.url, secret) as probe:
+    with Prober(srv.url, secret) as probe:
         time.sleep(idle_s)
         t_attack = time.monotonic()
-        d = _deaf(srv.url, secret)
+        d = deaf_socket(srv.url, secret)
         sent, epoch = 0, 0
         try:
             end = time.monotonic() + seconds
@@ -138,8 +132,8 @@ def watch_attack(srv, rss, secret: bytes | None, model: str, seconds: float = 20
     return {"objects_watched": model, "subscriptions_sent": sent, "seconds": seconds,
             "rss_mb_before": round(before, 1), "rss_growth_mb": round(during - before, 1),
             "rss_peak_growth_mb": round(peak - before, 1),
-            "hello_idle": _stats(probe.between(t_attack - idle_s, t_attack)),
-            "hello_beside_attacker": _stats(probe.between(t_attack, t_end))}
+            "hello_idle": hello_stats(probe.between(t_attack - idle_s, t_attack)),
+            "hello_beside_attacker": hello_stats(probe.between(t_attack, t_end))}
 
 
 class _Watchers:
@@ -147,7 +141,6 @@ class _Watchers:
     thread (as KeyWatch.sync does: a renewal with the last seq applied)."""
 
     def __init__(self, url: str, secret: bytes | None, model: str):
-        from kvedit.client import KVClient
         self.clients = [KVClient(url, secret=secret, timeout=60) for _ in range(SESSIONS)]
         self.socks = [c.open_socket(rcvhwm=100_000) for c in self.clients
                       for _ in range(WATCHERS // SESSIONS)]
@@ -223,7 +216,6 @@ def watched_delete(srv, client, secret: bytes | None, rss, http, objects: int) -
     """64 watches of a model of `objects` objects (whole multiples of 8,192); stores of
     8,192 keys, then the model deleted (DELETE /cache?model=...), the loop probed
     throughout."""
-    from kvedit.layout import ModelLayout
     tiny = ModelLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16",
                        chunk_size=256)
     model = "watched"
@@ -239,7 +231,7 @@ def watched_delete(srv, client, secret: bytes | None, rss, http, objects: int) -
         t0 = time.monotonic()
         out["synced"] = watchers.wait_synced(300)
         out["snapshots_s"] = round(time.monotonic() - t0, 1)
-        with _Prober(srv.url, secret) as probe:
+        with Prober(srv.url, secret) as probe:
             time.sleep(3)
             t_idle = time.monotonic()
             for n in range(10):
@@ -252,9 +244,9 @@ def watched_delete(srv, client, secret: bytes | None, rss, http, objects: int) -
             t_deleted = time.monotonic()
             time.sleep(2)
         out |= {"deleted": deleted, "delete_s": round(t_deleted - t_del, 2),
-                "hello_idle": _stats(probe.between(t_idle - 3, t_idle)),
-                "hello_during_8192_key_stores": _stats(probe.between(t_idle, t_stores)),
-                "hello_during_delete": _stats(probe.between(t_del, t_deleted + 0.5)),
+                "hello_idle": hello_stats(probe.between(t_idle - 3, t_idle)),
+                "hello_during_8192_key_stores": hello_stats(probe.between(t_idle, t_stores)),
+                "hello_during_delete": hello_stats(probe.between(t_del, t_deleted + 0.5)),
                 "hello_delete_samples_ms": thin([round(ms, 1) for ms in probe.between(
                     t_del, t_deleted + 0.5)], 60),
                 "watch_messages": watchers.messages, "watch_mb": round(watchers.bytes / 2**20, 1),
@@ -269,12 +261,8 @@ def loop_costs(objects: int = 262_144, watches: int = WATCHERS) -> dict:
     """The loop's own CPU time (thread time: what scheduling on a busy box does not inflate)
     for the watch work, on the server's real Index and KeyFeed in this process (the sends go
     nowhere): one snapshot slice, the push of an 8,192-key store to `watches` watches, one
-    DELETE /cache slice (service.CLEAR_SLICE objects) and its push, all snapshots of
+    DELETE /cache slice (slices.SLICE objects) and its push, all snapshots of
     `objects` keys. Each figure is the most one step held the loop."""
-    from kvedit.server.index import Index
-    from kvedit.server.key_feed import KeyFeed, WatchLimits
-    from kvedit.server.pool import Allocator
-    from kvedit.server.service import CLEAR_SLICE
 
     def cpu(fn) -> float:
         t0 = time.thread_time()
@@ -314,11 +302,14 @@ def loop_costs(objects: int = 262_144, watches: int = WATCHERS) -> dict:
     push_ms = cpu(feed.flush)
     upto = index.newest_ready("m")
     clears, flushes = [], []
-    more = True
-    while more:
-        clears.append(cpu(lambda: index.clear_some("m", upto, CLEAR_SLICE)))
-        more = index.newest_ready("m") is not None
+    cursor = None
+    while True:
+        t0 = time.thread_time()
+        _, cursor = index.clear_some("m", upto, CLEAR_SLICE, cursor=cursor)
+        clears.append((time.thread_time() - t0) * 1e3)
         flushes.append(cpu(feed.flush))
+        if cursor is None:
+            break
     return {"objects": objects, "watches": watches, "snapshot_mb": round(sent[0] / 2**20, 1),
             "subscribe_max_ms": round(max(subscribe), 2),
             "snapshot_pass_max_ms": round(max(passes), 2), "snapshot_passes": len(passes),

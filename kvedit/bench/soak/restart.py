@@ -21,6 +21,10 @@ from pathlib import Path
 import httpx
 
 from kvedit import auth
+from kvedit.harness.tiny_model import default_tiny_model
+from kvedit.launch.server import ServerProcess, free_port
+from kvedit.launch.vllm import start_vllm
+from kvedit.sdk.context import connect
 
 MODEL = "tiny-qwen3"
 
@@ -36,7 +40,6 @@ def env_with_rundir(rundir: Path) -> dict:
 def made_secret_server(pool_gb: float, env: dict, extra: list[str]):
     """A server started as a user would start it: no secret flag (it makes one, or reuses the
     one its port left), on fixed ports (a restart keeps them, the data port too)."""
-    from kvedit.launch.server import ServerProcess, free_port
     port, http_port, data_port = free_port(), free_port(), free_port()
     shm = f"kvedit-soak-{os.getpid()}-{port}"
     srv = ServerProcess(["--l1-size-gb", str(pool_gb), "--port", str(port), "--http-port",
@@ -47,10 +50,6 @@ def made_secret_server(pool_gb: float, env: dict, extra: list[str]):
 
 
 def restart_under_vllm(down_s: float = 1.0, settle_s: float = 15.0) -> dict:
-    from kvedit.harness.tiny_model import default_tiny_model
-    from kvedit.launch.vllm import start_vllm
-    from kvedit.sdk.context import connect
-
     with tempfile.TemporaryDirectory(prefix="kvedit-restart-") as tmp:
         rundir = Path(tmp) / "run"
         rundir.mkdir(mode=0o700)
