@@ -51,6 +51,20 @@ def register(sub) -> None:
     p.add_argument("--seeds", default=None,
                    help="several suites in one run, e.g. 0,1,2: per-seed and pooled results "
                         "(overrides --seed)")
+    _reference(p)
+    _run_shape(p)
+    _output(p)
+    g = p.add_argument_group("existing engines (default: start a kvedit server and vLLMs here)")
+    g.add_argument("--server-url", help="kvedit server ZMQ url (tcp://host:port)")
+    g.add_argument("--server-http-url", help="its HTTP url")
+    g.add_argument("--vllm-url", help="vLLM with the kvedit connector on --model; the gain "
+                                      "arms need a KV-bound vLLM we start, so they are skipped")
+    g.add_argument("--served-model-name", help="the model's name on that vLLM")
+    p.set_defaults(func=_main)
+
+
+def _reference(p) -> None:
+    """The suites beside the main one: reuse, and kvpress's presses on the same prompts."""
     p.add_argument("--no-reuse", action="store_true",
                    help="skip the reuse suite (every question of multi-question samples "
                         "asked of one edited cache)")
@@ -68,6 +82,10 @@ def register(sub) -> None:
     p.add_argument("--reference-share", type=float, default=0.3, metavar="F",
                    help="with --deadline-s: the fraction of it left for the kvpress arm "
                         "(default %(default)s)")
+
+
+def _run_shape(p) -> None:
+    """How the run is cut and paced: deadline, groups, requests and cells at once."""
     p.add_argument("--deadline-s", type=float, default=None, metavar="S",
                    help="no group of samples, cell or arm starts that would end past S "
                         "seconds from the start (judged by the same step before); "
@@ -92,6 +110,10 @@ def register(sub) -> None:
     p.add_argument("--no-keep-header", action="store_true",
                    help="policies with a `sink` option use their own default instead of "
                         "keeping the prompt's header (template opening + instruction)")
+
+
+def _output(p) -> None:
+    """What is written, and the decode-gain arms."""
     p.add_argument("--pool", default=None, metavar="DIR,DIR,...",
                    help="run nothing: pool the answers of earlier runs' --out directories "
                         "into one set of figures (written to --out/results.json)")
@@ -102,13 +124,6 @@ def register(sub) -> None:
     p.add_argument("--gain-each", action="store_true",
                    help="one gain arm per policy x ratio (default: one per kept size)")
     p.add_argument("--no-progress", action="store_true")
-    g = p.add_argument_group("existing engines (default: start a kvedit server and vLLMs here)")
-    g.add_argument("--server-url", help="kvedit server ZMQ url (tcp://host:port)")
-    g.add_argument("--server-http-url", help="its HTTP url")
-    g.add_argument("--vllm-url", help="vLLM with the kvedit connector on --model; the gain "
-                                      "arms need a KV-bound vLLM we start, so they are skipped")
-    g.add_argument("--served-model-name", help="the model's name on that vLLM")
-    p.set_defaults(func=_main)
 
 
 def _list(text: str, kind, what: str) -> list:
