@@ -53,6 +53,7 @@ class Repair(DropPolicy):
     restore: float = 1.0
     sink: int = 0
     needs_queries: ClassVar[bool] = True
+    queries_from: ClassVar[str | None] = "prompt"   # the question's: a query-aware result
 
     def __post_init__(self):
         super().__post_init__()
