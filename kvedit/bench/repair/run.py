@@ -11,7 +11,7 @@ import uuid
 
 import kvedit
 from kvedit.edits import KeyDiff, Repair
-from kvedit.harness.eval.run import engine_dtype
+from kvedit.harness.eval.sizing import engine_dtype
 from kvedit.harness.experiment import engines
 from kvedit.harness.vocab import greedy, resolve_model
 from kvedit.sdk.loop import run_sync
