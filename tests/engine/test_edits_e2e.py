@@ -19,6 +19,7 @@ import torch
 from kvedit.edits import POLICIES, DropMiddle
 from kvedit.keys import request_keys
 from kvedit.sdk.batch import BatchedStream
+from kvedit.sdk.context_pass import capture_context
 from kvedit.sdk.openai import openai_completion
 from kvedit.sdk.queries import as_tensor
 from kvedit.sdk.stream import create_request
@@ -94,9 +95,15 @@ def test_every_policy_keeps_what_it_chooses_on_vllms_kv(ctx, vllm_server, name):
         why = capture_unavailable("auto", version)
         if why:
             pytest.skip(f"{name} scores with captured queries: {why}")
+    # Expected Attention scores with the context's own queries: the prefill captures
+    # nothing, the context pass captures the region's last rows (kvedit.sdk.context_pass)
+    from_context = policy.queries_from == "context"
     batch = BatchedStream([create_request(ctx, post, prompt, cache_salt=uuid.uuid4().hex,
-                                          capture_queries=window)], progress=False)
+                                          capture_queries=0 if from_context else window)],
+                          progress=False)
     batch.prefill(GREEDY)
+    if from_context:
+        capture_context(batch.streams, rows=window)
     s = batch.streams[0]
     original = torch.cat(stored(ctx, s.keys[:8]), dim=2)
     extra = {}
