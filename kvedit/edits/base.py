@@ -220,6 +220,14 @@ class DropPolicy:
             raise ValueError(f"{type(self).__name__}: kv must be [2, L, T, D], "
                              f"got {tuple(kv.shape)}")
 
+    def _check_keep(self, kv: torch.Tensor, keep: int) -> int:
+        """T, the tokens in `kv`, once `keep` is checked to be a selection's size of them."""
+        T = kv.shape[2]
+        if not 0 < keep <= T:
+            raise ValueError(f"{type(self).__name__}.select: keep must be in [1, {T}] (the "
+                             f"tokens in kv), got {keep}")
+        return T
+
     def unit_scores(self, kv: torch.Tensor, units: Units, layout: ModelLayout | None,
                     window: Window | None) -> torch.Tensor:
         """The policy's scores, checked: [count], or [L, H_kv, count] when per_head (a
@@ -315,10 +323,7 @@ class DropPolicy:
         as DropMiddle, scores with the ratio it was given)."""
         self._check_kv(kv)
         self._equal_counts("select")
-        T = kv.shape[2]
-        if not 0 < keep <= T:
-            raise ValueError(f"{type(self).__name__}.select: keep must be in [1, {T}] (the "
-                             f"tokens in kv), got {keep}")
+        T = self._check_keep(kv, keep)
         if keep == T:
             return self._all(kv, layout, T)
         units = self.units(T, layout)

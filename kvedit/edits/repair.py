@@ -119,10 +119,7 @@ class Repair(DropPolicy):
         """Exactly `keep` sorted token indices ([keep], or [L, H_kv, keep] per head): the
         base's best keep - r, then the question's best r of the rest."""
         self._check_kv(kv)
-        T = kv.shape[2]
-        if not 0 < keep <= T:
-            raise ValueError(f"{type(self).__name__}.select: keep must be in [1, {T}] (the "
-                             f"tokens in kv), got {keep}")
+        T = self._check_keep(kv, keep)
         if keep == T:
             return self._all(kv, layout, T)
         r = self.restored(keep)
