@@ -25,7 +25,10 @@ def test_an_edit_on_cuda_keeps_what_the_cpu_edit_keeps(name, per_head):
                          chunk_size=128, rope=RopeParams(theta=1e6), num_q_heads=HQ)
     cls = POLICIES[name]
     kw = dict(ratio=0.5, granularity="token", per_head=per_head)
-    extra = dict(queries=queries, query_start=T) if cls.needs_queries else {}
+    # A question's rows follow the context; Expected Attention scores with the context's own
+    # last rows (queries_from "context") and refuses rows outside it.
+    start = T - W if getattr(cls, "queries_from", None) == "context" else T
+    extra = dict(queries=queries, query_start=start) if cls.needs_queries else {}
     tokens = list(range(T))
     want_idx = cls(**kw).keep_indices(kv, layout, **extra)
     got_idx = cls(**kw, edit_device="cuda").keep_indices(kv, layout, **extra)
