@@ -29,8 +29,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 
+# --durations: the 30 slowest tests at the end of the log, where a CI run shows where its hour goes.
 test: setup
-	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -ra --durations=30 $(PYTEST_ARGS)
 
 # The edit loop's tier: no vLLM, no model conversion and nothing marked slow (floods, real-time
 # waits, fresh interpreters; tests/conftest.py says which folder is which); `make test` and CI
