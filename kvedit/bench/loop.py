@@ -18,6 +18,7 @@ import time
 
 import zmq
 
+from kvedit import auth
 from kvedit import protocol as P
 from kvedit.layout import ModelLayout
 
@@ -34,21 +35,31 @@ def register(bsub) -> None:
     p.set_defaults(func=run)
 
 
-def _dealer(ctx: zmq.Context, url: str) -> zmq.Socket:
+def _dealer(ctx: zmq.Context, url: str, secret: bytes | None) -> zmq.Socket:
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.ROUTING_ID, secrets.token_bytes(20))
+    if secret is not None:   # the server made a secret of its own (the default): CURVE
+        auth.curve_client(s, secret)
     s.connect(url)
     return s
+
+
+# A reply later than this is a server that stopped answering: say so rather than wait
+CALL_TIMEOUT_S = 30.0
 
 
 def _call(s: zmq.Socket, msg):
     rid = secrets.token_bytes(8)
     s.send_multipart([rid, P.encoder.encode(msg)])
-    while True:
+    end = time.monotonic() + CALL_TIMEOUT_S
+    while (left := end - time.monotonic()) > 0 and s.poll(int(left * 1000) + 1):
         got, reply = s.recv_multipart()
         if got == rid:
             return P.reply_decoder.decode(reply)
+    raise SystemExit(f"kvedit bench loop: no reply to {type(msg).__name__} within "
+                     f"{CALL_TIMEOUT_S:.0f} s (a server that refuses this client's "
+                     f"authentication answers nothing)")
 
 
 def _hellos(s: zmq.Socket, seconds: float) -> list[float]:
@@ -73,7 +84,8 @@ def measure(keys: int, seconds: float) -> dict:
     pool_gb = keys * 2 * 4096 / 2**30 + 0.01   # two sets of 4 KiB slots
     with start_server(pool_gb, extra_args=["--max-keys-per-request", str(keys)]) as srv:
         ctx = zmq.Context()
-        big, small = _dealer(ctx, srv.url), _dealer(ctx, srv.url)
+        secret = auth.load_secret(secret_file=srv.secret_file) if srv.secret_file else None
+        big, small = _dealer(ctx, srv.url, secret), _dealer(ctx, srv.url, secret)
         try:
             _call(big, P.Register(model="t", layout=TINY))
             ks = [secrets.token_bytes(16) for _ in range(keys)]
@@ -104,7 +116,7 @@ def measure(keys: int, seconds: float) -> dict:
                              **_summary(lat),
                              "hello_p99_vs_idle": round(lat[int(len(lat) * 0.99)] /
                                                         max(idle["hello_p99_ms"], 1e-3), 2)}
-            over = _dealer(ctx, srv.url)
+            over = _dealer(ctx, srv.url, secret)
             over.send_multipart([b"x", b"\0" * (srv_max_message_bytes(small) + 1)])
             t0 = time.perf_counter()
             _call(small, P.Hello(protocol=P.PROTOCOL))
