@@ -32,6 +32,12 @@ def test_engine_policies_run_one_more_in_engine_arm_each(tiny_model):
     assert list(arms) == ["keynorm:head", "snapkv", "anchored"]
     # every arm decodes the prefill's token and then O more per stream
     assert out["none"]["output_tokens"] == N * (O + 1)
+    # the SDK arm's two phases apart, and what the connector did in it (its stats lines):
+    # the prefill stored every stream's whole chunks, as the SDK asks
+    none = out["none"]
+    assert 0 < none["prefill_phase_s"] < none["wall_s"]
+    assert none["connector"]["store"]["chunks"] >= N * (P // 128)
+    assert none["connector"]["scheduler"]["steps"] > O
     for name, r in arms.items():
         assert r["output_tokens"] == N * (O + 1), name
         assert r["compactions"] > 0 and r["worker"]["compactions"] == r["compactions"], name

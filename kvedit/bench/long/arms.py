@@ -13,7 +13,9 @@ import time
 import uuid
 
 import kvedit
+from kvedit.bench.long.engine import STATS_INTERVAL_S, flush
 from kvedit.bench.long.policies import main_policy, queries_of
+from kvedit.bench.serve.counters import connector_counters, moved
 from kvedit.harness.experiment import block_size, cpu_seconds
 from kvedit.harness.vocab import engine_steps, fixed_length, vllm_counters
 
@@ -28,6 +30,7 @@ def sdk_arm(ctx, completion, prompts, args, eng, *, budget: bool, progress: bool
         batch.add(kvedit.create_request(ctx, completion, p, cache_salt=salt,
                                         capture_queries=capture))
     before, cpu0 = vllm_counters(eng.vllm_url), cpu_seconds(eng.pids)
+    conn0 = connector_counters(eng.log_path) if eng.log_path else None
     t0 = time.perf_counter()
     if budget:
         m = batch.run(fixed_length(1), kvedit.HostBudget(args.budget, args.every, policy),
@@ -38,9 +41,18 @@ def sdk_arm(ctx, completion, prompts, args, eng, *, budget: bool, progress: bool
                  "edit_retrieve_s": edits.retrieve_s, "chunks_deleted": edits.chunks_deleted}
     else:
         batch.prefill(fixed_length(1))
+        # the two phases apart: what the flow costs (prefill every stream first) is then
+        # told from what the decode under pressure costs
+        extra = {"prefill_phase_s": time.perf_counter() - t0}
         batch.decode(fixed_length(args.max_tokens))
-        extra = {}
     wall = time.perf_counter() - t0
+    if conn0 is not None:
+        # what the connector did meanwhile (its stats lines: stores, loads, hook time a
+        # step): the lines come at most every stats_interval_s while the engine steps, so
+        # one step (a 1-token request) past the interval writes the arm's last counts
+        time.sleep(STATS_INTERVAL_S + 0.2)
+        flush(eng.vllm_url, eng.model)
+        extra["connector"] = moved(connector_counters(eng.log_path), conn0)
     out = {"wall_s": wall, "cpu_s": cpu_seconds(eng.pids) - cpu0,
            "output_tokens": sum(len(s.output_token_ids) for s in batch),
            **engine_steps(before, vllm_counters(eng.vllm_url)), **extra,

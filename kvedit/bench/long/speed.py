@@ -50,9 +50,11 @@ def run(args, prompts: Prompts, plan: Plan, log, extra=()) -> dict:
     # the connector's default store mode, as `kvedit vllm serve` runs it: connector_one_phase
     # is then what a user who turns the connector on pays; the SDK's requests ask for their
     # chunks stored as computed whatever the mode (kvedit.request_params)
-    conn = {"store": TransferSettings().store}
+    # stats lines once a second: the SDK arms read the connector's stores, loads and hook
+    # time from them (arms.sdk_arm), the in-engine arms their workers' counts
+    conn = {"store": TransferSettings().store, "stats_interval_s": engine.STATS_INTERVAL_S}
     if args.in_engine:
-        conn.update({"in_engine": True, "stats_interval_s": engine.STATS_INTERVAL_S})
+        conn["in_engine"] = True
     with engines(model=prompts.model_dir, served_model_name=prompts.served, dtype=dtype,
                  kv_tokens=cap, max_model_len=max_len, chunk_size=args.chunk_size, log=log,
                  connector_config=conn, vllm_args=args.vllm_args,
