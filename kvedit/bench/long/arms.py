@@ -13,7 +13,7 @@ import time
 import uuid
 
 import kvedit
-from kvedit.bench.long.engine import STATS_INTERVAL_S, flush
+from kvedit.bench.long.logs import STATS_INTERVAL_S, flush
 from kvedit.bench.long.policies import main_policy, queries_of
 from kvedit.bench.serve.counters import connector_counters, moved
 from kvedit.harness.experiment import block_size, cpu_seconds

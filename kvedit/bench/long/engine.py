@@ -20,27 +20,12 @@ Where the in-engine figures come from:
 """
 from __future__ import annotations
 
-import json
 import re
 import time
 import urllib.request
 import uuid
 
-STATS = re.compile(r"kvedit: in-engine (worker )?stats (\{.*\})")
-
-
-def stats(log_path) -> dict[str, dict]:
-    """The last scheduler ("scheduler") and worker ("worker") stats lines in vLLM's log."""
-    out: dict[str, dict] = {}
-    if log_path is None:
-        return out
-    with open(log_path, errors="replace") as f:
-        for line in f:
-            m = STATS.search(line)
-            if m:
-                out["worker" if m[1] else "scheduler"] = json.loads(m[2])
-    return out
-
+from kvedit.bench.long.logs import flush, stats
 
 def delta(before: dict, after: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
@@ -70,29 +55,12 @@ def kv_usage(vllm_url: str) -> float | None:
     return float(m[1]) if m else None
 
 
-# The connector's stats lines while the bench runs (its setting stats_interval_s): a line
-# at every step (0) cost each step its log lines, part of what the arms measure. The final
-# counts need no interval: the scheduler side and the workers log once their last budgeted
-# request is gone (`flush` makes the engine take that step).
-STATS_INTERVAL_S = 1.0
-
-
-def flush(vllm_url: str, model: str) -> None:
-    """One 1-token request, so the engine takes a step: the scheduler side and the workers
-    log their counts once the last budgeted request's blocks were freed."""
-    body = json.dumps({"model": model, "prompt": [101, 102, 103], "max_tokens": 1}).encode()
-    req = urllib.request.Request(f"{vllm_url}/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        r.read()
-
-
 def arm(ctx, completion, prompts, args, eng, policy, *, progress: bool,
         budget: int | None = None, queries: int = 0) -> dict:
     """The in-engine arm on fresh streams: its figures and outputs (`outputs`); its streams
     are released when it ends (kvedit.bench.long.arms.release). `budget`: the budget's tokens
     (default args.budget); `queries`: the device query ring's rows of a query-aware policy,
-    or the prompt's last rows that rank it (PromptAnchored; kvedit.budget)."""
+    or the prompt's last rows that rank it (PromptAnchored; kvedit.engine_budget)."""
     import kvedit
     from kvedit.bench.long.arms import release
     from kvedit.bench.long.full import InFlight

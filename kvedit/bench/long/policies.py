@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvedit.budget import MAX_QUERIES, BudgetError, EngineBudget
+from kvedit.engine_budget import MAX_QUERIES, BudgetError, EngineBudget
 from kvedit.edits import DropPolicy, Units
 from kvedit.harness.vocab import policy as make_policy
 from kvedit.harness.vocab import policy_key

@@ -14,7 +14,7 @@ import os
 import time
 
 import kvedit
-from kvedit.bench.long import arms, engine, figures, full, sizing
+from kvedit.bench.long import arms, engine, figures, full, logs, sizing
 from kvedit.bench.long.policies import budget_list, main_policy, queries_of
 from kvedit.bench.long.prompts import Prompts, score
 from kvedit.bench.long.sizing import Plan
@@ -52,7 +52,7 @@ def run(args, prompts: Prompts, plan: Plan, log, extra=()) -> dict:
     # chunks stored as computed whatever the mode (kvedit.request_params)
     # stats lines once a second: the SDK arms read the connector's stores, loads and hook
     # time from them (arms.sdk_arm), the in-engine arms their workers' counts
-    conn = {"store": TransferSettings().store, "stats_interval_s": engine.STATS_INTERVAL_S}
+    conn = {"store": TransferSettings().store, "stats_interval_s": logs.STATS_INTERVAL_S}
     if args.in_engine:
         conn["in_engine"] = True
     with engines(model=prompts.model_dir, served_model_name=prompts.served, dtype=dtype,
