@@ -18,7 +18,7 @@ _API = {
     "Metrics": "kvedit.sdk.metrics",
     "openai_completion": "kvedit.sdk.openai", "TokenEvent": "kvedit.sdk.openai",
     "ModelLayout": "kvedit.layout", "RopeParams": "kvedit.layout",
-    "EngineBudget": "kvedit.budget", "HostBudget": "kvedit.sdk.driver",
+    "EngineBudget": "kvedit.engine_budget", "HostBudget": "kvedit.sdk.driver",
     "Originals": "kvedit.sdk.originals", "Repair": "kvedit.edits.repair",
     "RepairError": "kvedit.sdk.repair",
     "KVEditError": "kvedit.sdk.errors", "ConnectError": "kvedit.sdk.errors",

@@ -14,7 +14,7 @@ body's top-level `kv_transfer_params`, or offline from
 - `kvedit_capture_queries: W`: keep the post-RoPE queries of the last W prompt tokens
   (docs/queries.md; the window's rules and the stored shape: kvedit.query_contract);
 - `kvedit_budget: {...}`: keep the request's KV within an in-engine budget, compacted in
-  place (kvedit.budget, docs/in-engine.md).
+  place (kvedit.engine_budget, docs/in-engine.md).
 
 `RequestAsks` is what one request asks; `with_asks` (the SDK, once per request) puts it in
 the sampling params; `read_asks` (the scheduler side, once when a request arrives) takes it
@@ -28,7 +28,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvedit.budget import BudgetError, EngineBudget
+from kvedit.engine_budget import BudgetError, EngineBudget
 from kvedit.query_contract import MAX_WINDOW, is_window
 
 STORE_FIELD = "kvedit_store"               # "eager": stored as computed, whatever the mode

@@ -1,7 +1,7 @@
 """Policies by name: the registry (`POLICIES`) and a policy's plain-data form.
 
 Why a module of its own: a policy object must cross a wire (an in-engine budget carries the
-policy its worker scores with, kvedit.budget) and commands name policies on the command line;
+policy its worker scores with, kvedit.engine_budget) and commands name policies on the command line;
 both need a policy's name and its settings as plain data, and only the edits room knows its
 own classes. `to_spec(policy)` gives its registry name and the fields it was given (the
 defaults left out, `granularity` always); `from_spec(spec)` builds the object back. So no

@@ -15,7 +15,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from kvedit.budget import EngineBudget
+from kvedit.engine_budget import EngineBudget
 from kvedit.query_contract import check_window
 from kvedit.sdk.driver import HostBudget, drive
 from kvedit.sdk.engine_run import drive_in_engine

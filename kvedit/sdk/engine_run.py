@@ -1,5 +1,5 @@
 """The budgeted run kept inside vLLM (`BatchedStream.run` given a kvedit.EngineBudget): every
-stream sends ONE request that asks vLLM to keep its KV within the budget (kvedit.budget);
+stream sends ONE request that asks vLLM to keep its KV within the budget (kvedit.engine_budget);
 vLLM compacts it in place as it decodes, so nothing returns to the host and no request is
 sent again. A stream created with a budget of its own asks for that one.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvedit.budget import EngineBudget
+from kvedit.engine_budget import EngineBudget
 from kvedit.sdk.metrics import Metrics, RunMetrics
 from kvedit.sdk.stream import Stream, get_max_tokens
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvedit.budget import EngineBudget
+from kvedit.engine_budget import EngineBudget
 from kvedit.query_contract import check_window
 from kvedit.request_params import RequestAsks, with_asks
 from kvedit.sdk import queries as Q
@@ -242,6 +242,6 @@ def create_request(ctx: Context, post_completion, prompt_token_ids, cache_salt: 
     `capture_queries=W` (1..4096): its prefill asks vLLM to capture the queries of the last W
     prompt tokens, for an fn that takes `queries` (kvedit.sdk.queries); None: the batch's
     default; 0: off. `budget`: every request of the stream asks vLLM to keep its KV within
-    this in-engine budget (kvedit.budget; the connector needs "in_engine": true)."""
+    this in-engine budget (kvedit.engine_budget; the connector needs "in_engine": true)."""
     return Stream(ctx, post_completion, prompt_token_ids, cache_salt, name, capture_queries,
                   budget)

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import kvedit
-from kvedit.budget import EngineBudget
+from kvedit.engine_budget import EngineBudget
 from kvedit.edits import (POLICIES, KeyDiff, KeyNorm, PromptAnchored, RandomDrop,
                           StreamingLLM)
 from kvedit.layout import ModelLayout

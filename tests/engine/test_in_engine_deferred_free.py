@@ -23,7 +23,7 @@ import collections
 import pytest
 import torch
 
-from kvedit.budget import EngineBudget
+from kvedit.engine_budget import EngineBudget
 from kvedit.request_params import RequestAsks
 
 BS, BLOCKS = 16, 14

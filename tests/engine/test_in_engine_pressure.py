@@ -25,7 +25,7 @@ import uuid
 
 import pytest
 
-from kvedit.budget import EngineBudget
+from kvedit.engine_budget import EngineBudget
 from kvedit.edits import StreamingLLM
 from kvedit.request_params import RequestAsks
 from tests.engine.test_in_engine import MODEL, greedy, host_path, prompt_of, stats

@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from kvedit.budget import EngineBudget
+from kvedit.engine_budget import EngineBudget
 from kvedit.request_params import RequestAsks
 from tests.engine.test_in_engine import MODEL, prompt_of
 from tests.fixtures_vllm import CHUNK

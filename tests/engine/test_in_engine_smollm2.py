@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from kvedit.budget import EngineBudget
+from kvedit.engine_budget import EngineBudget
 from kvedit.edits import KeyNorm, StreamingLLM
 from tests.engine.test_in_engine import greedy, host_path
 from tests.fixtures_vllm import CHUNK

@@ -14,7 +14,7 @@ import uuid
 import pytest
 import torch
 
-from kvedit.budget import EngineBudget
+from kvedit.engine_budget import EngineBudget
 from kvedit.edits import Repair
 from kvedit.request_params import RequestAsks
 from tests.engine.test_in_engine import MODEL, greedy, host_path, post, prompt_of

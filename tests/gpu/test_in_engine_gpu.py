@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from kvedit.budget import EngineBudget
+from kvedit.engine_budget import EngineBudget
 from kvedit.edits import KeyNorm, StreamingLLM
 from tests.gpu.test_gpu_e2e import _cuda_vllm_reason as _reason
 

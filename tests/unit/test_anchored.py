@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvedit.budget import BudgetError, EngineBudget
+from kvedit.engine_budget import BudgetError, EngineBudget
 from kvedit.edits import POLICIES, PromptAnchored, PromptRanks, SnapKV, from_spec, to_spec
 from kvedit.edits.attention import Window
 from kvedit.layout import ModelLayout, RopeParams

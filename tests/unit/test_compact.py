@@ -1,5 +1,5 @@
 """In-engine compaction's data movement (kvedit.vllm.budget.compact) on a synthetic paged cache in
-vLLM's CPU layout, and the budget contract (kvedit.budget).
+vLLM's CPU layout, and the budget contract (kvedit.engine_budget).
 
 References: a per-token loop over the kept slots (per head), keys re-rotated with one
 `rerotate` call per head; the request's other blocks and every other block untouched; a
@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from kvedit.budget import BudgetError, EngineBudget
+from kvedit.engine_budget import BudgetError, EngineBudget
 from kvedit.edits import KeyNorm, RandomDrop, StreamingLLM, rerotate
 from kvedit.layout import ModelLayout, RopeParams
 from kvedit.request_params import BUDGET_FIELD, RequestAsks, read_asks

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvedit.budget import EngineBudget
+from kvedit.engine_budget import EngineBudget
 from kvedit.edits import POLICIES, KeyNorm, RandomDrop, StreamingLLM, from_spec, to_spec
 from kvedit.edits.spec import PolicySpec
 from kvedit.sdk.contracts import Fits, fitted

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvedit import request_params as RP
-from kvedit.budget import EngineBudget
+from kvedit.engine_budget import EngineBudget
 from kvedit.request_params import RequestAsks, read_asks, with_asks
 
 ROOT = Path(__file__).resolve().parents[2]

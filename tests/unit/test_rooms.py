@@ -81,9 +81,9 @@ def test_each_rule_catches_a_planted_breach():
         "kvedit.sdk.driver": "kvedit.edits.base",
         "kvedit.vllm.scheduler_side": "kvedit.sdk.stream",
         "kvedit.server.service": "kvedit.client.kv_client",
-        "kvedit.edits.base": "kvedit.budget",
+        "kvedit.edits.base": "kvedit.engine_budget",
         "kvedit.client.kv_client": "kvedit.harness.vocab",
-        "kvedit.budget": "kvedit.launch.server",
+        "kvedit.engine_budget": "kvedit.launch.server",
     }
     for importer, target in planted.items():
         assert importer in graph and target in graph, "the planted modules must exist"

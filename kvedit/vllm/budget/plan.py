@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvedit.budget import EngineBudget
+from kvedit.engine_budget import EngineBudget
 
 
 @dataclass(slots=True)

@@ -50,7 +50,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from kvedit.budget import EngineBudget
+from kvedit.engine_budget import EngineBudget
 from kvedit.request_params import RequestAsks
 from kvedit.vllm import hooks
 from kvedit.vllm.budget.install import install
