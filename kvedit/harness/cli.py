@@ -84,7 +84,7 @@ def _serve(args) -> int:
     import signal
 
     from kvedit.launch.process_group import spawn_group, stop_group
-    from kvedit.launch.vllm import (_is_cpu_build, default_cpu_kv_cache_gib,
+    from kvedit.launch.vllm import (is_cpu_build, default_cpu_kv_cache_gib,
                                             kv_transfer_config, mem_available_bytes,
                                             sizes_kv_itself, vllm_command, vllm_env)
 
@@ -99,7 +99,7 @@ def _serve(args) -> int:
         args.kvedit_url, args.kvedit_http_url, args.chunk_size, not args.no_store_generated,
         store=args.store, extra_config={"kv_events": True} if args.kv_events else None)
     kv_gib = args.kv_cache_gib
-    if kv_gib is None and _is_cpu_build() and not sizes_kv_itself(args.extra):
+    if kv_gib is None and is_cpu_build() and not sizes_kv_itself(args.extra):
         avail = mem_available_bytes()
         kv_gib = default_cpu_kv_cache_gib(avail)
         seen = f"{avail / 2**30:.1f} GiB available" if avail else "available memory unknown"

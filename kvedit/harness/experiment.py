@@ -32,9 +32,9 @@ class Engines:
 
 def block_size() -> int:
     """vLLM's KV block size: 128 on the CPU build, 16 on GPUs."""
-    from kvedit.launch.vllm import _is_cpu_build
+    from kvedit.launch.vllm import is_cpu_build
 
-    return 128 if _is_cpu_build() else 16
+    return 128 if is_cpu_build() else 16
 
 
 @contextmanager

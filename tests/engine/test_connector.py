@@ -130,9 +130,9 @@ def assert_matches_reference_kv(stored: torch.Tensor, ref: torch.Tensor) -> None
 
 def _vllm_runs_on_cuda() -> bool:
     """Whether the vLLM these tests start runs on a GPU: a CUDA build with a GPU present."""
-    from kvedit.launch.vllm import _is_cpu_build
+    from kvedit.launch.vllm import is_cpu_build
 
-    return not _is_cpu_build() and torch.cuda.is_available()
+    return not is_cpu_build() and torch.cuda.is_available()
 
 
 @pytest.mark.parametrize("on_cuda", [False, True])

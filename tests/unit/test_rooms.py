@@ -159,13 +159,8 @@ def test_vllm_internals_are_written_and_called_in_hooks_only():
 # ---- no private crosses a file ------------------------------------------------------------
 # `from kvedit.x import _y` in another kvedit module: a leading underscore says "only this
 # file uses it", so a second user means the name wants to be public or the two files want to
-# be one. Offenders today, in files this rule's change could not touch; each entry goes when
-# its owner makes the name public or moves the code (the test fails on a stale entry, so the
-# list only shrinks).
-PRIVATE_IMPORTS_ALLOWED = {
-    ("kvedit.harness.cli", "kvedit.launch.vllm", "_is_cpu_build"),
-    ("kvedit.harness.experiment", "kvedit.launch.vllm", "_is_cpu_build"),
-}
+# be one. None is allowed (the test also fails on a stale entry, should one be added).
+PRIVATE_IMPORTS_ALLOWED: set[tuple[str, str, str]] = set()
 
 
 def private_imports(tree, module: str) -> set[tuple[str, str, str]]:
