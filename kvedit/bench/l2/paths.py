@@ -14,7 +14,7 @@ from contextlib import ExitStack
 
 import torch
 
-from kvedit.bench.engine_calls import complete_one as _complete
+from kvedit.bench.connector.calls import complete_one as _complete
 from kvedit.client import KVClient
 from kvedit.harness.tiny_model import default_tiny_model
 from kvedit.launch.server import start_server

@@ -1,6 +1,7 @@
 """Engine calls the connector benchmarks share: one completion, a batch's prefill throughput,
-a process tree's CPU seconds. A module of its own so `bench connector` and its `--kv-events`
-arm (connector_events.py) both import it, neither importing the other."""
+a process tree's CPU seconds. A module of its own so `bench connector` (run.py), its
+`--kv-events` arm (events.py) and `bench l2 --vllm` (kvedit/bench/l2/paths.py) call the same
+code, none importing another."""
 from __future__ import annotations
 
 import json
