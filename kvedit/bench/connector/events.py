@@ -29,9 +29,9 @@ import tempfile
 import time
 
 from kvedit.bench.connector.calls import complete_one as _complete
-from kvedit.bench.connector.calls import post_json
 from kvedit.bench.connector.calls import prefill_tput as _prefill_tput
 from kvedit.bench.connector.calls import tree_cpu_seconds as _tree_cpu_seconds
+from kvedit.bench.http import post_json
 from kvedit.client import KVClient
 from kvedit.harness.kv_index import EngineView, Subscriber, block_hashes
 from kvedit.harness.tiny_model import default_tiny_model

@@ -42,7 +42,7 @@ import httpx
 import msgspec
 import zmq
 
-from kvedit.bench.connector.calls import post_json
+from kvedit.bench.http import get_text, post_json
 from kvedit.harness.kv_index import decode_batch
 from kvedit.harness.tiny_model import default_tiny_model
 from kvedit.launch.process_group import spawn_group, stop_group
@@ -201,8 +201,7 @@ def _empty(engines, servers) -> None:
 def _metrics(vp) -> dict[str, float]:
     """vLLM's counters of one engine: requests, prompt tokens, hits in its own prefix cache
     and from the connector (the kvedit tier)."""
-    with urllib.request.urlopen(vp.base_url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
+    text = get_text(vp.base_url + "/metrics", timeout=30)
     names = {"requests": "vllm:request_success_total",
              "prompt_tokens": "vllm:prompt_tokens_total",
              "local_hit_tokens": "vllm:prefix_cache_hits_total",

@@ -43,10 +43,10 @@ import torch
 
 from kvedit.bench.connector import events
 from kvedit.bench.connector.calls import complete_one as _complete
-from kvedit.bench.connector.calls import post_json
 from kvedit.bench.connector.calls import prefill_tput as _prefill_tput
 from kvedit.bench.connector.calls import tree_cpu_seconds as _tree_cpu_seconds
 from kvedit.bench.connector.paged import paged_bench
+from kvedit.bench.http import post_json
 from kvedit.client import KVClient
 from kvedit.harness.tiny_model import default_tiny_model
 from kvedit.keys import namespace, query_key, request_keys
