@@ -26,6 +26,13 @@ import time
 import urllib.request
 import uuid
 
+import kvedit
+from kvedit.bench.long.arms import release
+from kvedit.bench.long.full import InFlight
+from kvedit.harness.experiment import block_size, cpu_seconds
+from kvedit.harness.vocab import engine_steps, fixed_length
+from kvedit.harness.vocab import vllm_counters as counters
+
 STATS = re.compile(r"kvedit: in-engine (worker )?stats (\{.*\})")
 
 
@@ -93,13 +100,6 @@ def arm(ctx, completion, prompts, args, eng, policy, *, progress: bool,
     are released when it ends (kvedit.bench.long.arms.release). `budget`: the budget's tokens
     (default args.budget); `queries`: the device query ring's rows of a query-aware policy,
     or the prompt's last rows that rank it (PromptAnchored; kvedit.budget)."""
-    import kvedit
-    from kvedit.bench.long.arms import release
-    from kvedit.bench.long.full import InFlight
-    from kvedit.harness.experiment import block_size, cpu_seconds
-    from kvedit.harness.vocab import engine_steps, fixed_length
-    from kvedit.harness.vocab import vllm_counters as counters
-
     salt = f"long-engine-{uuid.uuid4().hex[:8]}"
     batch = kvedit.BatchedStream(progress=progress)
     for p in prompts:
