@@ -200,13 +200,13 @@ def test_no_private_name_is_imported_across_files():
         "make the name public (it has a second user) or move the code to one file"
     assert sorted(PRIVATE_IMPORTS_ALLOWED - found) == [], \
         "PRIVATE_IMPORTS_ALLOWED lists imports that are gone: remove them"
-    planted = ast.parse("from kvedit.bench.connector import _complete, post_json\n"
-                        "from .soak_procs import _client\nfrom kvedit import __version__\n"
+    planted = ast.parse("from kvedit.bench.connector.calls import _complete, complete_one\n"
+                        "from .procs import _client\nfrom kvedit import __version__\n"
                         "def f():\n    from kvedit.sdk.stream import _x\n")
-    assert private_imports(planted, "kvedit.bench.l2.run") == {
-        ("kvedit.bench.l2.run", "kvedit.bench.connector", "_complete"),
-        ("kvedit.bench.l2.run", "kvedit.bench.l2.soak_procs", "_client"),
-        ("kvedit.bench.l2.run", "kvedit.sdk.stream", "_x")}
+    assert private_imports(planted, "kvedit.bench.soak.run") == {
+        ("kvedit.bench.soak.run", "kvedit.bench.connector.calls", "_complete"),
+        ("kvedit.bench.soak.run", "kvedit.bench.soak.procs", "_client"),
+        ("kvedit.bench.soak.run", "kvedit.sdk.stream", "_x")}
 
 
 # bench/ may import kvedit modules inside functions (tests/unit/test_imports.py: command
