@@ -71,6 +71,16 @@ def register_route(bsub) -> None:
 
 
 def _connector(args) -> int:
+    """Each mode loads only its own module: --paged needs no vLLM installed, and only
+    --kv-events (vLLM's event types) imports vllm in this process."""
+    if args.kv_events:
+        from kvedit.bench.connector import events
+
+        return events.run(args)
+    if args.paged:
+        from kvedit.bench.connector import paged
+
+        return paged.run(args)
     from kvedit.bench.connector import run
 
     return run.run(args)

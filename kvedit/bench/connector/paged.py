@@ -7,6 +7,7 @@ gathers alone).
 """
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import time
@@ -20,6 +21,12 @@ from kvedit.vllm.paged import PagedKV
 from kvedit.vllm.transfer.copier import PagedCopier
 from kvedit.vllm.transfer.gpu_memory import pin_host
 from kvedit.vllm.transfer.plan import ChunkRun
+
+
+def run(args) -> int:
+    print(json.dumps(paged_bench(chunks=args.chunks, separate_layers=args.separate_layers),
+                     indent=None if args.json else 2))
+    return 0
 
 
 def paged_bench(num_layers: int = 36, kv_heads: int = 8, head_dim: int = 128,

@@ -41,11 +41,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvedit.bench.connector import events
 from kvedit.bench.connector.calls import complete_one as _complete
 from kvedit.bench.connector.calls import prefill_tput as _prefill_tput
 from kvedit.bench.connector.calls import tree_cpu_seconds as _tree_cpu_seconds
-from kvedit.bench.connector.paged import paged_bench
 from kvedit.bench.http import post_json
 from kvedit.client import KVClient
 from kvedit.harness.tiny_model import default_tiny_model
@@ -56,15 +54,12 @@ from kvedit.vllm.transfer.copier_stats import load_lines
 
 
 def run(args) -> int:
-    if args.kv_events:
-        return events.run(args)
-    result = (paged_bench(chunks=args.chunks, separate_layers=args.separate_layers)
-              if args.paged else
-              vllm_bench(args.tokens, args.prompts, args.rounds, model=args.model,
-                         dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
-                         server_gb=args.server_gb or 2.0, vllm_args=args.vllm_arg,
-                         window=args.query_window if args.query_capture else 0,
-                         store_commit=args.store_commit))
+    """The default mode (cli.py sends --paged to paged.py, --kv-events to events.py)."""
+    result = vllm_bench(args.tokens, args.prompts, args.rounds, model=args.model,
+                        dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
+                        server_gb=args.server_gb or 2.0, vllm_args=args.vllm_arg,
+                        window=args.query_window if args.query_capture else 0,
+                        store_commit=args.store_commit)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
