@@ -14,6 +14,7 @@ prefill's token and O outputs, 1024 + 1 + 383 = 11 blocks (dropped: 512 + 1 + 38
 dropped ones), bound 1.89. Concurrency stays below ~8 requests, where a decode step on this
 2-core CPU still costs about the same whatever the batch (beyond it the CPU, not the KV,
 limits decode, and no KV edit can help).
+No torch at module level (CLI start-up): `kvedit bench` imports this module to register it.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import json
 import sys
 import time
 
+import kvedit
+from kvedit.harness.experiment import block_size, config_dict, engines, run_arm, warm_up
 from kvedit.harness.vocab import TINY_SERVED, Workload, ratio, steps_of
 
 # name: (N, P, O)
@@ -58,8 +61,6 @@ def register(bsub) -> None:
 
 def _configs(args) -> tuple[int, list]:
     """The shared capacity C (tokens) and one Workload per configuration."""
-    from kvedit.harness.experiment import block_size
-
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown or not names:
@@ -87,8 +88,7 @@ def _median(xs):
 
 
 def _one(name, w, capacity, ctx, completion, eng, args, log) -> dict:
-    from kvedit.edits import DropMiddle
-    from kvedit.harness.experiment import config_dict, run_arm
+    from kvedit.edits import DropMiddle   # torch
 
     prompts = w.prompts()
     common = dict(max_tokens=w.max_tokens, progress=not args.json, vllm_url=eng.vllm_url)
@@ -156,9 +156,6 @@ def _one(name, w, capacity, ctx, completion, eng, args, log) -> dict:
 
 
 def _main(args) -> int:
-    import kvedit
-    from kvedit.harness.experiment import block_size, engines, warm_up
-
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     capacity, workloads = _configs(args)
     longest = max(w.prompt_len + w.max_tokens for _, w in workloads)

@@ -22,6 +22,9 @@ import inspect
 import json
 import time
 
+from kvedit.server.index import Index
+from kvedit.server.pool import Allocator
+
 PAGE = 4096
 HOLDER = b"bench-holder-000"
 
@@ -126,8 +129,6 @@ def measure(index_cls, alloc_cls, leased: list[int], holes: int, objects: int | 
 
 
 def run(args) -> None:
-    from kvedit.server.index import Index
-    from kvedit.server.pool import Allocator
     leased = [int(x) for x in args.leased.split(",")]
     res = measure(Index, Allocator, leased, args.holes, args.objects, args.reps)
     print(json.dumps(res) if args.json else json.dumps(res, indent=2))

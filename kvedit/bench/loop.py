@@ -20,6 +20,7 @@ import zmq
 
 from kvedit import auth
 from kvedit import protocol as P
+from kvedit.launch.server import start_server
 from kvedit.layout import ModelLayout
 
 TINY = ModelLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32", chunk_size=256)
@@ -79,8 +80,6 @@ def _summary(lat: list[float]) -> dict:
 
 
 def measure(keys: int, seconds: float) -> dict:
-    from kvedit.launch.server import start_server
-
     pool_gb = keys * 2 * 4096 / 2**30 + 0.01   # two sets of 4 KiB slots
     with start_server(pool_gb, extra_args=["--max-keys-per-request", str(keys)]) as srv:
         ctx = zmq.Context()

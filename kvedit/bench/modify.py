@@ -25,6 +25,7 @@ measures the copy path. connect() leaves the process's malloc alone by default;
 `--tune-glibc-heap` measures connect(tune_glibc_heap=True) (kvedit.sdk.glibc_tuning;
 process-wide: run the two variants in separate processes). The first repeat of an arm that
 writes new pages pays their first touch (docs/sdk.md, "where the time goes").
+No torch at module level (CLI start-up): `kvedit bench` imports this module to register it.
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
+
+from kvedit.launch.server import start_server
+from kvedit.layout import ModelLayout
 
 
 def register(bsub) -> None:
@@ -174,8 +178,6 @@ class _Measured:
 
 def _layout(args):
     """The arms asked for and the KV layout, checked before anything starts."""
-    from kvedit.layout import ModelLayout
-
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
@@ -217,7 +219,6 @@ def _paired_runs(ctx, client, args, arms, model: str, kv_bytes: int, got: _Measu
 def _measure(args, arms, lay, kv_bytes: int) -> _Measured:
     """Start a server (or use --server-url), register the layout, connect, run the pairs."""
     from kvedit.client import KVClient
-    from kvedit.launch.server import start_server
     from kvedit.sdk.context import connect
 
     server = None

@@ -13,10 +13,15 @@ No torch at module level (CLI start-up).
 from __future__ import annotations
 
 import json
+import secrets
 import socket
+import statistics
 import subprocess
 import sys
 import time
+
+from kvedit.launch.server import start_server
+from kvedit.layout import ModelLayout
 
 _TCP_SINK = r"""
 import socket, sys
@@ -92,8 +97,6 @@ def measure(total_gb: float, rounds: int, batch: int) -> dict:
     import torch
 
     from kvedit.client import KVClient
-    from kvedit.layout import ModelLayout
-    from kvedit.launch.server import start_server
 
     lay = ModelLayout(num_layers=36, num_kv_heads=8, head_dim=128, dtype="bfloat16",
                       chunk_size=256)
@@ -162,11 +165,7 @@ def measure(total_gb: float, rounds: int, batch: int) -> dict:
 
 def control_rtt(calls: int = 2000) -> dict:
     """Median hello round trip (µs) without and with a secret, calls interleaved in blocks."""
-    import secrets
-    import statistics
-
     from kvedit.client import KVClient
-    from kvedit.launch.server import start_server
 
     secret = "bench-" + secrets.token_hex(16)
     times: dict[str, list[float]] = {"null": [], "curve": []}

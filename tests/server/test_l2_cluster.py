@@ -335,7 +335,7 @@ def test_the_launcher_stops_every_node():
 def test_bench_keys_per_master_counts_what_each_master_holds(cluster):
     """`kvedit bench l2 --cluster`'s keys_per_master, against the masters' own DBSIZE sum: two
     keys (payload and meta) per chunk, one entry per serving master, the deviation as stated."""
-    from kvedit.bench.l2_cluster import keys_per_master
+    from kvedit.bench.l2.cluster import keys_per_master
 
     r = keys_per_master(cluster, n=192)
     assert set(r["keys"]) == {f"127.0.0.1:{m.port}" for m in cluster.masters()}

@@ -111,7 +111,8 @@ SWITCH_FILES = ["kvedit/client/kv_client.py", "kvedit/client/handles.py", "kvedi
                 "kvedit/vllm/link.py",
                 "kvedit/sdk/source.py", "kvedit/sdk/store.py", "kvedit/sdk/output.py",
                 "kvedit/sdk/contracts.py", "kvedit/sdk/driver.py",
-                "kvedit/sdk/queries.py", "kvedit/query_contract.py", "kvedit/bench/connector.py"]
+                "kvedit/sdk/queries.py", "kvedit/query_contract.py", "kvedit/bench/connector/run.py",
+                "kvedit/bench/connector/paged.py", "kvedit/bench/connector/events.py"]
 
 
 def test_no_transfer_mode_switches_or_private_reaches_left():

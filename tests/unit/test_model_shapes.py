@@ -25,7 +25,7 @@ def _kvedit(*args: str) -> subprocess.CompletedProcess:
 def test_qwen3_8b_shape_has_its_parameter_count_and_kv_size(tmp_path):
     from transformers import AutoConfig, Qwen3ForCausalLM
 
-    from kvedit.bench.serve import kv_bytes_per_token
+    from kvedit.bench.serve.workloads import kv_bytes_per_token
 
     r = _kvedit("tiny-model", "--shape", "qwen3-8b", str(tmp_path / "q8b"))
     assert r.returncode == 0, r.stderr

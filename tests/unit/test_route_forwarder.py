@@ -19,7 +19,7 @@ from vllm.distributed.kv_events import (  # noqa: E402
     KVEventBatch,
 )
 
-from kvedit.bench.route import Forwarder  # noqa: E402
+from kvedit.bench.connector.route import Forwarder  # noqa: E402
 from kvedit.harness.kv_index import decode_batch  # noqa: E402
 
 

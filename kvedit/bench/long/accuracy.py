@@ -26,6 +26,12 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import kvedit
+from kvedit.harness.eval import longgen
+from kvedit.harness.eval.stats import accuracy
+from kvedit.harness.eval.tokenizer import load
+from kvedit.harness.experiment import block_size, engines
+from kvedit.harness.models import MODELS, cached, default_dir
 from kvedit.harness.vocab import greedy as _greedy
 from kvedit.harness.vocab import policy
 
@@ -50,8 +56,6 @@ class AccuracyConfig:
 def cached_model(name: str = "smollm2") -> tuple[Path | None, str]:
     """The directory of `kvedit model NAME` when it has been built, else (None, why); a
     model directory as it is. Never builds: the bench does not download models."""
-    from kvedit.harness.models import MODELS, cached, default_dir
-
     if name not in MODELS:
         path = Path(name)
         return (path, "") if (path / "config.json").is_file() else \
@@ -66,8 +70,6 @@ def cached_model(name: str = "smollm2") -> tuple[Path | None, str]:
 
 
 def _run_arm(ctx, completion, samples, arm: str, cfg: AccuracyConfig, tok) -> dict:
-    import kvedit
-
     salt = f"longacc-{arm}-{uuid.uuid4().hex[:8]}"
     batch = kvedit.BatchedStream(progress=False)
     streams = [batch.add(kvedit.create_request(ctx, completion, s.prompt_ids, cache_salt=salt,
@@ -132,8 +134,6 @@ def _around_slip(text: str, produced: int) -> str:
 
 
 def _summary(records, arm: str) -> dict:
-    from kvedit.harness.eval.stats import accuracy
-
     out = {}
     for task in sorted({r["task"] for r in records}):
         rs = [r for r in records if r["task"] == task and r["ok"] is not None]
@@ -148,11 +148,6 @@ def _summary(records, arm: str) -> dict:
 
 def run(cfg: AccuracyConfig, model_dir: Path, log) -> dict:
     """Start a kvedit server and a vLLM on model_dir, run every arm, return the JSON part."""
-    import kvedit
-    from kvedit.harness.eval import longgen
-    from kvedit.harness.eval.tokenizer import load
-    from kvedit.harness.experiment import block_size, engines
-
     tok = load(model_dir)
     samples = [s for task in cfg.tasks
                for s in longgen.samples(model_dir, task, cfg.samples, how_many=cfg.numbers,
@@ -194,13 +189,11 @@ def from_args(args, log) -> dict:
     bad = [x for x in arms if x not in ARMS]
     if bad or not arms:
         raise SystemExit(f"--accuracy-arms: unknown {bad}; expected some of {ARMS}")
-    from kvedit.harness.eval.longgen import TASKS
-
     default_tasks = "count,recall" + (",restate" if "qwen" in args.accuracy_model else "")
     tasks = tuple(x.strip() for x in (args.accuracy_tasks or default_tasks).split(",")
                   if x.strip())
-    if not tasks or any(t not in TASKS for t in tasks):
-        raise SystemExit(f"--accuracy-tasks: got {tasks}; expected some of {TASKS}")
+    if not tasks or any(t not in longgen.TASKS for t in tasks):
+        raise SystemExit(f"--accuracy-tasks: got {tasks}; expected some of {longgen.TASKS}")
     cfg = AccuracyConfig(samples=args.accuracy_samples, numbers=args.accuracy_numbers,
                          every=args.accuracy_every, budget=args.accuracy_budget,
                          chunk_size=args.chunk_size, arms=arms, seed=args.seed, tasks=tasks,

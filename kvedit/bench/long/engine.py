@@ -25,7 +25,14 @@ import time
 import urllib.request
 import uuid
 
+import kvedit
+from kvedit.bench.long.arms import release
+from kvedit.bench.long.full import InFlight
 from kvedit.bench.long.logs import flush, stats
+from kvedit.harness.experiment import block_size, cpu_seconds
+from kvedit.harness.vocab import engine_steps, fixed_length
+from kvedit.harness.vocab import vllm_counters as counters
+
 
 def delta(before: dict, after: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
@@ -61,13 +68,6 @@ def arm(ctx, completion, prompts, args, eng, policy, *, progress: bool,
     are released when it ends (kvedit.bench.long.arms.release). `budget`: the budget's tokens
     (default args.budget); `queries`: the device query ring's rows of a query-aware policy,
     or the prompt's last rows that rank it (PromptAnchored; kvedit.engine_budget)."""
-    import kvedit
-    from kvedit.bench.long.arms import release
-    from kvedit.bench.long.full import InFlight
-    from kvedit.harness.experiment import block_size, cpu_seconds
-    from kvedit.harness.vocab import engine_steps, fixed_length
-    from kvedit.harness.vocab import vllm_counters as counters
-
     salt = f"long-engine-{uuid.uuid4().hex[:8]}"
     batch = kvedit.BatchedStream(progress=progress)
     for p in prompts:

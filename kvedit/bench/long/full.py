@@ -19,6 +19,10 @@ import threading
 import time
 import urllib.request
 
+from kvedit.harness.experiment import block_size, cpu_seconds, plain_vllm
+from kvedit.harness.vocab import engine_steps, fixed_length, vllm_counters
+from kvedit.sdk.openai import openai_completion
+
 
 class InFlight:
     """Samples vLLM's running-requests gauge every `every` s from a thread while in use:
@@ -76,8 +80,6 @@ READ_TIMEOUT_S = 4 * 3600.0
 def completion(url: str, model: str):
     """The bench's OpenAI completion: as the SDK's, with a read timeout long enough for a
     request that waits its turn under KV pressure."""
-    from kvedit.sdk.openai import openai_completion
-
     return openai_completion(url, model, read_timeout=READ_TIMEOUT_S)
 
 
@@ -96,9 +98,6 @@ def flow(eng, prompts: list[list[int]], max_tokens: int, *, two_phase: bool,
       stream, then decode), so with the same flow on both engines the connector's own cost
       and the flow's cost are two figures (`kvedit bench long`'s docstring).
     The figures: the same fields as the kvedit arms' where they apply."""
-    from kvedit.harness.experiment import block_size, cpu_seconds
-    from kvedit.harness.vocab import engine_steps, fixed_length, vllm_counters
-
     before, cpu0 = vllm_counters(eng.vllm_url), cpu_seconds(eng.pids)
     t0 = time.perf_counter()
     with InFlight(eng.vllm_url) as running:
@@ -132,8 +131,6 @@ def flow(eng, prompts: list[list[int]], max_tokens: int, *, two_phase: bool,
 
 def warm(eng, prompt: list[int]) -> None:
     """One short request, so the arm that follows pays no first-call costs."""
-    from kvedit.harness.vocab import fixed_length
-
     _requests(eng.vllm_url, eng.model, [prompt[:64]], fixed_length(4), "warm")
 
 
@@ -143,8 +140,6 @@ def arm(prompts: list[list[int]], max_tokens: int, *, model: str | None, served:
     """Start plain vLLM, warm it up, run `flow` one phase (`vllm_full`) and, with
     `two_phase`, two phases (`vllm_two_phase`) on fresh salts. Returns {arm: figures} and
     "engine_config", the engine's effective settings (`engine_config`)."""
-    from kvedit.harness.experiment import plain_vllm
-
     out = {}
     with plain_vllm(model=model, served_model_name=served, dtype=dtype, kv_tokens=kv_tokens,
                     max_model_len=max_model_len, vllm_args=vllm_args, log=log) as eng:

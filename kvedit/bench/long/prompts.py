@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvedit.harness.eval import longgen
+from kvedit.harness.eval.stats import accuracy
+from kvedit.harness.eval.tokenizer import load
+from kvedit.harness.models import MODELS, cached, default_dir
 from kvedit.harness.vocab import TINY_SERVED, random_prompts
 
 
@@ -21,8 +24,6 @@ class Prompts:
 
 def model_dir(model: str | None) -> str | None:
     """--model as a directory: a built `kvedit model` name, or the directory given."""
-    from kvedit.harness.models import MODELS, cached, default_dir
-
     if model is None or model not in MODELS:
         if model is not None and not (Path(model) / "config.json").is_file():
             raise SystemExit(f"--model {model}: not a built model name ({', '.join(MODELS)}) "
@@ -68,9 +69,6 @@ def task_samples(args, mdir: str, n: int) -> list:
 
 def score(arm_outputs: dict, samples: list, mdir: str) -> dict:
     """Each arm's answers: per task, correct of n with a 95% Wilson interval."""
-    from kvedit.harness.eval.stats import accuracy
-    from kvedit.harness.eval.tokenizer import load
-
     tok = load(mdir)
     out = {}
     for arm, outputs in arm_outputs.items():

@@ -14,7 +14,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from kvedit.bench.long.policies import budget_list
 from kvedit.bench.long.prompts import Prompts
+from kvedit.bench.serve.workloads import kv_bytes_per_token
+from kvedit.harness.eval.memory import l1_budget
+from kvedit.harness.eval.sizing import engine_dtype
+from kvedit.harness.experiment import block_size
+from kvedit.harness.tiny_model import CONFIG
+from kvedit.layout import DTYPE_SIZES
 
 GB = 1 << 30
 L1_MIN_GB = 1.0      # the server's L1 is never sized below this
@@ -46,8 +53,6 @@ class Plan:
 
 def plan(args, prompts: Prompts) -> Plan:
     """The run's sizes; SystemExit naming what does not fit and the size it needs."""
-    from kvedit.harness.experiment import block_size
-
     bs = block_size()
     o = args.max_tokens
     need_blocks = [-(-(len(p) + o + 1) // bs) for p in prompts.ids]
@@ -94,15 +99,11 @@ def dtype(args, prompts: Prompts) -> str:
         return args.dtype
     if prompts.model_dir is None:
         return "bfloat16"
-    from kvedit.harness.eval.sizing import engine_dtype
-
     return engine_dtype()
 
 
 def arm_names(args) -> list[str]:
     """The arms the run will start, in order."""
-    from kvedit.bench.long.policies import budget_list
-
     arms = ["vllm_full", "vllm_two_phase"] if args.vllm_full else []
     if args.vllm_full and not args.two_phase:
         arms.remove("vllm_two_phase")
@@ -141,10 +142,6 @@ def _largest_arm_tokens(args, prompts: Prompts) -> int:
 def _token_bytes(prompts: Prompts, dt: str) -> int:
     """KV bytes of one token: from the model's config.json (the tiny model's config, which
     needs no build)."""
-    from kvedit.bench.serve import kv_bytes_per_token
-    from kvedit.harness.tiny_model import CONFIG
-    from kvedit.layout import DTYPE_SIZES
-
     if prompts.model_dir:
         return kv_bytes_per_token(prompts.model_dir, dt)[0]
     c = CONFIG
@@ -153,7 +150,5 @@ def _token_bytes(prompts: Prompts, dt: str) -> int:
 
 
 def _l1_available() -> float | None:
-    from kvedit.harness.eval.memory import l1_budget
-
     b = l1_budget()
     return None if b is None else b / GB

@@ -39,11 +39,9 @@ import importlib
 from kvedit.bench.serve.cli import register
 
 # Names the bench had when it was one module, still used from outside this package
-# (kvedit/bench/long/sizing.py, tests/unit/test_model_shapes.py,
-# tests/server/test_bench_serve_counters.py): loaded on first use, so `kvedit bench` stays
+# (tests/server/test_bench_serve_counters.py): loaded on first use, so `kvedit bench` stays
 # light. Import them from the module named here instead; the table shrinks as they move.
-_MOVED = {"kv_bytes_per_token": "kvedit.bench.serve.workloads",
-          "SERVER_COUNTERS": "kvedit.bench.serve.counters",
+_MOVED = {"SERVER_COUNTERS": "kvedit.bench.serve.counters",
           "server_counters": "kvedit.bench.serve.counters"}
 
 __all__ = ["register"]

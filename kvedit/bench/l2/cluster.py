@@ -11,7 +11,7 @@ measured in alternation (the order flips every round), medians of the rounds:
   and meta share a slot), and the largest deviation from their mean;
 - cluster.ttft_vs_single (--vllm): the L2-hit TTFT of a 4096-token prompt prefilled on engine
   A and first seen by engine B through server B, cluster over single Redis;
-- failover (kvedit/bench/l2_failover.py): a master SIGKILLed under load, and another run with a
+- failover (failover.py): a master SIGKILLed under load, and another run with a
   master SIGSTOPped for 10 s: wrong bytes, client errors, the longest lookup, how soon L2
   serves again after the promotion.
 """
@@ -22,14 +22,19 @@ import statistics
 import sys
 import time
 
-from kvedit.bench.l2_paths import (ServerPair, qwen3_8b_layout, random_chunks, ttft_two_engines,
+import torch
+
+from kvedit.bench.l2.failover import failover
+from kvedit.bench.l2.paths import (ServerPair, qwen3_8b_layout, random_chunks, ttft_two_engines,
                                    wait_counter)
+from kvedit.client import KVClient
+from kvedit.launch.redis import RedisProcess
+from kvedit.launch.redis_cluster import RedisClusterProcess
+from kvedit.launch.server import start_server
+from kvedit.layout import ModelLayout
 
 
 def run_cluster(args) -> dict:
-    from kvedit.launch.redis import RedisProcess
-    from kvedit.launch.redis_cluster import RedisClusterProcess
-
     out: dict = {"chunks": args.chunks, "rounds": args.rounds, "replicas": args.replicas}
     with RedisProcess() as single, RedisClusterProcess(replicas=args.replicas,
                                                              maxmemory_mb=1024) as cluster:
@@ -38,7 +43,6 @@ def run_cluster(args) -> dict:
         if args.vllm:
             out["cluster"] |= ttft_vs_single(single.url, cluster.url)
         if args.replicas:
-            from kvedit.bench.l2_failover import failover
             runs = {mode: failover(cluster, mode) for mode in ("kill", "pause")}
             out["failover"] = {
                 "wrong_bytes": sum(r["wrong_bytes"] for r in runs.values()),
@@ -92,12 +96,6 @@ def compare(single_url: str, cluster_url: str, n: int, rounds: int) -> dict:
 
 def keys_per_master(cluster, n: int = 768) -> dict:
     """Store n small chunks through a server and count each master's keys (DBSIZE)."""
-    import torch
-
-    from kvedit.client import KVClient
-    from kvedit.layout import ModelLayout
-    from kvedit.launch.server import start_server
-
     small = ModelLayout(num_layers=2, num_kv_heads=1, head_dim=32, dtype="bfloat16",
                         chunk_size=256)
     chunk = torch.zeros(small.chunk_shape, dtype=torch.bfloat16)

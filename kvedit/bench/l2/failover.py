@@ -14,27 +14,33 @@ paused node's resumption when that came later, to both servers' tier being up ag
 """
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
+import urllib.request
+
+import torch
+
+from kvedit.client import KVClient
+from kvedit.launch.server import start_server
+from kvedit.layout import ModelLayout
 
 PAUSE_S = 10.0
 LOAD_AFTER_S = 3.0
 
 
 def _layout():
-    from kvedit.layout import ModelLayout
     return ModelLayout(num_layers=28, num_kv_heads=2, head_dim=128, dtype="bfloat16",
                        chunk_size=256)
 
 
 def _content(k: bytes, nbytes: int):
     """A chunk's bytes, derived from its key (a torn or swapped read shows)."""
-    import torch
     return torch.frombuffer(bytearray(k * (nbytes // len(k))), dtype=torch.uint8)
 
 
 def _wrong(k: bytes, t) -> int:
-    import torch
     got = t.reshape(-1).view(torch.uint8)
     want = _content(k, got.numel())
     return int((got != want).sum())
@@ -60,9 +66,6 @@ class _Load:
             self.errors.append(f"{type(e).__name__}: {e}")
 
     def _write(self) -> None:
-        import os
-
-        from kvedit.client import KVClient
         nbytes = self.layout.chunk_bytes
         with KVClient(self.a_url, timeout=30) as w:
             w.register("fo", self.layout)
@@ -74,13 +77,9 @@ class _Load:
                 time.sleep(0.25)   # 2 chunks every 0.25 s: ~56 MB/s into the cluster
 
     def _dtype(self):
-        import torch
         return getattr(torch, self.layout.dtype)
 
     def _read(self) -> None:
-        import os
-
-        from kvedit.client import KVClient
         with KVClient(self.b_url, timeout=30) as r:
             r.register("fo", self.layout)
             i = 0
@@ -121,7 +120,6 @@ class _UpWatch(threading.Thread):
                                           for u, t in self.down_at.items())
 
     def run(self) -> None:
-        from kvedit.client import KVClient
         clients = [KVClient(u) for u in self.urls]
         up = {u: True for u in self.urls}
         try:
@@ -143,9 +141,6 @@ class _UpWatch(threading.Thread):
 def failover(cluster, mode: str) -> dict:
     """One failure under load: mode "kill" (SIGKILL, restarted once replaced) or "pause"
     (SIGSTOP for PAUSE_S, then SIGCONT)."""
-    from kvedit.client import KVClient
-    from kvedit.launch.server import start_server
-
     layout = _layout()
     cluster.wait_ok()
     cluster.flushall()
@@ -197,8 +192,6 @@ def failover(cluster, mode: str) -> dict:
 
 def _verify(url: str, layout, keys: list[bytes]) -> dict:
     """A fresh server promotes every stored chunk still in L2 and compares it."""
-    from kvedit.client import KVClient
-    from kvedit.launch.server import start_server
     found = wrong = 0
     with start_server(0.5, extra_args=["--l2-url", url, "--l2-lookup-wait", "30"]) as s, \
             KVClient(s.url, timeout=60) as c:
@@ -220,8 +213,6 @@ def _l2_counters(server) -> dict:
 
 
 def _get_json(url: str) -> dict:
-    import json
-    import urllib.request
     with urllib.request.urlopen(url, timeout=10) as r:
         return json.load(r)
 

@@ -1,24 +1,15 @@
 """Engine calls the connector benchmarks share: one completion, a batch's prefill throughput,
-a process tree's CPU seconds. A module of its own so `bench connector` and its `--kv-events`
-arm (connector_events.py) both import it, neither importing the other."""
+a process tree's CPU seconds. A module of its own so `bench connector` (run.py), its
+`--kv-events` arm (events.py) and `bench l2 --vllm` (kvedit/bench/l2/paths.py) call the same
+code, none importing another."""
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from kvedit.bench.http import post_json
 from kvedit.harness.vocab import greedy
 from kvedit.request_params import RequestAsks
-
-
-def post_json(base_url: str, body: dict) -> dict:
-    """POST `body` as JSON to `base_url` -> the JSON reply ."""
-    import urllib.request
-
-    req = urllib.request.Request(base_url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read())
 
 
 def complete_one(vp, prompt: list[int], capture: int = 0) -> tuple[float, dict]:
@@ -43,7 +34,7 @@ def tree_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process `pid` and its descendants (vLLM's API server and
     engine core): what a batch cost in work, much less disturbed by other load on a shared
     machine than its wall time."""
-    import psutil  # a vLLM dependency
+    import psutil  # a vLLM dependency; here so that `bench l2` (paths.py) runs without it
 
     total = 0.0
     root = psutil.Process(pid)

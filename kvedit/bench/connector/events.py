@@ -18,7 +18,6 @@ each time (no prefix hit anywhere), so machine noise hits both sides of each rat
   removed_missing (announced, gone from the server, never removed), removed_extra (removed
   though the server still holds it, or a removal without a store), stored_missing (held by
   the server, never announced). Targets 0, 0, 0.
-No torch/vllm at module level (CLI start-up).
 """
 from __future__ import annotations
 
@@ -29,10 +28,17 @@ import sys
 import tempfile
 import time
 
-from kvedit.bench.engine_calls import complete_one as _complete
-from kvedit.bench.engine_calls import post_json
-from kvedit.bench.engine_calls import prefill_tput as _prefill_tput
-from kvedit.bench.engine_calls import tree_cpu_seconds as _tree_cpu_seconds
+from kvedit.bench.connector.calls import complete_one as _complete
+from kvedit.bench.connector.calls import prefill_tput as _prefill_tput
+from kvedit.bench.connector.calls import tree_cpu_seconds as _tree_cpu_seconds
+from kvedit.bench.http import post_json
+from kvedit.client import KVClient
+from kvedit.harness.kv_index import EngineView, Subscriber, block_hashes
+from kvedit.harness.tiny_model import default_tiny_model
+from kvedit.keys import request_keys
+from kvedit.launch.server import start_server
+from kvedit.launch.vllm import kv_transfer_config, start_vllm
+from kvedit.vllm.scheduler_stats import scheduler_counters
 
 BLOCK = 128   # vLLM's block size on the CPU
 
@@ -48,12 +54,6 @@ def run(args) -> int:
 def events_bench(tokens: int, n_prompts: int, rounds: int, *, model: str | None = None,
                  dtype: str = "float32", kv_cache_gib: float = 1.0, server_gb: float = 0.25,
                  vllm_args=(), singles: int = 4) -> dict:
-    from kvedit.client import KVClient
-    from kvedit.harness.kv_index import EngineView, Subscriber
-    from kvedit.harness.tiny_model import default_tiny_model
-    from kvedit.launch.server import start_server
-    from kvedit.launch.vllm import kv_transfer_config, start_vllm
-
     rng = random.Random(0)
     sent: list[list[int]] = []        # every prompt sent to the events arm
 
@@ -112,9 +112,6 @@ def events_bench(tokens: int, n_prompts: int, rounds: int, *, model: str | None 
 def _exactness(vp, sub, view, client, sent: list[list[int]], settle_s: float = 60.0) -> dict:
     """Flush the events arm (events leave with an engine step) until its CPU view stops
     changing and matches the server, or `settle_s` passes; then count what differs."""
-    from kvedit.harness.kv_index import block_hashes
-    from kvedit.keys import request_keys
-
     layout = client.get_layout(vp.model)
     chunk = layout.chunk_size
     per_prompt = [(request_keys(vp.model, layout, p), block_hashes(p, BLOCK)) for p in sent]
@@ -151,8 +148,6 @@ def _exactness(vp, sub, view, client, sent: list[list[int]], settle_s: float = 6
 
 
 def _per_step(log: str) -> dict:
-    from kvedit.vllm.scheduler_stats import scheduler_counters
-
     c = scheduler_counters(log)
     steps = c.get("steps") or 1
     return {"steps": int(c.get("steps", 0)), "hooks_ms_per_step": c.get("hooks_ms", 0) / steps,

@@ -6,19 +6,29 @@ the same paths (nothing re-implemented) without importing each other.
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import sys
 import time
+from contextlib import ExitStack
+
+import torch
+
+from kvedit.bench.connector.calls import complete_one as _complete
+from kvedit.client import KVClient
+from kvedit.harness.tiny_model import default_tiny_model
+from kvedit.launch.server import start_server
+from kvedit.launch.vllm import start_vllm
+from kvedit.layout import ModelLayout
+from kvedit.server.l2_redis import RedisChunks, layout_tag, redis_key
 
 
 def qwen3_8b_layout():
-    from kvedit.layout import ModelLayout
     return ModelLayout(num_layers=36, num_kv_heads=8, head_dim=128, dtype="bfloat16",
                        chunk_size=256)
 
 
 def random_chunks(layout, n: int):
-    import torch
     g = torch.Generator().manual_seed(0)
     return [torch.randint(-2**15, 2**15 - 1, layout.chunk_shape, generator=g,
                           dtype=torch.int16).view(torch.bfloat16) for _ in range(n)]
@@ -41,12 +51,6 @@ class ServerPair:
     that promotes every chunk; both paths are the servers' own (nothing re-implemented)."""
 
     def __init__(self, url: str, layout, n: int):
-        from contextlib import ExitStack
-
-        from kvedit.client import KVClient
-        from kvedit.launch.server import start_server
-        from kvedit.server.l2_redis import RedisChunks, layout_tag
-
         self.url, self.layout, self.n = url, layout, n
         pool_gb = (n * layout.chunk_bytes) / 2**30 + 0.25
         args = ["--l2-url", url, "--l2-write-queue-mb", str(2 * n * 36 + 64),
@@ -69,9 +73,6 @@ class ServerPair:
     def round(self, data: list) -> dict:
         """-> store_s (the writer's own time for the commit), until_in_l2_s (the client's
         store plus the write-behind), fetch_s (B's lookup promoting every chunk), rkeys."""
-        import torch
-
-        from kvedit.server.l2_redis import redis_key
         n = self.n
         keys = [os.urandom(16) for _ in range(n)]
         busy = self.ca.stats()["l2_write_seconds"]
@@ -119,14 +120,6 @@ def ttft_two_engines(url: str, tokens: int = 4096, rounds: int = 4) -> dict:
     """Prompts prefilled on engine A (server A) are served to engine B (server B, empty
     memory) from L2, vs fresh prompts recomputed on B, in alternation. One vLLM at a time
     (A stops before B starts): the hand-off goes through Redis alone."""
-    import random
-
-    from kvedit.bench.engine_calls import complete_one as _complete
-    from kvedit.client import KVClient
-    from kvedit.harness.tiny_model import default_tiny_model
-    from kvedit.launch.vllm import start_vllm
-    from kvedit.launch.server import start_server
-
     model = default_tiny_model()
     rng = random.Random(0)
 

@@ -21,13 +21,13 @@ TCP: each engine publishes on ipc, and a forwarder here binds 127.0.0.1 for the 
 drops the CPU events in the gpu_only arm). Needs the router's Python package and its
 dependencies (orjson): `--router-path DIR[:DIR...]` (prepended to the router's PYTHONPATH,
 e.g. a `pip install --target` of the vllm-router wheel) or vllm_router importable.
-No torch/vllm at module level (CLI start-up).
 """
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -35,38 +35,26 @@ import tempfile
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
-from kvedit.bench.engine_calls import post_json
+import httpx
+import msgspec
+import zmq
 
-ARMS = ("round_robin", "kv_aware", "kv_aware_gpu_only")
+from kvedit.bench.http import get_text, post_json
+from kvedit.harness.kv_index import decode_batch
+from kvedit.harness.tiny_model import default_tiny_model
+from kvedit.launch.process_group import spawn_group, stop_group
+from kvedit.launch.server import free_port, start_server
+from kvedit.launch.vllm import kv_transfer_config, start_vllm
+
 BLOCK = 128              # vLLM's block size on the CPU
 BLOCK_BYTES = 512 << 10  # one block of the tiny model's KV in float32
 
 
-def register(bsub) -> None:
-    p = bsub.add_parser("route", help="routing by KV events (vllm-router): cached share and "
-                        "TTFT per policy, two vLLMs each with a kvedit server",
-                        description=__doc__.splitlines()[0])
-    p.add_argument("--docs", type=int, default=8, help="documents (default 8)")
-    p.add_argument("--doc-tokens", type=int, default=2048, help="tokens a document (2048)")
-    p.add_argument("--rounds", type=int, default=4, help="rounds over the documents (4)")
-    p.add_argument("--concurrency", type=int, default=2, help="requests in flight (2)")
-    p.add_argument("--gpu-docs", type=float, default=2.5,
-                   help="documents each vLLM's KV cache holds (default 2.5)")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"of {','.join(ARMS)}")
-    p.add_argument("--router-path", default=None,
-                   help="directories holding the vllm_router package and its dependencies, "
-                   "os.pathsep-separated (prepended to the router's PYTHONPATH)")
-    p.add_argument("--json", action="store_true", help="print only the JSON object")
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    arms = [a for a in args.arms.split(",") if a]
-    bad = sorted(set(arms) - set(ARMS))
-    if bad:
-        raise SystemExit(f"kvedit bench route: unknown arms {bad}; expected some of {ARMS}")
+def run(args, arms: list[str]) -> int:
+    """`kvedit bench route` with `arms` (of cli.ARMS, checked there)."""
     result = route_bench(args.docs, args.doc_tokens, args.rounds, args.gpu_docs, arms,
                          args.router_path, args.concurrency)
     print(json.dumps(result, indent=None if args.json else 2))
@@ -85,10 +73,6 @@ class Forwarder:
     with `drop_cpu`, the CPU-medium events are taken out of each batch (re-encoded)."""
 
     def __init__(self, source: str, drop_cpu: bool):
-        import zmq
-
-        from kvedit.launch.server import free_port
-
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -102,10 +86,6 @@ class Forwarder:
         self.thread.start()
 
     def _run(self) -> None:
-        import msgspec
-
-        from kvedit.harness.kv_index import decode_batch
-
         enc = msgspec.msgpack.Encoder()
         while not self._stop:
             if not self.sub.poll(100):
@@ -128,9 +108,6 @@ class Forwarder:
 def _router(workers: dict[str, str], policy: str, model_dir, router_path: str | None,
             log_path: str):
     """vllm-router on a free loopback port -> (process, base URL)."""
-    from kvedit.launch.process_group import spawn_group
-    from kvedit.launch.server import free_port
-
     port = free_port()
     cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1",
            "--port", str(port), "--worker-urls", *workers, "--policy", policy]
@@ -161,10 +138,6 @@ def _router(workers: dict[str, str], policy: str, model_dir, router_path: str | 
 
 def route_bench(n_docs: int, doc_tokens: int, rounds: int, gpu_docs: float, arms: list[str],
                 router_path: str | None, concurrency: int = 2) -> dict:
-    from kvedit.harness.tiny_model import default_tiny_model
-    from kvedit.launch.process_group import stop_group
-    from kvedit.launch.server import start_server
-
     model_dir = default_tiny_model()
     docs = _documents(n_docs, doc_tokens)
     max_len = doc_tokens + 256
@@ -206,8 +179,6 @@ def route_bench(n_docs: int, doc_tokens: int, rounds: int, gpu_docs: float, arms
 
 
 def _engine(model_dir, server, prefix: str, blocks: int, max_len: int):
-    from kvedit.launch.vllm import kv_transfer_config, start_vllm
-
     conn = kv_transfer_config(server.url, server.http_url, store=None,
                               extra_config={"kv_events": True})
     ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"{prefix}-pub",
@@ -221,8 +192,6 @@ def _engine(model_dir, server, prefix: str, blocks: int, max_len: int):
 
 def _empty(engines, servers) -> None:
     """Each arm starts cold: vLLM's prefix caches and the kvedit servers emptied."""
-    import httpx
-
     for vp in engines:
         post_json(vp.base_url + "/reset_prefix_cache", {})
     for s in servers:
@@ -232,10 +201,7 @@ def _empty(engines, servers) -> None:
 def _metrics(vp) -> dict[str, float]:
     """vLLM's counters of one engine: requests, prompt tokens, hits in its own prefix cache
     and from the connector (the kvedit tier)."""
-    import re
-
-    with urllib.request.urlopen(vp.base_url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
+    text = get_text(vp.base_url + "/metrics", timeout=30)
     names = {"requests": "vllm:request_success_total",
              "prompt_tokens": "vllm:prompt_tokens_total",
              "local_hit_tokens": "vllm:prefix_cache_hits_total",
@@ -252,8 +218,6 @@ def _workload(url: str, docs: list[list[int]], rounds: int, concurrency: int,
     """Rounds over the documents in shuffled order, `concurrency` requests in flight (a
     request's latency with max_tokens=1 is its TTFT); round 0 meets every document for the
     first time. The same requests, in the same order, for every arm."""
-    from concurrent.futures import ThreadPoolExecutor
-
     rng = random.Random(seed)
     todo = []
     for r in range(rounds):

@@ -1,26 +1,7 @@
-"""`kvedit bench l2`: the Redis second tier against plain redis-py on the same bytes, same run.
-
-Qwen3-8B-shaped chunks (36 layers, 8 KV heads, head_dim 128, bf16, 256 tokens = 36 MiB),
---chunks of them (default 16: a 4096-token prompt), one redis-server started here:
-- l2_store_vs_redis: bytes/s of the server's write-behind (the writer thread's own time for
-  one commit of all chunks: live checks, hash, MULTI/EXEC; counted by the tier) / bytes/s of
-  redis-py SETs of the same bytes. Target >= 0.8. store_until_in_l2_s: the client's store
-  plus the write-behind, until the tier counts every chunk written.
-- l2_fetch_vs_redis: chunks/s of promotion (a lookup on a second server with an empty L1
-  that falls through to Redis and promotes every chunk into L1) / chunks/s of redis-py GETs
-  of the same records. Target >= 0.8.
-- promotion overhead per chunk: the same fall-through with small chunks (16 KiB), where the
-  bytes cost little and the per-chunk work (probe, slot, GET, CRC, commit, wake) shows.
-- write-behind on commit vs on eviction: the client's store time with an L1 of a quarter of
-  the data (so most stores evict), in each mode, and how much of the data reached L2.
-- with --vllm: l2_hit_ttft_vs_recompute: two tiny-model vLLMs, each with its own server,
-  sharing the Redis; a 4096-token prompt prefilled on A is served to B from L2 (B's first
-  sight of it) / a fresh prompt recomputed on B. Target <= 0.3.
-Ratios divide paths run alternately in each round (noise hits both sides); the best round of
-each side counts. No torch at module level (CLI start-up).
-With --cluster: the same store and fetch paths on a Redis Cluster against one Redis, in the
-same run, plus keys per master and a failover phase (kvedit/bench/l2_cluster.py).
-"""
+"""`kvedit bench l2` in its single-Redis mode (the package docstring says what it measures):
+write-behind and promotion against redis-py on the same bytes, the fixed cost of a promoted
+chunk, write on commit vs on eviction, and with --vllm the L2-hit TTFT; `--cluster` hands
+over to cluster.py."""
 from __future__ import annotations
 
 import json
@@ -28,37 +9,22 @@ import os
 import statistics
 import time
 
-from kvedit.bench.l2_paths import (ServerPair, qwen3_8b_layout, random_chunks, ttft_two_engines,
+import redis
+import torch
+
+from kvedit.bench.l2.cluster import run_cluster
+from kvedit.bench.l2.paths import (ServerPair, qwen3_8b_layout, random_chunks, ttft_two_engines,
                                    wait_counter)
+from kvedit.client import KVClient
+from kvedit.launch.redis import RedisProcess
+from kvedit.launch.server import start_server
+from kvedit.layout import ModelLayout
 
 MIB = 1 << 20
 
 
-def register(bsub) -> None:
-    p = bsub.add_parser("l2", help="Redis second tier: write-behind / promotion vs redis-py, "
-                        "write on commit vs evict, L2-hit TTFT",
-                        description=__doc__.splitlines()[0])
-    p.add_argument("--chunks", type=int, default=16,
-                   help="36 MiB chunks per round (default 16 = one 4096-token prompt)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds per path; the best counts")
-    p.add_argument("--vllm", action="store_true",
-                   help="also l2_hit_ttft_vs_recompute with two tiny-model vLLMs (minutes)")
-    p.add_argument("--cluster", action="store_true",
-                   help="instead: a Redis Cluster (3 masters + --replicas each) against one "
-                        "Redis in the same run: store/fetch ratios, keys per master, a "
-                        "failover phase (a master SIGKILLed, one SIGSTOPped for 10 s, under "
-                        "load); with --vllm also the L2-hit TTFT ratio (kvedit/bench/l2_cluster.py)")
-    p.add_argument("--replicas", type=int, default=1,
-                   help="--cluster: replicas per master (default 1; 0: no failover phase)")
-    p.add_argument("--json", action="store_true", help="print only the JSON object")
-    p.set_defaults(func=run)
-
-
 def run(args) -> int:
-    from kvedit.launch.redis import RedisProcess
-
     if args.cluster:
-        from kvedit.bench.l2_cluster import run_cluster
         print(json.dumps(run_cluster(args), indent=None if args.json else 2))
         return 0
     with RedisProcess() as redis_proc:
@@ -75,11 +41,9 @@ def run(args) -> int:
 
 
 def throughput(url: str, n: int, rounds: int) -> dict:
-    import redis
-
     layout = qwen3_8b_layout()
     data = random_chunks(layout, n)
-    views = [memoryview(t.view(-1).view(__import__("torch").uint8).numpy()) for t in data]
+    views = [memoryview(t.view(-1).view(torch.uint8).numpy()) for t in data]
     raw = redis.Redis.from_url(url)
     store_s, set_s, fetch_s, get_s, end_to_end_s = [], [], [], [], []
     with ServerPair(url, layout, n) as pair:
@@ -112,11 +76,6 @@ def throughput(url: str, n: int, rounds: int) -> dict:
 
 def promotion_overhead(url: str, n: int = 256) -> dict:
     """Fixed cost per promoted chunk: 16 KiB chunks, so the bytes are cheap."""
-    from kvedit.client import KVClient
-    from kvedit.layout import ModelLayout
-    from kvedit.launch.server import start_server
-
-    import torch
     small = ModelLayout(num_layers=2, num_kv_heads=1, head_dim=32, dtype="bfloat16",
                         chunk_size=256)
     chunk = torch.zeros(small.chunk_shape, dtype=torch.bfloat16)
@@ -143,11 +102,6 @@ def promotion_overhead(url: str, n: int = 256) -> dict:
 def write_modes(redis_proc, n: int) -> dict:
     """Store 2n chunks (n at a time) into an L1 of n/2 chunks, in each write mode: the
     client's store time, and what reached L2 (commit: everything; evict: only the evicted)."""
-    import redis
-
-    from kvedit.client import KVClient
-    from kvedit.launch.server import start_server
-
     layout = qwen3_8b_layout()
     data = random_chunks(layout, n)
     pool_gb = max(1, n // 2) * layout.chunk_bytes / 2**30
