@@ -25,6 +25,7 @@ class SchedulerStats:
     steps: int = 0
     lookups: int = 0          # lookups that asked the server
     local_misses: int = 0     # lookups answered "none" from the copy of the server's keys
+    asked_again: int = 0      # a waiting request's hit answered again from its pin, no trip
     lookup_s: float = 0.0     # get_num_new_matched_tokens, the server round trips included
     server_s: float = 0.0     # ... of which the server round trips (lookup and pin)
     meta_s: float = 0.0       # build_connector_meta
@@ -55,10 +56,10 @@ class SchedulerStats:
             return
         self.logged_at = now
         logger.info("kvedit: scheduler stats: %d steps, %.1f ms in kvedit's hooks (lookups %d "
-                    "in %.1f ms, %d answered here, server %.1f ms; step metadata %.1f ms, "
+                    "in %.1f ms, %d answered here, %d asked again, server %.1f ms; step metadata %.1f ms, "
                     "evict watch %.1f ms; request ends %.1f ms; after alloc %.1f ms%s)",
                     self.steps, 1e3 * self.total_s, self.lookups, 1e3 * self.lookup_s,
-                    self.local_misses, 1e3 * self.server_s, 1e3 * self.meta_s,
+                    self.local_misses, self.asked_again, 1e3 * self.server_s, 1e3 * self.meta_s,
                     1e3 * (self.watch_s + self.take_s), 1e3 * self.finished_s, 1e3 * self.alloc_s,
                     f"; kv events {1e3 * self.events_s:.1f} ms" if self.events_s else "")
 
@@ -66,7 +67,8 @@ class SchedulerStats:
 _LINE = re.compile(
     r"kvedit: scheduler stats: (?P<steps>\d+) steps, (?P<hooks_ms>[\d.]+) ms in kvedit's hooks "
     r"\(lookups (?P<lookups>\d+) in (?P<lookup_ms>[\d.]+) ms, "
-    r"(?P<local_misses>\d+) answered here, server (?P<server_ms>[\d.]+) ms; "
+    r"(?P<local_misses>\d+) answered here, (?:(?P<asked_again>\d+) asked again, )?"
+    r"server (?P<server_ms>[\d.]+) ms; "
     r"step metadata (?P<meta_ms>[\d.]+) ms, evict watch (?P<watch_ms>[\d.]+) ms; "
     r"request ends (?P<finished_ms>[\d.]+) ms; after alloc (?P<alloc_ms>[\d.]+) ms"
     r"(?:; kv events (?P<events_ms>[\d.]+) ms)?\)")
