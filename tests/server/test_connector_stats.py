@@ -16,7 +16,8 @@ from kvedit.vllm.transfer.copier_stats import (
 
 
 def test_stats_lines_parse_back_to_what_was_logged(caplog):
-    s = SchedulerStats(every=0.0, steps=12, lookups=5, local_misses=7, lookup_s=0.0042,
+    s = SchedulerStats(every=0.0, steps=12, lookups=5, local_misses=7, asked_again=3,
+                       lookup_s=0.0042,
                        server_s=0.003, meta_s=0.0011, watch_s=0.0004, take_s=0.0002,
                        finished_s=0.0005, alloc_s=0.0001)
     st = StoreStats(every=0.0, stores=4, chunks=17, main_s=0.0123, device_wait_s=0.0001,
@@ -26,7 +27,7 @@ def test_stats_lines_parse_back_to_what_was_logged(caplog):
         st.maybe_log()
     got = scheduler_counters(caplog.text)
     assert got == {"steps": 12, "hooks_ms": 6.1, "lookups": 5, "lookup_ms": 4.2,
-                   "local_misses": 7, "server_ms": 3.0, "meta_ms": 1.1, "watch_ms": 0.6,
+                   "local_misses": 7, "asked_again": 3, "server_ms": 3.0, "meta_ms": 1.1, "watch_ms": 0.6,
                    "finished_ms": 0.5, "alloc_ms": 0.1}
     assert store_counters(caplog.text) == {"stores": 4, "chunks": 17, "main_ms": 12.3,
                                            "device_wait_ms": 0.1, "ring_wait_ms": 2.0,
