@@ -32,7 +32,7 @@ from kvedit.server.link_service import LinkMethods
 from kvedit.server.index import Index, Refused
 from kvedit.server.key_feed import KeyFeed
 from kvedit.server.l2_service import L2_HOLDER, L2Methods
-from kvedit.server.metrics import Metrics
+from kvedit.server.metrics import LoopTurns, Metrics
 from kvedit.server.peers import Peers, holder_of
 from kvedit.server.pool import Allocator, Arena
 from kvedit.server.registry import Fail, Registry, quoted
@@ -60,6 +60,7 @@ class Service(L2Methods, SlicedWork, LinkMethods, Registry):
         self.layouts: dict[tuple[str, int], ModelLayout] = {}
         self.lock = threading.Lock()        # shared with the data-link and HTTP threads
         self.metrics = Metrics(self.snapshot)
+        self.turns = LoopTurns()            # the loop's CPU time per turn (metrics.py)
         self.started = time.time()
         self.waiters = Waiters(cfg.max_waits_per_client, cfg.max_waits_total,
                                max_keys=cfg.max_parked_keys)
@@ -123,6 +124,7 @@ class Service(L2Methods, SlicedWork, LinkMethods, Registry):
                 busy = self.feed.has_work() or self.has_jobs()
                 timeout = 0 if busy else self._timeout_ms()
             events = dict(poller.poll(timeout))
+            turn = time.thread_time()
             if self.kick_fd in events:
                 self._kicked()
             if self.sock in events:
@@ -148,6 +150,7 @@ class Service(L2Methods, SlicedWork, LinkMethods, Registry):
                     self.feed.work()    # snapshots of key watches, a slice at a time
             except Exception:  # a bug must not take the server (and its data) down
                 log.exception("internal error in housekeeping")
+            self.turns.observe(time.thread_time() - turn)
 
     def close(self) -> None:
         if self.l2 is not None:   # its threads read pool slots: stop them first
@@ -467,6 +470,7 @@ class Service(L2Methods, SlicedWork, LinkMethods, Registry):
             "parked_keys": self.waiters.keys, "data_conns": self.data.connections(),
             "zmq_conns": self.peers.connected(), "zmq_conns_refused": self.peers.refused,
             "heap_trims": self.trim.trims,
+        } | self.turns.snapshot() | {
             "transfer_mode": "shm" if self.cfg.shm_name else "socket",
             "uptime_s": round(time.time() - self.started, 3),
         } | self.feed.snapshot() | self.replies.snapshot() | (
