@@ -40,6 +40,7 @@ from kvedit.server.pages import CommitOrder
 from kvedit.server.pending import Pendings
 from kvedit.server.pool import Allocator
 from kvedit.server.quota import QuotaLimits
+from kvedit.server.shards import KeyTable
 
 _COUNTER_FIELDS = tuple(f.name for f in fields(Counters))
 
@@ -54,8 +55,8 @@ class Index:
         self.policy = policy
         self.counters = Counters(pool_bytes=allocator.capacity, pool_used=allocator.used,
                                  pool_free=allocator.capacity - allocator.used)
-        self.objects: dict[Ident, Obj] = {}               # live "kv" objects by key
-        self.queries: dict[Ident, Obj] = {}               # live "queries" objects by key
+        self.objects = KeyTable()     # live "kv" objects by key (sharded: shards.py)
+        self.queries = KeyTable()     # live "queries" objects by key
         self.pending = Pendings(
             self.counters, clock, self._let_go, lease_ttl=lease_ttl, write_ttl=write_ttl,
             quarantine_ttl=(quarantine_ttl if quarantine_ttl is not None
@@ -81,15 +82,15 @@ class Index:
         return self.pending.leases
 
     # ---- reads ------------------------------------------------------------------------
-    def table(self, kind: ObjectKind) -> dict[Ident, Obj]:
+    def table(self, kind: ObjectKind) -> KeyTable:
         """The live objects of one kind (each kind is its own key space)."""
         return self.objects if kind == "kv" else self.queries
 
     def leading_ready(self, model: str, tp_rank: int, keys: list[bytes],
                       kind: ObjectKind = "kv") -> int:
-        n, table = 0, self.table(kind)
+        n, get = 0, self.table(kind).first(model, tp_rank, keys)
         for k in keys:
-            o = table.get((model, tp_rank, k))
+            o = get(k)
             if o is None or o.state != READY:
                 break
             n += 1
@@ -116,8 +117,8 @@ class Index:
                 kind: ObjectKind = "kv") -> int:
         """How many distinct keys of `keys` are neither ready nor being written: the slots a
         store of them would need."""
-        get = self.table(kind).get
-        return len({k for k in keys if get((model, tp_rank, k)) is None})
+        have = self.table(kind).find(model, tp_rank, keys)
+        return len({k for k, o in zip(keys, have) if o is None})
 
     def admit_store(self, holder: bytes, nbytes: int) -> None:
         """OverQuota if a store pinning `nbytes` slot bytes would take `holder` over a cap."""
@@ -141,10 +142,10 @@ class Index:
         (the GET never needs a chunk twice, so a repeat is never counted twice).
         OverQuota (nothing leased) past the holder's or the total caps (quota.py)."""
         self.pending.admit("lease", holder, [])   # a session at its lease cap: refused cheaply
-        objs, get = [], self.table(kind).get
+        objs, get = [], self.table(kind).first(model, tp_rank, keys)
         seen: set[Obj] | None = set() if ordered else None
         for k in keys:   # the leading ready objects
-            o = get((model, tp_rank, k))
+            o = get(k)
             if o is None or o.state != READY:
                 break
             if seen is not None:   # a data-link GET needs no chunk twice: counted once
@@ -192,7 +193,7 @@ class Index:
                 o = table.get((model, tp_rank, k))
                 if o is not None and o.state == READY:
                     self._forget(o)
-        have = [table.get((model, tp_rank, k)) for k in keys]
+        have = table.find(model, tp_rank, keys)
         present = [o for o in have if o is not None]
         pinned = [o for o in present if o.evictable]
         self.order.leave(pinned)   # what we report present must survive our own evictions
@@ -218,8 +219,7 @@ class Index:
                 f"not evictable)")
         objs = [Obj(model, tp_rank, keys[i], off, nbytes, slot, kind=kind)
                 for i, off in zip(missing, offsets)]
-        for o in objs:
-            table[o.ident] = o
+        table.put(objs)
         self.counters.objects += len(objs)
         self.counters.writing += len(objs)
         self._use(model, tp_rank, len(objs))
