@@ -70,6 +70,7 @@ class Index:
         # live objects of each (model, tp_rank) being written or leased: Unregister is busy
         # while any is, and asking must not walk a million objects (`droppable`)
         self._in_use: dict[tuple[str, int], int] = {}
+        self.made = 0   # objects made since the start (the service's GC freezes read it)
 
     @property
     def stores(self) -> dict[int, Pending]:
@@ -223,6 +224,7 @@ class Index:
         self.counters.objects += len(objs)
         self.counters.writing += len(objs)
         self._use(model, tp_rank, len(objs))
+        self.made += len(objs)
         p = self.pending.open("store", holder, objs, len(objs) * slot)
         return Prepared(p.id, missing, offsets, len(keys) - len(missing))
 

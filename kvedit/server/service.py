@@ -45,6 +45,7 @@ log = logging.getLogger("kvedit.server")
 BURST = 256               # messages handled before housekeeping runs again
 FREEZE_MIN_OBJECTS = 50_000  # below this a full GC pass is cheap enough
 FREEZE_GROWTH = 1.1       # freeze again when the index grew by this factor
+FREEZE_MADE = 4096        # ... or when this many objects were made since (churn)
 KEY_BYTES = 64            # what a parked or leased key costs the heap, about (trim.py)
 TRACEBACK_EVERY_S = 10.0  # an internal error logs its traceback at most this often
 
@@ -67,6 +68,7 @@ class Service(L2Methods, SlicedWork, LinkMethods, Registry):
         self._cuts: dict[int, Callable[[], None]] = {}  # store/lease id -> cut its transfer
         self.stop_requested = False
         self._frozen_objects = 0            # index size at the last gc.freeze()
+        self._frozen_made = 0               # objects made (index.made) by then
         self.trim = HeapTrim()              # freed heap back to the OS after a burst
         self._tracebacks = (0.0, 0)         # (last traceback logged, errors since)
         self._slices_init()
@@ -119,6 +121,8 @@ class Service(L2Methods, SlicedWork, LinkMethods, Registry):
         if self.l2 is not None:     # the L2 threads post promotions and finished probes
             self.l2.start()
             poller.register(self.l2.wake_fd, zmq.POLLIN)
+        gc.collect()   # what start-up made (modules: 60k+ objects) is never scanned again:
+        gc.freeze()    # gen-2 passes over it took 50 ms of loop turns (_freeze_gc)
         while not self.stop_requested:
             with self.lock:
                 busy = self.feed.has_work() or self.has_jobs()
@@ -190,16 +194,23 @@ class Service(L2Methods, SlicedWork, LinkMethods, Registry):
                           + (self.l2.queue_bytes if self.l2 is not None else 0))
 
     def _freeze_gc(self) -> None:
-        """Keep full GC passes off the index. CPython runs a gen-2 pass whenever long-lived
+        """Keep GC passes off the index. CPython runs a gen-2 pass whenever long-lived
         objects grew by 25%, and at a million objects that pass holds the GIL (loop and HTTP)
         for a long pause (docs/protocol.md, "Observations behind the data path"). The index's
         objects form no cycles (freed by refcount), so moving them to the permanent
-        generation loses nothing; a pass then scans only what came after."""
-        n = self.index.counters.objects
-        if n >= FREEZE_MIN_OBJECTS and n >= self._frozen_objects * FREEZE_GROWTH:
+        generation loses nothing; a pass then scans only what came after. Freezing when the
+        index grew is not enough: in a full pool every store evicts as many objects as it
+        makes, the index does not grow, and CPython's young generation grows without a pass
+        (a freed object takes one off the count that starts one), so the first pass that
+        came scanned everything made since: 48 ms for 270k objects behind one 8,192-key
+        commit, and the unfrozen survivors made each later gen-2 pass longer. So it freezes
+        after every FREEZE_MADE objects made too (a collect of those few: ~1-2 ms)."""
+        n, made = self.index.counters.objects, self.index.made
+        if n >= FREEZE_MIN_OBJECTS and (n >= self._frozen_objects * FREEZE_GROWTH or
+                                        made - self._frozen_made >= FREEZE_MADE):
             gc.collect(1)   # young cyclic garbage is not frozen with them (cheap: gens 0-1)
             gc.freeze()
-            self._frozen_objects = n
+            self._frozen_objects, self._frozen_made = n, made
 
     def _connections_closed(self) -> None:
         """Sockets whose connection closed: ZMQ dropped what was queued for them."""
