@@ -38,6 +38,7 @@ from kvedit.server.index_types import (  # noqa: F401  (re-exported: the index's
     Quarantined, Refused, Released, Slot, StoreExpired, Transfer, UnknownLease, UnknownStore)
 from kvedit.server.pages import CommitOrder
 from kvedit.server.pending import Pendings
+from kvedit.server.preparing import Preparing
 from kvedit.server.pool import Allocator
 from kvedit.server.quota import QuotaLimits
 from kvedit.server.shards import KeyTable
@@ -121,18 +122,9 @@ class Index:
         have = self.table(kind).find(model, tp_rank, keys)
         return len({k for k, o in zip(keys, have) if o is None})
 
-    def admit_store(self, holder: bytes, nbytes: int) -> None:
-        """OverQuota if a store pinning `nbytes` slot bytes would take `holder` over a cap."""
-        self.pending.admit("store", holder, [], nbytes)
-
     def slot_bytes(self, nbytes: int) -> int:
         """The slot an object of `nbytes` takes (whole pages)."""
         return self.alloc.rounded(nbytes)
-
-    def evict_one(self, need: int) -> bool:
-        """Evict the next victim for a slot of `need` bytes (False: nothing is evictable):
-        room made ahead of a large store, a slice at a time (slices.py)."""
-        return self._evict_one(need)
 
     # ---- leases -----------------------------------------------------------------------
     def lease(self, model: str, tp_rank: int, keys: list[bytes], holder: bytes,
@@ -188,45 +180,16 @@ class Index:
         its leases end, like `delete`), so the new bytes (maybe of another size) win; one
         being written by another store is still reported present.
         """
-        table = self.table(kind)
-        if kind == "queries":
-            for k in keys:
-                o = table.get((model, tp_rank, k))
-                if o is not None and o.state == READY:
-                    self._forget(o)
-        have = table.find(model, tp_rank, keys)
-        present = [o for o in have if o is not None]
-        pinned = [o for o in present if o.evictable]
-        self.order.leave(pinned)   # what we report present must survive our own evictions
-        missing, seen = [], set()
-        for i, k in enumerate(keys):
-            if have[i] is None and k not in seen:   # not present, not a duplicate
-                seen.add(k)
-                missing.append(i)
-        slot = self.alloc.rounded(nbytes)
-        self.pending.admit("store", holder, [], len(missing) * slot)   # OverQuota
-        try:
-            offsets = self._alloc(nbytes, len(missing))
-        finally:
-            self.order.touch(present)   # LRU: at the most recently used end
-            self.order.enter(pinned)
-        if offsets is None:
-            a = self.alloc
-            raise PoolFull(
-                f"{len(missing)} chunk(s) of {nbytes} bytes do not fit: {a.used} of "
-                f"{a.capacity} bytes in use (largest free range {a.largest_free()} bytes; "
-                f"{self.counters.quarantined_bytes} bytes in quarantine) and nothing more is "
-                f"evictable (eviction policy {self.policy}; leased and in-flight objects are "
-                f"not evictable)")
-        objs = [Obj(model, tp_rank, keys[i], off, nbytes, slot, kind=kind)
-                for i, off in zip(missing, offsets)]
-        table.put(objs)
-        self.counters.objects += len(objs)
-        self.counters.writing += len(objs)
-        self._use(model, tp_rank, len(objs))
-        self.made += len(objs)
-        p = self.pending.open("store", holder, objs, len(objs) * slot)
-        return Prepared(p.id, missing, offsets, len(keys) - len(missing))
+        st = self.preparing(model, tp_rank, keys, nbytes, holder, kind)
+        st.run()
+        return st.finish()
+
+    def preparing(self, model: str, tp_rank: int, keys: list[bytes], nbytes: int,
+                  holder: bytes, kind: ObjectKind = "kv") -> Preparing:
+        """`prepare` in steps (preparing.py): `run(deadline)` until it returns True (it looks
+        the keys up, admits the quota, makes the objects; OverQuota, PoolFull), then
+        `finish()` (opens the store)."""
+        return Preparing(self, model, tp_rank, keys, nbytes, holder, kind)
 
     def commit(self, store_id: int, holder: bytes) -> Committed:
         p = self.pending.idle("store", store_id, holder,

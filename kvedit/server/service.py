@@ -29,7 +29,7 @@ from kvedit.query_contract import MAX_WINDOW
 from kvedit.server.config import MIB, ServerConfig
 from kvedit.server.datalink import DataLink
 from kvedit.server.link_service import LinkMethods
-from kvedit.server.index import Index, Refused
+from kvedit.server.index import Index, Prepared, Refused
 from kvedit.server.key_feed import KeyFeed
 from kvedit.server.l2_service import L2_HOLDER, L2Methods
 from kvedit.server.metrics import LoopTurns, Metrics
@@ -400,6 +400,8 @@ class Service(L2Methods, SlicedWork, LinkMethods, Registry):
         self._send(w.ident, w.rid, P.Count(n=n))
 
     def _wake(self, idents) -> None:
+        if not len(self.waiters):   # nothing parked: a large commit need not look
+            return
         for ident in idents:
             for w in self.waiters.take(ident):
                 n = self.index.leading_ready(w.req.model, w.req.tp_rank, w.req.keys,
@@ -422,6 +424,9 @@ class Service(L2Methods, SlicedWork, LinkMethods, Registry):
                                                  self.index.slot_bytes(lay.chunk_bytes)):
             return None
         r = self.index.prepare(model, tp, keys, lay.chunk_bytes, holder)  # Refused: pool_full
+        return self._slots(r, lay)
+
+    def _slots(self, r: Prepared, lay: ModelLayout) -> P.StoreSlots:
         return P.StoreSlots(store_id=r.store_id, missing=r.missing, offsets=r.offsets,
                             present=r.present, layout=lay, instance=self.instance)
 
