@@ -35,7 +35,7 @@ from kvedit import protocol as P
 from kvedit.layout import ModelLayout
 from kvedit.server.index import Busy, Refused
 from kvedit.server.preparing import Preparing
-from kvedit.server.registry import Fail
+from kvedit.server.registry import Fail, quoted
 from kvedit.server.waiters import TooManyWaits
 
 log = logging.getLogger("kvedit.server")
@@ -86,14 +86,23 @@ class Prep:
     def step(self, svc) -> bool:
         r = self.req
         try:
-            if self.st is None:   # unknown_model if unregistered since; OverQuota
-                self.lay = svc._layout(r.model, r.tp_rank, r.keys)
-                self.st = svc.index.preparing(r.model, r.tp_rank, r.keys,
-                                              self.lay.chunk_bytes, self.holder)
+            # unknown_model when unregistered since: until its first objects are made (then
+            # Unregister answers busy), the model may go, or come back with another layout
+            lay = svc._layout(r.model, r.tp_rank)
+            if self.st is None:
+                self.lay = lay
+                self.st = svc.index.preparing(r.model, r.tp_rank, r.keys, lay.chunk_bytes,
+                                              self.holder)
+            elif lay != self.lay:
+                raise Fail("unknown_model", f"model {quoted(r.model)} (tp_rank {r.tp_rank}) "
+                                            f"was registered again with another layout while "
+                                            f"this store was prepared: store again")
             if not self.st.run(svc._job_deadline):
                 return False
-            out = svc._slots(self.st.finish(), self.lay)
-        except (Fail, Refused) as e:   # PoolFull, OverQuota: every object undone
+            out = svc._slots(self.st.finish(), lay)
+        except (Fail, Refused) as e:   # PoolFull, OverQuota, unknown_model
+            if self.st is not None:
+                self.st.cancel()       # every object made undone (done already for some)
             out = svc._error(e.code, e.message)
         svc.feed.flush()   # what it evicted reaches key watches before the reply, as always
         svc._send(self.ident, self.rid, out)

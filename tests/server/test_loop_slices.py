@@ -23,7 +23,7 @@ from kvedit import protocol as P
 from kvedit.client import KVClient, KVError
 from kvedit.launch.server import start_server
 from kvedit.layout import ModelLayout
-from tests.fixtures_server import call, close_dealer, dealer, session_dealer
+from tests.fixtures_server import call, close_dealer, dealer, session_dealer, wait_until
 
 # 4 KiB chunks: a quarter of a million objects fit in a GiB of lazy pool, never written
 TINY = ModelLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16", chunk_size=256)
@@ -251,6 +251,46 @@ def test_a_large_store_is_answered_after_requests_behind_it():
             assert c.lookup("m", _keys(0, n)) == n
         finally:
             close_dealer(d)
+
+
+WAIT_S = 0.02   # after the store is sent: its keys are being looked up then, most often
+
+
+def test_an_unregister_while_a_large_store_is_prepared_leaves_nothing_behind():
+    """Unregister right behind a store of 2^16 keys (its keys looked up over several
+    turns): either the Unregister comes first (Count) and the store is refused
+    unknown_model with nothing of it left, or the store's objects came first (busy) and the
+    store is whole; never objects of a model that is gone."""
+    n = BIG
+    with start_server(2 * n * 4096 / 2**30, extra_args=["--max-keys-per-request", str(BIG)]
+                      ) as s, KVClient(s.url, timeout=120) as c:
+        c.register("m", TINY)
+        c.prepare_store("m", _keys(n, 10)).commit()
+        d, other = session_dealer(s.url), dealer(s.url, timeout_ms=60000)
+        d.setsockopt(zmq.RCVTIMEO, 60000)
+        try:
+            d.send_multipart([b"s", P.encoder.encode(P.PrepareStore(model="m",
+                                                                   keys=_keys(0, n)))])
+            time.sleep(WAIT_S)
+            u = call(other, P.Unregister(model="m"))
+            rid, body = d.recv_multipart()
+            got = P.reply_decoder.decode(body)
+            what = got.code if isinstance(got, P.Error) else type(got).__name__
+            assert rid == b"s"
+            if isinstance(u, P.Count):                    # the Unregister came first
+                assert u.n == 10
+                assert what == "unknown_model", what      # was StoreSlots: 65,536 objects
+                # of a model that was gone, committed and never dropped
+                assert wait_until(lambda: c.stats()["objects"] == 0)
+                assert c.stats()["pool_used"] == 0
+            else:                                         # the store's objects came first
+                assert isinstance(u, P.Error) and u.code == "busy", u
+                assert what == "StoreSlots" and len(got.missing) == n, what
+                assert call(d, P.Commit(store_id=got.store_id)) == P.Committed(stored=n)
+                assert c.lookup("m", _keys(0, n)) == n
+        finally:
+            close_dealer(d)
+            close_dealer(other)
 
 
 def test_a_parked_store_is_refused_over_quota_at_once():
