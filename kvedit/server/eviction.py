@@ -30,6 +30,7 @@ from collections import OrderedDict
 
 from kvedit.server.index_types import READY, Obj
 from kvedit.server.ordered import SortedInts
+from kvedit.server.shards import IntMap
 
 MIN_GHOSTS = 1024   # ARC remembers at least this many evicted keys per ghost list
 
@@ -74,7 +75,7 @@ class EvictionOrder:
         self._arc = policy == "ARC"
         self._tick = 1                                  # the next rank
         self._queues = (_Queue(), _Queue())             # T1 (used once), T2 (used again)
-        self._by_rank: dict[int, Obj] = {}
+        self._by_rank = IntMap()   # sharded: one big dict rebuilt in one go (shards.py)
         # ARC: ghosts of evicted objects (key -> None, oldest first) and T1's target size
         self._ghosts: tuple[OrderedDict, OrderedDict] = (OrderedDict(), OrderedDict())
         self.target = 0.0
@@ -82,7 +83,8 @@ class EvictionOrder:
 
     def __len__(self) -> int:
         """Objects in the order (evictable now)."""
-        return len(self._by_rank)
+        t1, t2 = self._queues
+        return t1.n + t2.n
 
     def stamp(self, objs: list[Obj]) -> None:
         """Give `objs` (none of them in the order; committed now) consecutive new ranks, in
@@ -108,17 +110,17 @@ class EvictionOrder:
     def enter(self, objs: list[Obj]) -> None:
         """Put the evictable ones of `objs` (live, READY, unleased, unpinned) in the order at
         their rank: one batch per queue and slot size (a store or a lease is one or few)."""
-        batches: dict[tuple[bool, int], list[int]] = {}
-        by_rank = self._by_rank
+        batches: dict[tuple[bool, int], list[Obj]] = {}
         for o in objs:
             if o.live and o.state == READY and not o.leases and not o.pins \
                     and not o.evictable:
                 o.evictable = True
-                by_rank[o.rank] = o
-                batches.setdefault((o.hot, o.slot), []).append(o.rank)
-        for (hot, slot), ranks in batches.items():
-            self._queues[hot].add(slot, ranks)
-        self._high = max(self._high, len(by_rank))
+                batches.setdefault((o.hot, o.slot), []).append(o)
+        for batch in batches.values():
+            self._by_rank.put(batch)
+        for (hot, slot), batch in batches.items():
+            self._queues[hot].add(slot, [o.rank for o in batch])
+        self._high = max(self._high, len(self))
 
     def leave(self, objs: list[Obj]) -> None:
         """Take `objs` out of the order (those in it)."""

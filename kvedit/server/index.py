@@ -38,8 +38,10 @@ from kvedit.server.index_types import (  # noqa: F401  (re-exported: the index's
     Quarantined, Refused, Released, Slot, StoreExpired, Transfer, UnknownLease, UnknownStore)
 from kvedit.server.pages import CommitOrder
 from kvedit.server.pending import Pendings
+from kvedit.server.preparing import Preparing
 from kvedit.server.pool import Allocator
 from kvedit.server.quota import QuotaLimits
+from kvedit.server.shards import KeyTable
 
 _COUNTER_FIELDS = tuple(f.name for f in fields(Counters))
 
@@ -54,8 +56,8 @@ class Index:
         self.policy = policy
         self.counters = Counters(pool_bytes=allocator.capacity, pool_used=allocator.used,
                                  pool_free=allocator.capacity - allocator.used)
-        self.objects: dict[Ident, Obj] = {}               # live "kv" objects by key
-        self.queries: dict[Ident, Obj] = {}               # live "queries" objects by key
+        self.objects = KeyTable()     # live "kv" objects by key (sharded: shards.py)
+        self.queries = KeyTable()     # live "queries" objects by key
         self.pending = Pendings(
             self.counters, clock, self._let_go, lease_ttl=lease_ttl, write_ttl=write_ttl,
             quarantine_ttl=(quarantine_ttl if quarantine_ttl is not None
@@ -69,6 +71,7 @@ class Index:
         # live objects of each (model, tp_rank) being written or leased: Unregister is busy
         # while any is, and asking must not walk a million objects (`droppable`)
         self._in_use: dict[tuple[str, int], int] = {}
+        self.made = 0   # objects made since the start (the service's GC freezes read it)
 
     @property
     def stores(self) -> dict[int, Pending]:
@@ -81,15 +84,15 @@ class Index:
         return self.pending.leases
 
     # ---- reads ------------------------------------------------------------------------
-    def table(self, kind: ObjectKind) -> dict[Ident, Obj]:
+    def table(self, kind: ObjectKind) -> KeyTable:
         """The live objects of one kind (each kind is its own key space)."""
         return self.objects if kind == "kv" else self.queries
 
     def leading_ready(self, model: str, tp_rank: int, keys: list[bytes],
                       kind: ObjectKind = "kv") -> int:
-        n, table = 0, self.table(kind)
+        n, get = 0, self.table(kind).first(model, tp_rank, keys)
         for k in keys:
-            o = table.get((model, tp_rank, k))
+            o = get(k)
             if o is None or o.state != READY:
                 break
             n += 1
@@ -116,21 +119,12 @@ class Index:
                 kind: ObjectKind = "kv") -> int:
         """How many distinct keys of `keys` are neither ready nor being written: the slots a
         store of them would need."""
-        get = self.table(kind).get
-        return len({k for k in keys if get((model, tp_rank, k)) is None})
-
-    def admit_store(self, holder: bytes, nbytes: int) -> None:
-        """OverQuota if a store pinning `nbytes` slot bytes would take `holder` over a cap."""
-        self.pending.admit("store", holder, [], nbytes)
+        have = self.table(kind).find(model, tp_rank, keys)
+        return len({k for k, o in zip(keys, have) if o is None})
 
     def slot_bytes(self, nbytes: int) -> int:
         """The slot an object of `nbytes` takes (whole pages)."""
         return self.alloc.rounded(nbytes)
-
-    def evict_one(self, need: int) -> bool:
-        """Evict the next victim for a slot of `need` bytes (False: nothing is evictable):
-        room made ahead of a large store, a slice at a time (slices.py)."""
-        return self._evict_one(need)
 
     # ---- leases -----------------------------------------------------------------------
     def lease(self, model: str, tp_rank: int, keys: list[bytes], holder: bytes,
@@ -141,10 +135,10 @@ class Index:
         (the GET never needs a chunk twice, so a repeat is never counted twice).
         OverQuota (nothing leased) past the holder's or the total caps (quota.py)."""
         self.pending.admit("lease", holder, [])   # a session at its lease cap: refused cheaply
-        objs, get = [], self.table(kind).get
+        objs, get = [], self.table(kind).first(model, tp_rank, keys)
         seen: set[Obj] | None = set() if ordered else None
         for k in keys:   # the leading ready objects
-            o = get((model, tp_rank, k))
+            o = get(k)
             if o is None or o.state != READY:
                 break
             if seen is not None:   # a data-link GET needs no chunk twice: counted once
@@ -186,45 +180,16 @@ class Index:
         its leases end, like `delete`), so the new bytes (maybe of another size) win; one
         being written by another store is still reported present.
         """
-        table = self.table(kind)
-        if kind == "queries":
-            for k in keys:
-                o = table.get((model, tp_rank, k))
-                if o is not None and o.state == READY:
-                    self._forget(o)
-        have = [table.get((model, tp_rank, k)) for k in keys]
-        present = [o for o in have if o is not None]
-        pinned = [o for o in present if o.evictable]
-        self.order.leave(pinned)   # what we report present must survive our own evictions
-        missing, seen = [], set()
-        for i, k in enumerate(keys):
-            if have[i] is None and k not in seen:   # not present, not a duplicate
-                seen.add(k)
-                missing.append(i)
-        slot = self.alloc.rounded(nbytes)
-        self.pending.admit("store", holder, [], len(missing) * slot)   # OverQuota
-        try:
-            offsets = self._alloc(nbytes, len(missing))
-        finally:
-            self.order.touch(present)   # LRU: at the most recently used end
-            self.order.enter(pinned)
-        if offsets is None:
-            a = self.alloc
-            raise PoolFull(
-                f"{len(missing)} chunk(s) of {nbytes} bytes do not fit: {a.used} of "
-                f"{a.capacity} bytes in use (largest free range {a.largest_free()} bytes; "
-                f"{self.counters.quarantined_bytes} bytes in quarantine) and nothing more is "
-                f"evictable (eviction policy {self.policy}; leased and in-flight objects are "
-                f"not evictable)")
-        objs = [Obj(model, tp_rank, keys[i], off, nbytes, slot, kind=kind)
-                for i, off in zip(missing, offsets)]
-        for o in objs:
-            table[o.ident] = o
-        self.counters.objects += len(objs)
-        self.counters.writing += len(objs)
-        self._use(model, tp_rank, len(objs))
-        p = self.pending.open("store", holder, objs, len(objs) * slot)
-        return Prepared(p.id, missing, offsets, len(keys) - len(missing))
+        st = self.preparing(model, tp_rank, keys, nbytes, holder, kind)
+        st.run()
+        return st.finish()
+
+    def preparing(self, model: str, tp_rank: int, keys: list[bytes], nbytes: int,
+                  holder: bytes, kind: ObjectKind = "kv") -> Preparing:
+        """`prepare` in steps (preparing.py): `run(deadline)` until it returns True (it looks
+        the keys up, admits the quota, makes the objects; OverQuota, PoolFull), then
+        `finish()` (opens the store)."""
+        return Preparing(self, model, tp_rank, keys, nbytes, holder, kind)
 
     def commit(self, store_id: int, holder: bytes) -> Committed:
         p = self.pending.idle("store", store_id, holder,

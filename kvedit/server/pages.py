@@ -10,32 +10,31 @@ from __future__ import annotations
 
 from kvedit.server.index_types import CacheEntry, Obj, Page
 from kvedit.server.ordered import SortedInts
+from kvedit.server.shards import IntMap
 
 
 class CommitOrder:
     def __init__(self):
         self._all = SortedInts()                        # seqs of ready objects
         self._by_model: dict[str, SortedInts] = {}
-        self._by_seq: dict[int, Obj] = {}
+        self._by_seq = IntMap()   # sharded: one big dict rebuilt in one go (shards.py)
         self._counts: dict[tuple[str, int], int] = {}   # ready objects of (model, tp_rank)
 
     def __len__(self) -> int:
         """Ready objects (of every model)."""
-        return len(self._by_seq)
+        return len(self._all)
 
     def add(self, objs: list[Obj]) -> None:
-        """Objects of one store (one model) just committed, their seqs newest of all and
-        ascending."""
+        """Objects of one store (one model and tp_rank) just committed, their seqs newest
+        of all and ascending."""
         if not objs:
             return
         seqs = [o.seq for o in objs]
-        for o in objs:
-            self._by_seq[o.seq] = o
+        self._by_seq.put(objs, seqs)
         self._all.update(seqs)
         self._by_model.setdefault(objs[0].model, SortedInts()).update(seqs)
-        for o in objs:
-            key = (o.model, o.tp_rank)
-            self._counts[key] = self._counts.get(key, 0) + 1
+        key = (objs[0].model, objs[0].tp_rank)   # one store: one (model, tp_rank)
+        self._counts[key] = self._counts.get(key, 0) + len(objs)
 
     def remove(self, o: Obj) -> None:
         """A ready object hidden (deleted, evicted, expired)."""

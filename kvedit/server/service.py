@@ -29,10 +29,10 @@ from kvedit.query_contract import MAX_WINDOW
 from kvedit.server.config import MIB, ServerConfig
 from kvedit.server.datalink import DataLink
 from kvedit.server.link_service import LinkMethods
-from kvedit.server.index import Index, Refused
+from kvedit.server.index import Index, Prepared, Refused
 from kvedit.server.key_feed import KeyFeed
 from kvedit.server.l2_service import L2_HOLDER, L2Methods
-from kvedit.server.metrics import Metrics
+from kvedit.server.metrics import LoopTurns, Metrics
 from kvedit.server.peers import Peers, holder_of
 from kvedit.server.pool import Allocator, Arena
 from kvedit.server.registry import Fail, Registry, quoted
@@ -45,6 +45,7 @@ log = logging.getLogger("kvedit.server")
 BURST = 256               # messages handled before housekeeping runs again
 FREEZE_MIN_OBJECTS = 50_000  # below this a full GC pass is cheap enough
 FREEZE_GROWTH = 1.1       # freeze again when the index grew by this factor
+FREEZE_MADE = 4096        # ... or when this many objects were made since (churn)
 KEY_BYTES = 64            # what a parked or leased key costs the heap, about (trim.py)
 TRACEBACK_EVERY_S = 10.0  # an internal error logs its traceback at most this often
 
@@ -60,12 +61,14 @@ class Service(L2Methods, SlicedWork, LinkMethods, Registry):
         self.layouts: dict[tuple[str, int], ModelLayout] = {}
         self.lock = threading.Lock()        # shared with the data-link and HTTP threads
         self.metrics = Metrics(self.snapshot)
+        self.turns = LoopTurns()            # the loop's CPU time per turn (metrics.py)
         self.started = time.time()
         self.waiters = Waiters(cfg.max_waits_per_client, cfg.max_waits_total,
                                max_keys=cfg.max_parked_keys)
         self._cuts: dict[int, Callable[[], None]] = {}  # store/lease id -> cut its transfer
         self.stop_requested = False
         self._frozen_objects = 0            # index size at the last gc.freeze()
+        self._frozen_made = 0               # objects made (index.made) by then
         self.trim = HeapTrim()              # freed heap back to the OS after a burst
         self._tracebacks = (0.0, 0)         # (last traceback logged, errors since)
         self._slices_init()
@@ -118,11 +121,14 @@ class Service(L2Methods, SlicedWork, LinkMethods, Registry):
         if self.l2 is not None:     # the L2 threads post promotions and finished probes
             self.l2.start()
             poller.register(self.l2.wake_fd, zmq.POLLIN)
+        gc.collect()   # what start-up made (modules: 60k+ objects) is never scanned again:
+        gc.freeze()    # gen-2 passes over it took 50 ms of loop turns (_freeze_gc)
         while not self.stop_requested:
             with self.lock:
                 busy = self.feed.has_work() or self.has_jobs()
                 timeout = 0 if busy else self._timeout_ms()
             events = dict(poller.poll(timeout))
+            turn = time.thread_time()
             if self.kick_fd in events:
                 self._kicked()
             if self.sock in events:
@@ -148,6 +154,7 @@ class Service(L2Methods, SlicedWork, LinkMethods, Registry):
                     self.feed.work()    # snapshots of key watches, a slice at a time
             except Exception:  # a bug must not take the server (and its data) down
                 log.exception("internal error in housekeeping")
+            self.turns.observe(time.thread_time() - turn)
 
     def close(self) -> None:
         if self.l2 is not None:   # its threads read pool slots: stop them first
@@ -187,16 +194,23 @@ class Service(L2Methods, SlicedWork, LinkMethods, Registry):
                           + (self.l2.queue_bytes if self.l2 is not None else 0))
 
     def _freeze_gc(self) -> None:
-        """Keep full GC passes off the index. CPython runs a gen-2 pass whenever long-lived
+        """Keep GC passes off the index. CPython runs a gen-2 pass whenever long-lived
         objects grew by 25%, and at a million objects that pass holds the GIL (loop and HTTP)
         for a long pause (docs/protocol.md, "Observations behind the data path"). The index's
         objects form no cycles (freed by refcount), so moving them to the permanent
-        generation loses nothing; a pass then scans only what came after."""
-        n = self.index.counters.objects
-        if n >= FREEZE_MIN_OBJECTS and n >= self._frozen_objects * FREEZE_GROWTH:
+        generation loses nothing; a pass then scans only what came after. Freezing when the
+        index grew is not enough: in a full pool every store evicts as many objects as it
+        makes, the index does not grow, and CPython's young generation grows without a pass
+        (a freed object takes one off the count that starts one), so the first pass that
+        came scanned everything made since: 48 ms for 270k objects behind one 8,192-key
+        commit, and the unfrozen survivors made each later gen-2 pass longer. So it freezes
+        after every FREEZE_MADE objects made too (a collect of those few: ~1-2 ms)."""
+        n, made = self.index.counters.objects, self.index.made
+        if n >= FREEZE_MIN_OBJECTS and (n >= self._frozen_objects * FREEZE_GROWTH or
+                                        made - self._frozen_made >= FREEZE_MADE):
             gc.collect(1)   # young cyclic garbage is not frozen with them (cheap: gens 0-1)
             gc.freeze()
-            self._frozen_objects = n
+            self._frozen_objects, self._frozen_made = n, made
 
     def _connections_closed(self) -> None:
         """Sockets whose connection closed: ZMQ dropped what was queued for them."""
@@ -386,6 +400,8 @@ class Service(L2Methods, SlicedWork, LinkMethods, Registry):
         self._send(w.ident, w.rid, P.Count(n=n))
 
     def _wake(self, idents) -> None:
+        if not len(self.waiters):   # nothing parked: a large commit need not look
+            return
         for ident in idents:
             for w in self.waiters.take(ident):
                 n = self.index.leading_ready(w.req.model, w.req.tp_rank, w.req.keys,
@@ -408,6 +424,9 @@ class Service(L2Methods, SlicedWork, LinkMethods, Registry):
                                                  self.index.slot_bytes(lay.chunk_bytes)):
             return None
         r = self.index.prepare(model, tp, keys, lay.chunk_bytes, holder)  # Refused: pool_full
+        return self._slots(r, lay)
+
+    def _slots(self, r: Prepared, lay: ModelLayout) -> P.StoreSlots:
         return P.StoreSlots(store_id=r.store_id, missing=r.missing, offsets=r.offsets,
                             present=r.present, layout=lay, instance=self.instance)
 
@@ -467,6 +486,7 @@ class Service(L2Methods, SlicedWork, LinkMethods, Registry):
             "parked_keys": self.waiters.keys, "data_conns": self.data.connections(),
             "zmq_conns": self.peers.connected(), "zmq_conns_refused": self.peers.refused,
             "heap_trims": self.trim.trims,
+        } | self.turns.snapshot() | {
             "transfer_mode": "shm" if self.cfg.shm_name else "socket",
             "uptime_s": round(time.time() - self.started, 3),
         } | self.feed.snapshot() | self.replies.snapshot() | (

@@ -12,9 +12,12 @@ them:
   Unregister: answered at once with the count; the registration is gone at once (nothing
   new can arrive), the objects go in slices, and Register of that model answers `busy`
   until they have;
-- `Room`: a store that would have to evict more than a slice's worth of objects before it
-  fits is parked (bounded per session and in all, as parked lookups are); the loop evicts a
-  slice at a time until it fits, then prepares the store and answers it.
+- `Prep`: a store of more than SLICE keys, or one that would have to evict more than a
+  slice's worth of objects, is parked (bounded per session and in all, as parked lookups
+  are) and prepared a few dozen objects at a time, evicting as it goes, until the pass's
+  deadline (preparing.py: what other requests see meanwhile); then it is answered. Before,
+  the loop evicted ahead in slices of 512 (10 ms each on a 2-core box) and then made all
+  8,192 objects in one go (20-45 ms).
 Each pass of the loop runs jobs for at most BUDGET_S (at least one slice) and then pushes
 what changed to key watches, so a push is a slice's worth too.
 Loop thread only, except `clear` (an HTTP thread), which takes the lock and wakes the loop.
@@ -29,11 +32,14 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvedit import protocol as P
-from kvedit.server.index import Busy
+from kvedit.layout import ModelLayout
+from kvedit.server.index import Busy, Refused
+from kvedit.server.preparing import Preparing
+from kvedit.server.registry import Fail, quoted
 from kvedit.server.waiters import TooManyWaits
 
 log = logging.getLogger("kvedit.server")
-SLICE = 512               # objects a job deletes or evicts per slice (a few ms)
+SLICE = 512               # objects a Drop deletes per slice; larger stores are parked
 BUDGET_S = 0.004          # loop time a pass spends on jobs (at least one slice)
 ROOM_PER_CLIENT, ROOM_TOTAL = 4, 64   # parked stores of one session, of all
 STOP_POLL_S = 0.5         # an HTTP thread waiting for its job checks for shutdown this often
@@ -67,34 +73,44 @@ class Drop:
 
 
 @dataclass(eq=False)
-class Room:
-    """A parked store: evict a slice at a time until `need` bytes are free (or nothing more
-    is evictable, or twice the need was evicted while others took the room), then prepare
-    it and answer."""
+class Prep:
+    """A parked store: prepared a few dozen objects at a time (evicting as it goes) until the
+    pass's deadline, then answered (preparing.py says what others see meanwhile)."""
     ident: bytes
     rid: bytes
     req: P.PrepareStore
     holder: bytes
-    slot: int
-    need: int
-    evicted: int = 0
+    st: Preparing | None = None
+    lay: ModelLayout | None = None
 
     def step(self, svc) -> bool:
-        index = svc.index
-        n = 0
-        free = index.counters
-        while n < SLICE and free.pool_free < self.need and index.evict_one(self.slot):
-            n += 1
-        self.evicted += n
-        if (free.pool_free < self.need and n == SLICE
-                and self.evicted * self.slot < 2 * self.need):
-            return False
         r = self.req
-        out = svc._answer(lambda: svc._prepare(r.model, r.tp_rank, r.keys, self.holder))
+        try:
+            # unknown_model when unregistered since: until its first objects are made (then
+            # Unregister answers busy), the model may go, or come back with another layout
+            lay = svc._layout(r.model, r.tp_rank)
+            if self.st is None:
+                self.lay = lay
+                self.st = svc.index.preparing(r.model, r.tp_rank, r.keys, lay.chunk_bytes,
+                                              self.holder)
+            elif lay != self.lay:
+                raise Fail("unknown_model", f"model {quoted(r.model)} (tp_rank {r.tp_rank}) "
+                                            f"was registered again with another layout while "
+                                            f"this store was prepared: store again")
+            if not self.st.run(svc._job_deadline):
+                return False
+            out = svc._slots(self.st.finish(), lay)
+        except (Fail, Refused) as e:   # PoolFull, OverQuota, unknown_model
+            if self.st is not None:
+                self.st.cancel()       # every object made undone (done already for some)
+            out = svc._error(e.code, e.message)
+        svc.feed.flush()   # what it evicted reaches key watches before the reply, as always
         svc._send(self.ident, self.rid, out)
         return True
 
     def fail(self, svc) -> None:
+        if self.st is not None:
+            self.st.cancel()
         svc._send(self.ident, self.rid, svc._error("internal", "the store could not be "
                                                                "prepared; store again"))
 
@@ -105,6 +121,7 @@ class SlicedWork:
 
     def _slices_init(self) -> None:
         self._jobs: deque = deque()
+        self._job_deadline = 0.0   # when the pass running jobs ends (a Prep steps until it)
         self._dropping: dict[tuple[str, int], Drop] = {}
         self._kick_r, self._kick_w = socket.socketpair()   # an HTTP thread wakes the loop
         for s in (self._kick_r, self._kick_w):
@@ -130,7 +147,7 @@ class SlicedWork:
 
     def _run_jobs(self) -> None:
         """One pass: jobs in turn for at most BUDGET_S, a push to watches after each slice."""
-        end = time.monotonic() + BUDGET_S
+        end = self._job_deadline = time.monotonic() + BUDGET_S
         while self._jobs:
             job = self._jobs.popleft()
             try:
@@ -188,24 +205,28 @@ class SlicedWork:
                        f"being deleted ({job.deleted} so far, a slice at a time); register "
                        f"it again in a moment")
 
-    # ---- stores that must evict much (the loop) ----------------------------------------
+    # ---- large stores and stores that must evict much (the loop) ----------------------
     def _park_store(self, park: tuple[bytes, bytes, P.PrepareStore], holder: bytes,
                     slot: int) -> bool:
-        """Park the store `park` (ident, rid, request) when making room for its missing slots
-        would evict more than a slice's worth -> True (the Room job answers it)."""
+        """Park the store `park` (ident, rid, request) when preparing it is more than a
+        slice's work: more than SLICE keys, or making room for its missing slots would evict
+        more than a slice's worth -> True (the Prep job answers it). Past the bounds on
+        parked stores: one that must evict much is refused (TooManyWaits), a large one is
+        prepared in one go, as before there were slices."""
         index, req = self.index, park[2]
         free = index.counters.pool_free
-        if len(req.keys) * slot - free <= SLICE * slot or not index.evictable():
+        evicts = len(req.keys) * slot - free > SLICE * slot and index.evictable()
+        if len(req.keys) <= SLICE and not evicts:
             return False
-        need = index.missing(req.model, req.tp_rank, req.keys) * slot
-        if need - free <= SLICE * slot:
+        parked = [j for j in self._jobs if isinstance(j, Prep)]
+        mine = sum(1 for j in parked if j.holder == holder)
+        if mine >= ROOM_PER_CLIENT or len(parked) >= ROOM_TOTAL:
+            need = index.missing(req.model, req.tp_rank, req.keys) * slot
+            if evicts and need - free > SLICE * slot:
+                raise TooManyWaits(f"{mine} stores of this session and {len(parked)} in all "
+                                   f"are waiting for the pool to make room (at most "
+                                   f"{ROOM_PER_CLIENT} and {ROOM_TOTAL}): retry when one is "
+                                   f"answered")
             return False
-        rooms = [j for j in self._jobs if isinstance(j, Room)]
-        mine = sum(1 for j in rooms if j.holder == holder)
-        if mine >= ROOM_PER_CLIENT or len(rooms) >= ROOM_TOTAL:
-            raise TooManyWaits(f"{mine} stores of this session and {len(rooms)} in all are "
-                               f"waiting for the pool to make room (at most {ROOM_PER_CLIENT} "
-                               f"and {ROOM_TOTAL}): retry when one is answered")
-        index.admit_store(holder, need)   # OverQuota now, not after the evictions
-        self._jobs.append(Room(*park, holder, slot, need))
+        self._jobs.append(Prep(*park, holder))
         return True

@@ -17,12 +17,13 @@ import threading
 import time
 
 import pytest
+import zmq
 
 from kvedit import protocol as P
 from kvedit.client import KVClient, KVError
 from kvedit.launch.server import start_server
 from kvedit.layout import ModelLayout
-from tests.fixtures_server import call, close_dealer, dealer, session_dealer
+from tests.fixtures_server import call, close_dealer, dealer, session_dealer, wait_until
 
 # 4 KiB chunks: a quarter of a million objects fit in a GiB of lazy pool, never written
 TINY = ModelLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16", chunk_size=256)
@@ -144,6 +145,152 @@ def test_a_store_that_must_evict_much_lets_the_loop_run():
         assert c.stats()["evictions"] == BIG and c.lookup("m", _keys(n, BIG)) == BIG
         answered = probe.between(t0, t1)
         assert len(answered) >= 10, (len(answered), t1 - t0)
+
+
+def _slow_turns(c: KVClient) -> int:
+    """Turns of the server's loop over 50 ms of its own CPU time (metrics.py LoopTurns):
+    what a request that came during one waited, whatever else loads this box."""
+    return c.stats()["loop_turns_over_50ms"]
+
+
+def _watch_synced(w, model: str) -> int:
+    """Subscribe socket `w` to a key watch of `model`; read (and acknowledge) its snapshot
+    to the last part -> the last seq."""
+    w.send_multipart([b"w", P.encoder.encode(P.WatchKeys(model=model, tp_ranks=[0], epoch=1))])
+    seq, end = -1, time.monotonic() + 120
+    while time.monotonic() < end:
+        rid, body = w.recv_multipart()
+        msg = P.reply_decoder.decode(body)
+        if rid == b"a":   # the acknowledgement of a renewal
+            assert isinstance(msg, P.WatchAck) and msg.seq >= 0, msg
+            continue
+        assert isinstance(msg, P.KeySnapshot) and msg.seq == seq + 1, msg
+        seq = msg.seq
+        w.send_multipart([b"a", P.encoder.encode(P.WatchKeys(
+            model=model, tp_ranks=[0], epoch=1, renew=True, seen=seq))])
+        if not msg.more:
+            return seq
+    raise AssertionError("the snapshot did not end")
+
+
+@pytest.mark.slow   # fills 128k objects, evicts 64k
+def test_an_evicting_store_is_prepared_in_slices_and_watches_hear_first():
+    """A pool full of 2^17 objects, a key watch of them, and one store of 2^16 new keys on
+    the watch's own socket. Before: the loop evicted ahead in slices but then made the
+    store's 65,536 objects in one turn (one turn of 150-300 ms of CPU here; with 8,192-key
+    stores, 20-45 ms, and up to 130 ms when it met a table rebuild: `kvedit bench soak`'s
+    evicting_store Hello max was 114 ms). Now no turn of the loop takes 50 ms of CPU while
+    the store is prepared, Hellos are answered throughout, every eviction reaches the watch
+    before the store's reply (same socket: in order), and the store is whole."""
+    n = 1 << 17
+    with start_server(n * 4096 / 2**30, extra_args=["--max-keys-per-request", str(BIG)]) as s, \
+            KVClient(s.url, timeout=120) as c:
+        c.register("m", TINY)
+        _fill(c, "m", n)
+        assert c.stats()["pool_free"] == 0
+        w = session_dealer(s.url)
+        w.setsockopt(zmq.RCVTIMEO, 60000)
+        try:
+            seq = _watch_synced(w, "m")
+            before, slow = c.stats()["evictions"], _slow_turns(c)
+            removed = 0
+            with Prober(s.url) as probe:
+                t0 = time.monotonic()
+                w.send_multipart([b"s", P.encoder.encode(P.PrepareStore(
+                    model="m", keys=_keys(n, BIG)))])
+                while True:
+                    rid, body = w.recv_multipart()
+                    msg = P.reply_decoder.decode(body)
+                    if rid == b"s":
+                        break
+                    if rid == b"a":   # acknowledgements of the snapshot's last renewals
+                        continue
+                    if isinstance(msg, P.KeyEvents):
+                        assert msg.seq == seq + 1 and not msg.added, msg
+                        seq = msg.seq
+                        removed += sum(len(v) for v in msg.removed.values())
+                t1 = time.monotonic()
+            assert isinstance(msg, P.StoreSlots) and len(msg.missing) == BIG, msg
+            slow_during = _slow_turns(c) - slow
+            evicted = c.stats()["evictions"] - before
+            # before: (65536, 65024, 1): the last slice's removals came after the reply, and
+            # one turn of the loop made all 65,536 objects
+            assert (evicted, removed, slow_during) == (BIG, BIG, 0)
+            assert len(probe.between(t0, t1)) >= 10, len(probe.between(t0, t1))
+            assert call(w, P.Commit(store_id=msg.store_id)) == P.Committed(stored=BIG)
+            assert c.lookup("m", _keys(n, BIG)) == BIG
+            st = c.stats()
+            assert st["ready"] == n and st["writing"] == 0 and st["pool_free"] == 0
+        finally:
+            close_dealer(w)
+
+
+def test_a_large_store_is_answered_after_requests_behind_it():
+    """A store of 2^16 new keys into a pool with room, and a Hello right behind it on the
+    same socket: the Hello's answer comes first (before: after the whole prepare, one turn
+    of the loop over 50 ms of CPU); the slots are the same as if prepared in one go."""
+    n = BIG
+    with start_server(2 * n * 4096 / 2**30, extra_args=["--max-keys-per-request", str(BIG)]
+                      ) as s, KVClient(s.url, timeout=120) as c:
+        c.register("m", TINY)
+        c.prepare_store("m", _keys(0, 100)).commit()   # 100 of its keys are there already
+        slow = _slow_turns(c)
+        d = session_dealer(s.url)
+        d.setsockopt(zmq.RCVTIMEO, 60000)
+        try:
+            d.send_multipart([b"s", P.encoder.encode(P.PrepareStore(model="m",
+                                                                   keys=_keys(0, n)))])
+            d.send_multipart([b"h", P.encoder.encode(P.Hello(protocol=P.PROTOCOL))])
+            order = [d.recv_multipart() for _ in range(2)]
+            assert [rid for rid, _ in order] == [b"h", b"s"], [rid for rid, _ in order]
+            slots = P.reply_decoder.decode(order[1][1])
+            assert _slow_turns(c) == slow
+            assert slots.present == 100 and slots.missing == list(range(100, n))
+            assert len(set(slots.offsets)) == n - 100
+            assert call(d, P.Commit(store_id=slots.store_id)) == P.Committed(stored=n - 100)
+            assert c.lookup("m", _keys(0, n)) == n
+        finally:
+            close_dealer(d)
+
+
+WAIT_S = 0.02   # after the store is sent: its keys are being looked up then, most often
+
+
+def test_an_unregister_while_a_large_store_is_prepared_leaves_nothing_behind():
+    """Unregister right behind a store of 2^16 keys (its keys looked up over several
+    turns): either the Unregister comes first (Count) and the store is refused
+    unknown_model with nothing of it left, or the store's objects came first (busy) and the
+    store is whole; never objects of a model that is gone."""
+    n = BIG
+    with start_server(2 * n * 4096 / 2**30, extra_args=["--max-keys-per-request", str(BIG)]
+                      ) as s, KVClient(s.url, timeout=120) as c:
+        c.register("m", TINY)
+        c.prepare_store("m", _keys(n, 10)).commit()
+        d, other = session_dealer(s.url), dealer(s.url, timeout_ms=60000)
+        d.setsockopt(zmq.RCVTIMEO, 60000)
+        try:
+            d.send_multipart([b"s", P.encoder.encode(P.PrepareStore(model="m",
+                                                                   keys=_keys(0, n)))])
+            time.sleep(WAIT_S)
+            u = call(other, P.Unregister(model="m"))
+            rid, body = d.recv_multipart()
+            got = P.reply_decoder.decode(body)
+            what = got.code if isinstance(got, P.Error) else type(got).__name__
+            assert rid == b"s"
+            if isinstance(u, P.Count):                    # the Unregister came first
+                assert u.n == 10
+                assert what == "unknown_model", what      # was StoreSlots: 65,536 objects
+                # of a model that was gone, committed and never dropped
+                assert wait_until(lambda: c.stats()["objects"] == 0)
+                assert c.stats()["pool_used"] == 0
+            else:                                         # the store's objects came first
+                assert isinstance(u, P.Error) and u.code == "busy", u
+                assert what == "StoreSlots" and len(got.missing) == n, what
+                assert call(d, P.Commit(store_id=got.store_id)) == P.Committed(stored=n)
+                assert c.lookup("m", _keys(0, n)) == n
+        finally:
+            close_dealer(d)
+            close_dealer(other)
 
 
 def test_a_parked_store_is_refused_over_quota_at_once():

@@ -65,6 +65,13 @@ def test_metrics(server):
     assert sample(after, 'kvedit_objects{state="ready"}') == 6
     assert sample(after, "kvedit_store_bytes_total") >= 5 * SMALL.chunk_bytes
     assert "kvedit_retrieve_seconds_bucket" in after and "kvedit_evictions_total" in after
+    # the loop's own busy figure (CPU time per turn): counted, and the same as /status's
+    assert sample(after, "kvedit_loop_turns_total") > sample(before, "kvedit_loop_turns_total")
+    assert 0 < sample(after, "kvedit_loop_turn_max_seconds") < 60
+    assert 'kvedit_loop_slow_turns_total{over_ms="50"}' in after
+    counters = get(server, "/status").json()["counters"]
+    assert counters["loop_turns"] >= sample(after, "kvedit_loop_turns_total")
+    assert counters["loop_turns_over_10ms"] >= counters["loop_turns_over_50ms"] >= 0
 
 
 def test_cache_pagination(server):

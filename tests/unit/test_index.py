@@ -10,6 +10,7 @@ from kvedit.server import index as I
 from kvedit.server.index import (
     Busy, Index, LeaseExpired, NotHolder, PoolFull, StoreExpired, UnknownLease, UnknownStore)
 from kvedit.server.pool import ALIGN, Allocator
+from kvedit.server.shards import IntMap
 
 START = 4096
 A, B = b"a" * 16, b"b" * 16          # two client sessions (holders)
@@ -329,8 +330,13 @@ def test_stalled_get_is_cut_then_deleted_objects_free_at_finish():
 
 
 # ---- eviction --------------------------------------------------------------------------------
-class _Counting(dict):
+class _Counting(IntMap):
     examined = 0
+
+    def __init__(self, src: IntMap):
+        super().__init__()
+        for rank in src:
+            self[rank] = src[rank]
 
     def __getitem__(self, rank):
         self.examined += 1

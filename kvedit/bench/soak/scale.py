@@ -76,6 +76,20 @@ def scaling_phase(args, secret_file: str) -> dict:
     return out
 
 
+def _loop(c) -> dict:
+    """The server's own loop figures (metrics.py LoopTurns: CPU time per turn of the loop,
+    which load on the box does not inflate)."""
+    s = c.stats()
+    return {k: v for k, v in s.items() if k.startswith("loop_turns")}
+
+
+def loop_delta(before: dict, after: dict) -> dict:
+    """Turns of the server's loop between two `_loop` readings, and those over 10 and 50 ms
+    of CPU: the phase's load-proof twin of its Hello waits."""
+    return {k.replace("loop_turns", "turns"): after[k] - before[k] for k in after
+            if k in before}
+
+
 def _keys(start: int, n: int, tag: bytes) -> list[bytes]:
     return [tag + i.to_bytes(15, "little") for i in range(start, start + n)]
 
@@ -93,12 +107,15 @@ def _evicting_stores(srv, c, secret: bytes | None, tiny, stores: int = 10) -> di
     with Prober(srv.url, secret) as probe:
         time.sleep(3)
         t_idle = time.monotonic()
+        loop0 = _loop(c)
         for i in range(stores):
             c.prepare_store("scale", _keys(i * TINY_KEYS, TINY_KEYS, b"e")).commit()
+        loop1 = _loop(c)
         t_end = time.monotonic()
         time.sleep(0.5)
     return {"filled": n, "stores": stores, "keys_each": TINY_KEYS,
             "evictions": c.stats()["evictions"] - before, "seconds": round(t_end - t_idle, 2),
+            "server_loop": loop_delta(loop0, loop1),
             "hello_idle": hello_stats(probe.between(t_idle - 3, t_idle)),
             "hello_during": hello_stats(probe.between(t_idle, t_end + 0.1))}
 
@@ -114,6 +131,7 @@ def _unregister(srv, c, secret: bytes | None, model: str = "scale") -> dict:
     try:
         with Prober(srv.url, secret) as probe:
             time.sleep(3)
+            loop0 = _loop(c)
             t0 = time.monotonic()
             r = peer.call(P.Unregister(model=model), 60.0)
             t_reply = time.monotonic()
@@ -121,10 +139,12 @@ def _unregister(srv, c, secret: bytes | None, model: str = "scale") -> dict:
             while c.stats()["ready"] > ready - n and time.monotonic() < t0 + 600:
                 time.sleep(0.05)
             t_gone = time.monotonic()
+            loop1 = _loop(c)
             time.sleep(0.5)
     finally:
         peer.close()
     return {"objects": n, "reply": type(r).__name__ if r is not None else None,
+            "server_loop": loop_delta(loop0, loop1),
             "reply_ms": round((t_reply - t0) * 1e3, 2), "deleted_s": round(t_gone - t0, 2),
             "hello_idle": hello_stats(probe.between(t0 - 3, t0)),
             "hello_during": hello_stats(probe.between(t0, t_gone + 0.1))}
