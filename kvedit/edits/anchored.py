@@ -133,25 +133,35 @@ class PromptAnchored(DropPolicy):
     def generated_scores(self, kv: torch.Tensor, layout: ModelLayout) -> torch.Tensor:
         """[G] (per_head: [L, H_kv, G]) scores of generated tokens `kv` [2, L, G, D]:
         recency minus `redundancy` x the highest cosine similarity to a later token's key."""
-        L, G, hidden = kv.shape[1:]
+        return self._generated(kv[0], layout)
+
+    def _generated(self, keys: torch.Tensor, layout: ModelLayout) -> torch.Tensor:
+        """`generated_scores` of keys [L, *B, G, D] (B: requests scored at once, one batch
+        dim or none): [*B, G] (per_head: [*B, L, H_kv, G])."""
+        G, hidden = keys.shape[-2:]
         H = hidden // layout.head_dim
-        recency = torch.arange(G, dtype=torch.float32, device=kv.device) / max(G, 1)
+        lead = keys.shape[:-2]                       # (L, *B)
+        recency = torch.arange(G, dtype=torch.float32, device=keys.device) / max(G, 1)
         if self.redundancy == 0 or G < 2:
-            return recency.expand(L, H, G) if self.per_head else recency
-        earlier = torch.ones(G, G, dtype=torch.bool, device=kv.device).tril()  # j <= i
-        red = torch.empty((L, H, G), dtype=torch.float32, device=kv.device)
-        # As many layers at a time as fit SIM_BYTES of similarities: a loop of one layer at
-        # a time was 28 x 5 small kernels a compaction, 3x KeyNorm's time on the H100
-        # (results/long/h100-2026-12-06); the cap bounds the temporary on a host edit.
+            shape = (*lead[1:], *lead[:1], H, G) if self.per_head else (*lead[1:], G)
+            return recency.expand(shape)
+        earlier = torch.ones(G, G, dtype=torch.bool, device=keys.device).tril()  # j <= i
+        rows = keys.reshape(-1, G, hidden)           # [L * B, G, D]
+        red = torch.empty((rows.shape[0], H, G), dtype=torch.float32, device=keys.device)
+        # As many rows (layers, requests) at a time as fit SIM_BYTES of similarities: a loop
+        # of one layer at a time was 28 x 5 small kernels a compaction, 3x KeyNorm's time on
+        # the H100 (results/long/h100-2026-12-06); the cap bounds the temporary.
         step = max(1, SIM_BYTES // (H * G * G * 4))
-        for l in range(0, L, step):
-            k = kv[0, l:l + step].float().view(-1, G, H, layout.head_dim).transpose(1, 2)
+        for r in range(0, rows.shape[0], step):
+            k = rows[r:r + step].float().view(-1, G, H, layout.head_dim).transpose(1, 2)
             k = F.normalize(k, dim=-1)
             sim = (k @ k.transpose(-1, -2)).masked_fill_(earlier, -1.0)
-            red[l:l + step] = sim.amax(dim=-1)
+            red[r:r + step] = sim.amax(dim=-1)
         red[..., -1] = -1.0  # the newest has no later copy
-        if not self.per_head:
-            red = red.mean(dim=(0, 1))
+        red = red.view(*lead, H, G)
+        if lead[1:]:                                 # [L, B, H, G] -> [B, L, H, G]
+            red = red.movedim(1, 0)
+        red = red if self.per_head else red.mean(dim=(-3, -2))
         return recency - self.redundancy * red
 
     # -- a compaction -------------------------------------------------------------------------
@@ -196,6 +206,40 @@ class PromptAnchored(DropPolicy):
             idx.append(top_tokens(g, g_keep) + P)
         out = torch.cat(idx, dim=-1)  # per head both parts are [L, H_kv, n]: same rows
         prompt.keep(out, p_keep, P)
+        return out
+
+    def select_many(self, kv: torch.Tensor, keep: int, layout: ModelLayout,
+                    prompts: list[PromptRanks]) -> torch.Tensor:
+        """`select` of N requests at once (the compactions that fall due in one engine step:
+        one set of kernels instead of N): `kv` [2, L, N, T, D] holds each request's T
+        resident slots, whose first P are its prompt's kept tokens, P the same for every
+        request (`prompts[i].resident`; T >= P). Returns [N, keep] (per head [N, L, H_kv,
+        keep]), row i what `select(kv[:, :, i], keep, layout, prompt=prompts[i])` returns,
+        and updates each of `prompts` as it would."""
+        T = kv.shape[3]
+        P = prompts[0].resident
+        if any(p.resident != P for p in prompts) or P > T or not 0 < keep <= T:
+            raise ValueError(f"PromptAnchored.select_many: every request needs the same "
+                             f"resident prompt (got {sorted({p.resident for p in prompts})}) "
+                             f"within T = {T}, and keep in [1, {T}] (got {keep})")
+        p_keep, g_keep = self.split(P, T - P, keep)
+        protect = self.protect_last
+        pos = torch.stack([p.pos for p in prompts])                  # [N, (L, H,) P]
+        p_scores = torch.stack([p.scores for p in prompts]).to(kv.device).gather(
+            -1, pos.to(kv.device))
+        if protect > T - P:
+            p_scores[..., P - (protect - (T - P)):] = INF
+        idx = [top_tokens(p_scores, p_keep)] if p_keep else []
+        if g_keep:
+            g = self._generated(kv[0, :, :, P:], layout)              # [N, (L, H,) G]
+            if protect:
+                g = g.clone()
+                g[..., max(0, g.shape[-1] - protect):] = INF
+            idx.append(top_tokens(g, g_keep) + P)
+        out = torch.cat(idx, dim=-1)
+        kept = pos.gather(-1, out[..., :p_keep].to(pos.device))
+        for i, p in enumerate(prompts):
+            p.pos = kept[i]
         return out
 
     def keeping(self, max_tokens: int, memo: dict | None = None):

@@ -153,6 +153,14 @@ class PagedKV:
         blocks = torch.as_tensor(block_ids, dtype=torch.int64)[positions // self.block_size]
         return self._to_device(self._host_slots(blocks, positions % self.block_size))
 
+    def slots_many(self, runs: list[tuple[list[int], torch.Tensor]]) -> tuple[list[torch.Tensor], ...]:
+        """`slots_at` of several requests' tokens, one after another: `runs` holds (scheduler
+        block ids, host LongTensor of positions) per request; one copy to the device."""
+        blocks = torch.cat([torch.as_tensor(ids, dtype=torch.int64)[pos // self.block_size]
+                            for ids, pos in runs])
+        within = torch.cat([pos % self.block_size for _, pos in runs])
+        return self._to_device(self._host_slots(blocks, within))
+
     def chunk_slots(self, chunks: list[tuple[list[int], int]],
                     chunk_size: int) -> tuple[list[torch.Tensor], ...]:
         """Index tensors [n, chunk_size] of whole chunks, one row per (scheduler block ids of

@@ -305,6 +305,21 @@ def test_many_requests_compact_in_one_step_each_as_if_alone(engine):
     assert stats(engine, "worker ")["most_in_a_step"] >= 3
 
 
+def test_prompt_anchored_compactions_of_one_step_run_as_one_each_as_if_alone(engine):
+    """PromptAnchored's compactions that fall due in the same step run as one gather, one
+    selection and one write (`BudgetWorker._kept_group`): every request decodes what it
+    decodes alone, and the workers count the batched ones."""
+    prompts = [prompt_of(300, seed=60 + i) for i in range(6)]
+    budget = EngineBudget(320, 64, "prompt_anchored", {}, queries=64)
+    alone = [greedy(engine, p, 150, budget, salt="anchored-many")[0] for p in prompts]
+    before = stats(engine, "worker ").get("batched", 0)
+    with cf.ThreadPoolExecutor(6) as ex:
+        together = list(ex.map(lambda p: greedy(engine, p, 150, budget,
+                                                salt="anchored-many")[0], prompts))
+    assert together == alone
+    assert stats(engine, "worker ")["batched"] - before >= 2
+
+
 def test_cached_blocks_only_the_request_holds_are_uncached_not_copied(engine, kv_server):
     """A finished request leaves its prompt's blocks in vLLM's prefix cache; a budgeted
     request with the same prompt hits them, holds them alone, and at its first compaction

@@ -4,7 +4,9 @@ prefill -> retrieve -> identity edit -> store -> decode, the same answer plain v
 Builds nothing: skipped (with the command to run) unless `kvedit model qwen2.5-coder-1.5b`
 has already built the model into the kvedit cache, since the build downloads 1.1 GB and
 converts for minutes. CI starts from a fresh machine and skips it; a developer box with the
-model runs it in ~3 minutes on two cores (model load ~70 s, two ~2k prefills at ~50 tok/s).
+model runs it in ~3 minutes on two cores (model load ~70 s, two ~2k prefills at ~37 tok/s).
+The engine's dtype is the eval's (`sizing.engine_dtype`): float32 on a CPU without bf16
+arithmetic, where bf16 is emulated at ~4.5 tok/s (the test took 580 s that way).
 """
 from __future__ import annotations
 
@@ -36,13 +38,14 @@ def qwen_model():
 
 @pytest.fixture(scope="module")
 def qwen_vllm(qwen_model, kv_server):
+    from kvedit.harness.eval.sizing import engine_dtype
     from kvedit.launch.vllm import start_vllm
 
-    # 1 GiB of KV at 28 KiB a token holds ~37k tokens: both requests at once. Prefill in
+    # 1 GiB of KV at 28 KiB a token (56 in float32) holds ~18k tokens: both requests at once. Prefill in
     # steps of 512 tokens, each well inside vLLM's 300 s step timeout even on two cores that
     # other processes share (a whole 2k prefill in one step took over 300 s under load).
     with start_vllm(qwen_model, server=kv_server, served_model_name="qwen-coder",
-                    dtype="bfloat16", kv_cache_gib=1, max_model_len=4096,
+                    dtype=engine_dtype(), kv_cache_gib=1, max_model_len=4096,
                     extra_args=["--max-num-batched-tokens", "512"],
                     env={"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "900"}, dev_mode=True) as vp:
         yield vp

@@ -190,3 +190,45 @@ def test_host_edits_keep_the_ranking_in_the_streams_memo():
     assert len(toks2) == 24 and 20 in toks2 and {56, 57, 58, 59} <= set(toks2)
     assert toks2[-4:] == [116, 117, 118, 119]    # the newest kept
     assert ranks.resident == memo["ranks"].resident == sum(t < 100 for t in toks2)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_select_many_is_select_of_each_request(per_head, monkeypatch):
+    """The compactions of one engine step run as one (`select_many`): each row must be what
+    `select` picks for that request alone, and every request's ranking must follow, through
+    several compactions in a row (with SIM_BYTES small enough to split the requests)."""
+    from kvedit.edits import anchored
+
+    N, P, keep = 3, 60, 30
+    pol = PromptAnchored(window=8, protect_last=4, per_head=per_head)
+    alone, together, prompts = [], [], []
+    for i in range(N):
+        kv, q = prompt_with_needle(needle=10 + 7 * i, seed=10 * i)
+        prompts.append(kv)
+        alone.append(pol.rank_prompt(kv, LAYOUT, q))
+        together.append(pol.rank_prompt(kv, LAYOUT, q))
+    monkeypatch.setattr(anchored, "SIM_BYTES", HKV * 16 * 16 * 4 * 5)  # 5 rows at a time
+    resident = [torch.cat([p, rand(2, L, 16, HKV * HD, seed=50 + i)], dim=2)
+                for i, p in enumerate(prompts)]
+    for round_ in range(3):
+        kv = torch.stack(resident, dim=2)                       # [2, L, N, T, D]
+        got = pol.select_many(kv, keep, LAYOUT, together)
+        for i in range(N):
+            want = pol.select(resident[i], keep, LAYOUT, prompt=alone[i])
+            assert torch.equal(got[i], want), (round_, i)
+            assert torch.equal(together[i].pos, alone[i].pos)
+            # the kept slots, then 8 more generated tokens
+            idx = want if not per_head else want[0, 0]
+            resident[i] = torch.cat([resident[i].index_select(2, idx),
+                                     rand(2, L, 8, HKV * HD, seed=100 * round_ + i)], dim=2)
+        if per_head:  # per-head rows differ: go on with the last round's slots alone
+            break
+
+
+def test_select_many_refuses_requests_whose_prompts_differ():
+    kv, q = prompt_with_needle()
+    pol = PromptAnchored(window=8)
+    a, b = pol.rank_prompt(kv, LAYOUT, q), pol.rank_prompt(kv[:, :, :40], LAYOUT, q)
+    both = torch.stack([kv, kv], dim=2)
+    with pytest.raises(ValueError, match="same resident prompt"):
+        pol.select_many(both, 30, LAYOUT, [a, b])

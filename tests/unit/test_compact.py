@@ -161,3 +161,33 @@ def test_budget_contract_round_trips_and_names_what_is_wrong():
         EngineBudget.from_dict(512)
     with pytest.raises(BudgetError, match="not one of"):
         EngineBudget.from_policy(object(), 512, 64)
+
+
+@pytest.mark.parametrize("positions", ["compact", "logical"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_many_requests_at_once_build_what_each_builds_alone(positions, per_head):
+    """One engine step's compactions as one (`gather_many`, `kept_kv_many`, scattered
+    through `PagedKV.slots_many`) leave every block as one compaction after another does."""
+    layers, paged = paged_cache(nblocks=16, seed=3)
+    twin_layers = [t.clone() for t in layers]
+    twin = PagedKV(twin_layers, "cpu", HD, BS)
+    olds, news, n, keep_n = [[0, 1, 2], [5, 6, 7], [9, 10, 11]], [[12, 1], [13, 6], [14, 15]], 40, 20
+    g = torch.Generator().manual_seed(4)
+    if per_head:
+        keep = torch.stack([torch.stack([torch.stack([torch.randperm(n, generator=g)[:keep_n].sort()
+                                                      .values for _ in range(H)])
+                                         for _ in range(L)]) for _ in olds])  # [N, L, H, k]
+    else:
+        keep = torch.stack([torch.randperm(n, generator=g)[:keep_n].sort().values for _ in olds])
+    kv = compact.gather_many(paged, olds, n)
+    assert kv.shape == (2, L, 3, n, H * HD)
+    for i, old in enumerate(olds):
+        assert torch.equal(kv[:, :, i], compact.gather(paged, old, n))
+    data = compact.kept_kv_many(kv, keep, LAYOUT, positions)
+    pos = torch.arange(keep_n)
+    paged.scatter(paged.slots_many([(new, pos) for new in news]), data)
+    for i, (old, new) in enumerate(zip(olds, news)):
+        alone = compact.kept_kv(compact.gather(twin, old, n), keep[i], LAYOUT, positions)
+        compact.scatter(twin, new, alone)
+    for a, b in zip(layers, twin_layers):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

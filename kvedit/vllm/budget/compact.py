@@ -45,6 +45,16 @@ def gather_kept(paged: PagedKV, block_ids: list[int], keep: torch.Tensor, layout
     return _rotate(out, keep, layout, positions, start)
 
 
+def gather_many(paged: PagedKV, block_lists: list[list[int]], n: int) -> torch.Tensor:
+    """Slots 0..n-1 of N requests' blocks in one gather: [2, L, N, n, D] (request i at
+    [:, :, i])."""
+    out = torch.empty((2, paged.num_layers, len(block_lists) * n, paged.hidden),
+                      dtype=paged.dtype, device=paged.device)
+    pos = torch.arange(n, dtype=torch.int64)
+    paged.gather(paged.slots_many([(ids, pos) for ids in block_lists]), out)
+    return out.view(2, paged.num_layers, len(block_lists), n, paged.hidden)
+
+
 def scatter(paged: PagedKV, block_ids: list[int], kv: torch.Tensor, start: int = 0) -> None:
     """Write `kv` [2, L, n, D] into slots start..start+n-1 of a request's blocks."""
     paged.scatter(paged.slots(block_ids, start, start + kv.shape[2]), kv)
@@ -93,6 +103,36 @@ def kept_kv(kv: torch.Tensor, keep: torch.Tensor, layout: ModelLayout,
     if positions == "compact":
         delta = torch.arange(start, start + n, device=keep.device)[None, :, None] - idx
         rotate_keys(out[0], delta, layout.rope, hd)
+    return out
+
+
+def kept_kv_many(kv: torch.Tensor, keep: torch.Tensor, layout: ModelLayout,
+                 positions: str) -> torch.Tensor:
+    """`kept_kv` of N requests at once: `kv` [2, L, N, R, D], `keep` [N, R'] or per head
+    [N, L, H, R'] (`PromptAnchored.select_many`). Returns [2, L, N * R', D]: request i's
+    kept KV at tokens i*R'..(i+1)*R'-1, bound for its slots 0..R'-1."""
+    L, N, R, D = kv.shape[1:]
+    hd = layout.head_dim
+    n = keep.shape[-1]
+    if keep.dim() == 2:
+        idx = keep[:, :, None]                                           # [N, n, 1]
+        out = torch.gather(kv, 3, idx[None, None].expand(2, L, N, n, D))
+    else:
+        H = keep.shape[2]
+        if keep.shape[:2] != (N, L) or H * hd != D:
+            raise ValueError(f"per-head kept slots of shape {tuple(keep.shape)} do not fit KV "
+                             f"{tuple(kv.shape)} with head_dim {hd}")
+        idx = keep.permute(1, 0, 3, 2)                                   # [L, N, n, H]
+        heads = kv.view(2, L, N, R, H, hd)
+        out = torch.gather(heads, 3, idx[None, ..., None].expand(2, L, N, n, H, hd))
+    out = out.reshape(2, L, N * n, D)
+    if positions == "compact":
+        if keep.dim() == 2:  # one shift per token: [N * n], every layer and head alike
+            rotate_keys(out[0], (torch.arange(n, device=keep.device) - keep).reshape(-1),
+                        layout.rope, hd)
+        else:
+            delta = torch.arange(n, device=keep.device)[None, None, :, None] - idx
+            rotate_keys(out[0].view(L, N, n, D), delta, layout.rope, hd)
     return out
 
 

@@ -39,6 +39,7 @@ class WorkerStats:
     stashed: int = 0
     restored: int = 0
     most_in_a_step: int = 0    # compactions in the busiest step
+    batched: int = 0           # compactions run as one with others of their step
     compact_s: float = 0.0     # host time in run() (on the CPU: all of its work)
     device_s: float = 0.0      # CUDA: device time of the work run() queued
     shifted_steps: int = 0     # steps whose inputs were shifted for compacted requests
