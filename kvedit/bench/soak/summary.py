@@ -47,7 +47,7 @@ ATTACK_OK = {
     "relay": {"refused", "relay_down"},
     "unregister": {"unregistered", "busy", "no_reply", "register:busy", "register:no_reply",
                    "store:pool_full", "store:over_quota", "store:no_reply",
-                   "store:unknown_model"},
+                   "store:unknown_model", "unknown_model"},  # a restart forgets its model
     "nonreading": {"sent", "send_blocked"},
     "fewsessions": {"Leased", "over_quota", "unknown_model", "no_reply"},
 }
