@@ -150,10 +150,10 @@ class PagedKV:
 
     def slots_at(self, block_ids, positions: torch.Tensor) -> tuple[list[torch.Tensor], ...]:
         """`slots` of the tokens at `positions` (a host LongTensor, any order)."""
-        blocks = torch.as_tensor(block_ids, dtype=torch.int64)[positions // self.block_size]
-        return self._to_device(self._host_slots(blocks, positions % self.block_size))
+        return self.slots_many([(block_ids, positions)])
 
-    def slots_many(self, runs: list[tuple[list[int], torch.Tensor]]) -> tuple[list[torch.Tensor], ...]:
+    def slots_many(self, runs: list[tuple[list[int], torch.Tensor]]
+                   ) -> tuple[list[torch.Tensor], ...]:
         """`slots_at` of several requests' tokens, one after another: `runs` holds (scheduler
         block ids, host LongTensor of positions) per request; one copy to the device."""
         blocks = torch.cat([torch.as_tensor(ids, dtype=torch.int64)[pos // self.block_size]

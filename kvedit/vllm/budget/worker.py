@@ -277,7 +277,7 @@ class BudgetWorker:
             each = 2 * self.paged.num_layers * resident * self.paged.hidden * \
                 self.paged.dtype.itemsize
             n = max(1, GROUP_BYTES // each)
-            out += [g[i:i + n] for i in range(0, len(g), n) if len(g[i:i + n]) > 1]
+            out += [part for part in (g[i:i + n] for i in range(0, len(g), n)) if len(part) > 1]
         return out
 
     def _kept_group(self, group: list[Compaction]) -> torch.Tensor:
