@@ -52,8 +52,8 @@ class _Req:
     sighted: int = 0                     # chunks counted as seen (store mode "reuse")
     eager: bool = False                  # it asked for every chunk stored (request_params)
     taint: int = PLAIN                   # first chunk resting on foreign KV (tier_events.py)
-    # the last pinned hit: (tokens computed, request tokens, held, answer) (_asked_again)
-    answer: tuple[int, int, int, int] | None = None
+    # the last pinned hit: (chunk its local hit ends in, request tokens, end) (_asked_again)
+    answer: tuple[int, int, int] | None = None
 
 
 class SchedulerSide:
@@ -227,7 +227,7 @@ class SchedulerSide:
         elif window is not None:
             self.queries.lift(request)
         elif request.request_id in self.pins.held:
-            st.answer = (num_computed_tokens, request.num_tokens, st.held, answer)
+            st.answer = (first, request.num_tokens, end)
         return answer
 
     def _asked_again(self, st: _Req, request, num_computed_tokens: int) -> int | None:
@@ -236,9 +236,14 @@ class SchedulerSide:
         step, and a hit's release and new pin were two server round trips each time (on an
         H100 host, ~1 ms a step at a pool of 40%). While the pin still holds what that answer
         counted (not loaded, not expired: the server evicts no leased chunk) and the request
-        is where it was, the answer stands."""
+        is where it was, the answer stands: the same tokens, and vLLM's own hit ending in the
+        same chunk. Not the same token: under pressure vLLM's prefix cache hands a waiting
+        request's cached blocks to others one at a time (16 tokens on a GPU), so its local hit
+        moves within a chunk at most steps; the pinned chunks cover any point of the chunk
+        they start at, and the answer is their end less the new local hit."""
         last = st.answer
-        if last is None or last[:2] != (num_computed_tokens, request.num_tokens):
+        if last is None or last[:2] != (num_computed_tokens // self.chunk, request.num_tokens) \
+                or last[2] <= num_computed_tokens:
             return None
         pin = self.pins.held.get(request.request_id)
         if pin is None or pin.load_step is not None:
@@ -246,7 +251,7 @@ class SchedulerSide:
             return None
         st.held = last[2]
         self.stats.asked_again += 1
-        return last[3]
+        return last[2] - num_computed_tokens
 
     def _held(self, client, req_id: str, keys: list[list[bytes]],
               first: int) -> tuple[int | None, bool]:

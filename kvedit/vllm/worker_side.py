@@ -195,6 +195,8 @@ class WorkerSide:
         if self.budgets is not None:
             self.budgets.write()
         STATS.steps += 1
+        if self.copier is not None:   # the last stores' and loads' counts, where due
+            self.copier.log_stats()
         if self.capture is not None and (meta.queries or meta.query_drops):
             self.capture.drop(meta.query_drops)
             if meta.queries:

@@ -48,3 +48,31 @@ def test_stats_lines_parse_back_to_what_was_logged(caplog):
     got = scheduler_counters(caplog.text)
     assert got["events_ms"] == 2.3 and got["hooks_ms"] == 8.4   # and counted in the hooks
     assert load_counters(caplog.text) == {"loads": 2, "chunks": 5, "gb": 3.0, "total_ms": 10.0}
+
+
+def test_the_last_stores_and_loads_are_logged_at_the_next_step_past_the_interval(caplog):
+    """A line comes at most every `every` seconds; the counts of stores and loads made within
+    it are written by the next step past it (log_stats, every step), not only by the next
+    store or load, which may never come (`kvedit bench long` reads an arm's last counts
+    after a 1-token step that stores and loads nothing)."""
+    import time
+
+    st, loads = StoreStats(every=0.2), LoadStats(every=0.2)
+    with caplog.at_level(logging.INFO, logger="vllm.kvedit"):
+        st.stores, st.chunks = 1, 2
+        st.maybe_log()                                   # the first: logged
+        loads.add(LoadTiming(chunks=3, nbytes=1_000_000, total_ms=1.0))
+        st.stores, st.chunks = 2, 5
+        st.maybe_log()                                   # within the interval: not yet
+        loads.add(LoadTiming(chunks=4, nbytes=1_000_000, total_ms=1.0))
+        assert store_counters(caplog.text)["stores"] == 1
+        assert load_counters(caplog.text)["loads"] == 1
+        time.sleep(0.25)
+        st.maybe_log(), loads.maybe_log()                # the next step: the last counts
+    assert store_counters(caplog.text)["chunks"] == 5
+    assert load_counters(caplog.text) == {"loads": 2, "chunks": 7, "gb": 0.0, "total_ms": 2.0}
+    n = caplog.text.count("kvedit:")
+    time.sleep(0.25)
+    with caplog.at_level(logging.INFO, logger="vllm.kvedit"):
+        st.maybe_log(), loads.maybe_log()                # nothing moved: no line
+    assert caplog.text.count("kvedit:") == n

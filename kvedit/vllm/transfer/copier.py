@@ -201,6 +201,11 @@ class PagedCopier:
         self.stats.main_s += time.perf_counter() - t0
         self.stats.maybe_log()
 
+    def log_stats(self) -> None:
+        """The store and load stats lines, where due (every step: see StoreStats.maybe_log)."""
+        self.stats.maybe_log()
+        self.load_stats.maybe_log()
+
     def flush(self) -> None:
         """Wait until every background store is committed (or failed); raise its error."""
         self._jobs.join()

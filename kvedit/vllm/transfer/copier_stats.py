@@ -34,11 +34,16 @@ class StoreStats:
     ring_wait_s: float = 0.0
     background_s: float = 0.0
     logged_at: float = 0.0
+    logged: tuple = (0, 0.0)   # (stores, background_s) of the last line
 
     def maybe_log(self) -> None:
+        """A line if `every` passed since the last one and anything moved since it (called
+        at every store and at every step: the last stores' counts are written at the next
+        step past the interval, not only at the next store)."""
         now = time.monotonic()
-        if now - self.logged_at >= self.every:
-            self.logged_at = now
+        counts = (self.stores, self.background_s)
+        if now - self.logged_at >= self.every and counts != self.logged:
+            self.logged_at, self.logged = now, counts
             logger.info("kvedit: store stats: %d stores, %d chunks, vLLM thread %.1f ms "
                         "(of which waiting for the forward %.1f ms, for staging %.1f ms), "
                         "background %.1f ms",
@@ -70,6 +75,7 @@ class LoadStats:
     total_s: float = 0.0
     last: LoadTiming | None = None
     logged_at: float = field(default=0.0)
+    logged: int = 0               # loads counted in the last line
 
     def add(self, t: LoadTiming) -> None:
         self.loads += 1
@@ -77,9 +83,13 @@ class LoadStats:
         self.nbytes += t.nbytes
         self.total_s += t.total_ms / 1e3
         self.last = t
-        now = time.monotonic()
-        if now - self.logged_at >= self.every:
-            self.logged_at = now
+        self.maybe_log()
+
+    def maybe_log(self) -> None:
+        """As StoreStats.maybe_log: at every load and at every step."""
+        now, t = time.monotonic(), self.last
+        if now - self.logged_at >= self.every and self.loads != self.logged:
+            self.logged_at, self.logged = now, self.loads
             logger.info("kvedit: load stats: %d loads, %d chunks, %.2f GB, %.1f ms in all; "
                         "last: %d chunks, %.1f MB in %.2f ms (map %.2f, retrieve %.2f, "
                         "issue %.2f, device wait %.2f, release %.2f)",
