@@ -19,20 +19,9 @@ from kvedit.keys import chunk_keys, namespace
 from kvedit.launch.server import start_server
 from kvedit.vllm.scheduler_side import SchedulerSide
 from kvedit.vllm.settings import ConnectorSettings, model_layout
+from tests.unit.test_query_capture_units import _sched_config
 
 CHUNK, BLOCK = 128, 16
-
-
-def _config():
-    from transformers import Qwen3Config
-
-    dims = dict(get_num_layers=lambda pc: 2, get_num_attention_heads=lambda pc: 2,
-                get_head_size=lambda: 64, dtype=torch.float32)
-    return SimpleNamespace(
-        model_config=SimpleNamespace(served_model_name="m", hf_config=Qwen3Config(),
-                                     get_num_kv_heads=lambda pc: 1, **dims),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        cache_config=SimpleNamespace(cache_dtype="auto"))
 
 
 def _request(tokens: list[int]):
@@ -43,7 +32,7 @@ def _request(tokens: list[int]):
 
 @pytest.fixture
 def side():
-    cfg = _config()
+    cfg = _sched_config()   # a stand-in vLLM config: 4 layers, 2 KV heads of 64
     layout = model_layout(cfg, CHUNK, 0)
     with start_server(64 * layout.chunk_bytes / 2**30, chunk_size=CHUNK) as s:
         with KVClient(s.url) as c:
