@@ -168,6 +168,10 @@ def _add_deadlines(g) -> None:
                                      "acknowledged, at most; one session holds at most "
                                      "--max-client-total-share of it, and over it the watch "
                                      "waiting longest is cut first"),
+            ("http_new_conns_per_peer", "a rate: HTTP: new connections one peer may open a "
+                                        "second (a burst of one second's worth); beyond, "
+                                        "503 at accept. Never the server's own user; 0: no "
+                                        "cap"),
             ("watch_subscribes_per_min", "a rate: key watch subscriptions one session may make "
                                          "a minute (a burst of 8)"),
             ("watch_slice_ms", "milliseconds: key watch: loop time a pass spends building "
@@ -236,7 +240,7 @@ def config_from_args(args) -> ServerConfig:
              "max_stores_total", "max_leased_keys_per_client", "max_leased_keys_total",
              "max_client_pool_fraction", "fence_gone_sessions", "quota_reserve",
              "http_max_conns", "http_max_conns_per_peer", "http_max_requests",
-             "http_head_timeout",
+             "http_head_timeout", "http_new_conns_per_peer",
              "l2_url", "l2_prefix", "l2_ttl", "l2_write_on", "l2_write_queue_mb",
              "l2_lookup_wait", "l2_timeout", "l2_mac")
     return ServerConfig(l1_size_gb=args.l1_size_gb, **{n: getattr(args, n) for n in names})

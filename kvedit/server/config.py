@@ -104,6 +104,8 @@ class ServerConfig:
     http_max_requests: int = 64         # in flight; beyond, 503 (not for /health, nor
                                         # requests with the right bearer token)
     http_head_timeout: float = 3.0      # seconds for a whole request head
+    http_new_conns_per_peer: float = 1000.0  # new connections a second of one peer (not the
+                                        # server's own user); beyond, 503 at accept. 0: no cap
     data_idle_timeout: float = 60.0   # data link: seconds without a request before closing
     handshake_timeout: float = 2.0    # data link: seconds for the whole handshake
     transfer_idle_timeout: float = 10.0  # data link: seconds without progress mid-transfer
@@ -269,6 +271,9 @@ class ServerConfig:
             raise ValueError(f"--reply-queue-mb must be at least 0.25 (the largest reply must "
                              f"fit) and at most --reply-queue-total-mb "
                              f"({self.reply_queue_total_mb}), got {self.reply_queue_mb}")
+        if not self.http_new_conns_per_peer >= 0:
+            raise ValueError(f"--http-new-conns-per-peer must be >= 0 connections a second "
+                             f"(0: no cap), got {self.http_new_conns_per_peer}")
         if not self.http_head_timeout > 0:
             raise ValueError(f"--http-head-timeout must be > 0 seconds, got "
                              f"{self.http_head_timeout}")

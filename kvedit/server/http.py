@@ -32,8 +32,9 @@ from kvedit.auth import (AUTH_HEADER, CHALLENGE_HEADER, ENDPOINT_HEADER, HTTP_AU
                          endpoint, http_authorized, http_proof, sent_raw_secret)
 from kvedit.server import http_state as state
 from kvedit.server.http_openapi import MAX_CURSOR, MAX_MODEL_PARAM, MAX_PAGE, SPEC
-from kvedit.server.http_peer import PeerKey, peer_key
 from kvedit.server.config import listen_backlog
+from kvedit.server.http_accept import ScreeningSocket, bind
+from kvedit.server.http_peer import PeerKey, peer_key
 from kvedit.server.service import Service
 
 log = logging.getLogger("kvedit.server")
@@ -250,6 +251,7 @@ class _Protocol(HttpToolsProtocol):
     thread-backed endpoint's answer (DELETE /cache done!) would go nowhere."""
 
     gate: _Gate
+    listener: ScreeningSocket
     secret: bytes | None
     head_timeout: float
     max_requests: int
@@ -259,8 +261,10 @@ class _Protocol(HttpToolsProtocol):
         self._heads = self._done = self._head_bytes = 0
         self._timer = None
         self._eof = False
-        peer = peer_key(transport.get_extra_info("sockname"),
-                        transport.get_extra_info("peername"))
+        sock, there = transport.get_extra_info("socket"), transport.get_extra_info("peername")
+        peer = self.listener.take_key(sock.fileno(), there) if sock is not None else None
+        if peer is None:
+            peer = peer_key(transport.get_extra_info("sockname"), there)
         if not self.gate.admit(self, peer):
             transport.write(_BUSY)
             transport.close()
@@ -335,38 +339,21 @@ _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\
          b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
 
 
-def protocol_class(secret: bytes | None, *, max_conns: int, per_peer: int,
-                   head_timeout: float, max_requests: int) -> type[_Protocol]:
+def protocol_class(listener: ScreeningSocket, secret: bytes | None, *, max_conns: int,
+                   per_peer: int, head_timeout: float, max_requests: int) -> type[_Protocol]:
     """The protocol uvicorn instantiates per connection, bound to one server's gate."""
     return type("KveditHttp", (_Protocol,), {
-        "gate": _Gate(max_conns, per_peer), "secret": secret,
+        "gate": _Gate(max_conns, per_peer), "listener": listener, "secret": secret,
         "head_timeout": head_timeout, "max_requests": max_requests})
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket whose proto is IPPROTO_TCP: asyncio sets TCP_NODELAY on the
-    accepted connections only then (socket.create_server leaves proto 0, and uvicorn's
-    separate header and body writes then meet Nagle + delayed ACK: 44 ms a request)."""
-    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
-    family, kind, proto, _, addr = info[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(listen_backlog())
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 class HttpApi:
     """start() runs uvicorn in a thread; close() stops it and waits for the thread."""
 
     def __init__(self, service: Service, host: str, port: int, secret: bytes | None = None):
-        self.sock = _bind(host, port)
         c = service.cfg
-        proto = protocol_class(secret, max_conns=c.http_max_conns,
+        self.sock = bind(host, port, c.http_new_conns_per_peer)
+        proto = protocol_class(self.sock, secret, max_conns=c.http_max_conns,
                                per_peer=c.http_max_conns_per_peer,
                                head_timeout=c.http_head_timeout,
                                max_requests=c.http_max_requests)

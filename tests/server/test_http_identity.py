@@ -87,3 +87,42 @@ def test_the_server_s_own_user_is_answered_beside_a_churning_user(other_uid):  #
             churn = _join(pid, r)
         assert churn.get("connections", 0) > 100, churn
         assert codes == [200] * 100, [c for c in codes if c != 200][:5]
+
+
+def _burst(port: int, n: int) -> dict:
+    """Open n connections one after another, each asking /health and reading the answer's
+    status line and body: -> {"ok": ..., "shed": ..., "other": [...]}."""
+    ok = shed = 0
+    other = []
+    for _ in range(n):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            data = b""
+            try:
+                while chunk := c.recv(4096):
+                    data += chunk
+            except ConnectionResetError:   # shed before the request came: the request
+                pass                       # met a closed socket (the 503 came first)
+        if data.startswith(b"HTTP/1.1 200"):
+            ok += 1
+        elif data.startswith(b"HTTP/1.1 503") and b"too many new HTTP connections" in data:
+            shed += 1
+        else:
+            other.append(data[:80].decode("latin-1"))
+    return {"ok": ok, "shed": shed, "other": other}
+
+
+def test_a_peer_over_its_rate_of_new_connections_is_shed_but_never_the_own_user(
+        other_uid):  # noqa: F811
+    """--http-new-conns-per-peer 20: another user's 80 back-to-back connections get 20
+    answers (the bucket's second's worth, plus what refills meanwhile) and 503s naming the
+    rate; the server's own user, as fast, is answered every time."""
+    with start_server(0.02, extra_args=["--http-new-conns-per-peer", "20"]) as s:
+        pid, r = _spawn_as(other_uid, lambda: _burst(s.http_port, 80))
+        theirs = _join(pid, r)
+        mine = _burst(s.http_port, 80)
+        cfg = httpx.get(s.http_url + "/config", timeout=5).json()
+    assert theirs.get("other") == [] and theirs["shed"] > 0, theirs
+    assert 20 <= theirs["ok"] < 80, theirs
+    assert mine == {"ok": 80, "shed": 0, "other": []}, mine
+    assert cfg["http_new_conns_per_peer"] == 20.0
