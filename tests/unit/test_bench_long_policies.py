@@ -70,6 +70,20 @@ def test_main_refuses_before_starting_anything(monkeypatch):
         run.main(_args("--in-engine", "--every", "64", "--budgets", "1024,64"), print)
     with pytest.raises(SystemExit, match="needs --in-engine"):
         run.main(_args("--budgets", "1024"), print)
+    with pytest.raises(SystemExit, match=r"unknown kv_connector_extra_config keys \['async_stor'\]"):
+        run.main(_args("--connector-setting", "async_stor=false"), print)
+    with pytest.raises(SystemExit, match=r"store 'bogus'; expected one of"):
+        run.main(_args("--connector-setting", "store=bogus"), print)
+    with pytest.raises(SystemExit, match=r"'x': expected KEY=VALUE"):
+        run.main(_args("--connector-setting", "x"), print)
+
+
+def test_connector_settings_are_read_as_json_where_they_parse():
+    args = _args("--connector-setting", "async_store=false", "--connector-setting",
+                 "store_wait_s=2.5", "--connector-setting", "store=eager")
+    assert speed.connector_settings(args) == {"async_store": False, "store_wait_s": 2.5,
+                                              "store": "eager"}
+    assert speed.connector_settings(_args()) == {}
 
 
 def test_budgets_put_the_runs_budget_first_once():

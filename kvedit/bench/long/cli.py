@@ -21,6 +21,7 @@ DEFAULTS = {
     "engine_queries": None, "budgets": None, "matched_arm": True, "vllm_full": True,
     "two_phase": True, "connector_arm": True, "checkpoint": None,
     "host_arm": True, "l1_size_gb": None, "vllm_args": [], "dry_run": False, "preset": None,
+    "connector_settings": [],
     "accuracy_model": "smollm2", "accuracy_tasks": None, "accuracy_note_tokens": 512,
     "accuracy_only": False, "accuracy_samples": 8, "accuracy_numbers": 200,
     "accuracy_every": 64, "accuracy_budget": 512, "accuracy_arms": None,
@@ -136,6 +137,11 @@ def _arms(p) -> None:
     p.add_argument("--vllm-arg", action="append", dest="vllm_args",
                    help="one more argument for the vLLMs we start (repeat), e.g. "
                         "--vllm-arg=--load-format --vllm-arg=dummy on a GPU")
+    p.add_argument("--connector-setting", action="append", dest="connector_settings",
+                   metavar="KEY=VALUE",
+                   help="one more kv_connector_extra_config setting for the kvedit arms' "
+                        "engine (repeat; VALUE read as JSON, else a string), e.g. "
+                        "async_store=false: an A/B of one connector setting")
 
 
 def _accuracy(a) -> None:

@@ -8,6 +8,7 @@ from kvedit.bench.long import accuracy, figures, policies, prompts, sizing, spee
 def main(args, log) -> dict:
     extra = policies.entries(args)      # refused before any engine starts
     policies.budget_list(args)
+    speed.connector_settings(args)      # so is an unknown or bad connector setting
     if args.accuracy_only:
         out = {"bench": "long"}
     else:

@@ -20,7 +20,7 @@ from kvedit.bench.long.prompts import Prompts, score
 from kvedit.bench.long.sizing import Plan
 from kvedit.harness.experiment import engines
 from kvedit.harness.vocab import fixed_length
-from kvedit.vllm.settings import TransferSettings
+from kvedit.vllm.settings import ConnectorSettings, TransferSettings
 
 
 def run(args, prompts: Prompts, plan: Plan, log, extra=()) -> dict:
@@ -37,7 +37,8 @@ def run(args, prompts: Prompts, plan: Plan, log, extra=()) -> dict:
                             "kv_capacity_tokens": cap, "chunk_size": args.chunk_size,
                             "policy": args.policy, "block_size": plan.block_size,
                             "preset": args.preset,
-                            "connector_store": TransferSettings().store},
+                            "connector_store": TransferSettings().store,
+                            "connector_settings": connector_settings(args)},
                  "sizing": plan.to_dict()}
     configs = {}
     if args.vllm_full:
@@ -55,6 +56,7 @@ def run(args, prompts: Prompts, plan: Plan, log, extra=()) -> dict:
     conn = {"store": TransferSettings().store, "stats_interval_s": logs.STATS_INTERVAL_S}
     if args.in_engine:
         conn["in_engine"] = True
+    conn.update(connector_settings(args))
     with engines(model=prompts.model_dir, served_model_name=prompts.served, dtype=dtype,
                  kv_tokens=cap, max_model_len=max_len, chunk_size=args.chunk_size, log=log,
                  connector_config=conn, vllm_args=args.vllm_args,
@@ -196,3 +198,24 @@ def _settle(ctx, quiet_s: float = 1.0, most_s: float = 30.0) -> None:
         elif time.monotonic() - since >= quiet_s:
             return
         time.sleep(0.2)
+
+
+def connector_settings(args) -> dict:
+    """--connector-setting KEY=VALUE ... as a dict (VALUE as JSON where it parses), checked
+    against the connector's own settings: an unknown key or a bad value is refused here,
+    before any engine starts, with what the connector expects."""
+    out: dict = {}
+    for item in args.connector_settings or ():
+        key, eq, raw = item.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"--connector-setting {item!r}: expected KEY=VALUE, e.g. "
+                             f"async_store=false")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    try:
+        ConnectorSettings.from_extra(out)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"--connector-setting: {e}") from None
+    return out
