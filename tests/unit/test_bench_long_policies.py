@@ -124,3 +124,9 @@ def test_extra_arms_join_the_block_limits_and_the_vllm_full_comparison():
     assert [r["arm"] for r in rows][-1] == "in_engine@1024"
     assert rows[3]["answers"] == {"count": "3/4"}
     assert "in_engine@1024" in figures.table(rows)
+
+
+def test_no_in_engine_turns_a_preset_s_in_engine_arm_off():
+    assert _args("--preset", "real-gpu").in_engine is True
+    args = _args("--preset", "real-gpu", "--no-in-engine", "--engine-policies", "")
+    assert args.in_engine is False and entries(args) == []

@@ -105,6 +105,8 @@ def _workload(p) -> None:
 def _arms(p) -> None:
     p.add_argument("--in-engine", action="store_true",
                    help="the in_engine arm too: vLLM compacts each stream's KV in place")
+    p.add_argument("--no-in-engine", dest="in_engine", action="store_false",
+                   help="no in_engine arm (a preset's off): plain vLLM and the connector alone")
     p.add_argument("--positions", choices=("compact", "logical"),
                    help="the in_engine arm's positions (docs/in-engine.md)")
     p.add_argument("--engine-policies", metavar="LIST",
