@@ -121,12 +121,21 @@ def selection(scores: torch.Tensor, keep: int, budget: str, alpha: float,
     counts = head_counts(scores, keep, budget, alpha)
     nulls, found = null_keys(queries.to(scores.device), scores.shape[1], layout.head_dim)
     counts = torch.where(found, counts, counts.max())  # no null key: that head keeps S tokens
-    tail = int(counts.max()) % layout.chunk_size
-    if tail:
-        scores = scores.clone()
-        scores[..., T - tail:] = float("inf")
-        counts = counts.clamp(min=tail)
-    return ragged_indices(scores, counts), nulls
+    # Every head keeps the last S mod chunk_size tokens, and keeps them on top of its other
+    # protected (inf) tokens, a sink or a window: a head whose count were only the tail's
+    # would keep the earlier inf tokens first (ties go to the earlier) and lose some of the
+    # tail. Raising a count may raise S, and with it the tail: until neither moves.
+    base = scores
+    while True:
+        tail = int(counts.max()) % layout.chunk_size
+        scores = base
+        if tail:
+            scores = base.clone()
+            scores[..., T - tail:] = float("inf")
+        need = counts.clamp(min=torch.isinf(scores).sum(dim=-1).clamp(max=T))
+        if torch.equal(need, counts):
+            return ragged_indices(scores, counts), nulls
+        counts = need
 
 
 def store(kv: torch.Tensor, tokens, idx: torch.Tensor, nulls: torch.Tensor, layout,

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvedit.edits import KeyDiff, SnapKV
-from kvedit.edits.budgets import NULL_MARGIN, head_counts, null_keys, ragged_indices
+from kvedit.edits.budgets import (NULL_MARGIN, head_counts, null_keys, ragged_indices,
+                                  selection)
 from kvedit.edits.rope import rotate_keys
 from kvedit.layout import ModelLayout, RopeParams
 
@@ -138,6 +139,23 @@ def test_the_recomputed_tail_is_the_same_tokens_in_every_head():
         tails.append(tail)
         assert (idx[..., idx.shape[-1] - tail:] == torch.arange(T - tail, T)).all()
     assert any(tails)
+
+
+def test_the_tail_is_kept_beside_the_sinks_in_a_head_that_keeps_few():
+    """A head whose count was only the tail's, its sinks protected too, kept the sinks (ties
+    go to the earlier token) and lost part of the tail, which vLLM recomputes from one token
+    id for every head: the edit was refused (SnapKV per head, budget="layer", 0.75, a 2k
+    multivalue prompt on Qwen2.5-1.5B). Now such a head keeps both."""
+    T, keep = 40, 10
+    scores = torch.stack([rand(L, T, seed=1) + 10, rand(L, T, seed=2) - 10], dim=1)
+    scores[..., :2] = math.inf    # sinks, in every head
+    idx, _ = selection(scores, keep, "layer", 0.2, queries_with_a_direction(8, 12), LAYOUT)
+    S = idx.shape[-1]
+    tail = S % C
+    assert S == 18 and tail == 2   # the quiet head: 2 sinks + the tail of 2, the rest pads
+    assert (idx[..., S - tail:] == torch.arange(T - tail, T)).all()
+    for row in idx.reshape(-1, S).tolist():
+        assert {0, 1} <= set(row)
 
 
 def test_what_an_unequal_budget_refuses():
