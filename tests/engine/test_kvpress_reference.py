@@ -26,14 +26,19 @@ def greedy(model_dir, prompt: list[int], n: int) -> list[int]:
 
 
 def test_kvpress_arm_answers_the_eval_prompts(smollm2_model):
+    """Expected Attention with no KVzip arm: ExpectedAttentionPress reads the RoPE from
+    `self_attn.rotary_emb`, which kvpress's hook context sets and the shared prefill did
+    not (it failed unless a KVzip arm's context had set it first)."""
     tok = load(smollm2_model)
     samples = suite(tok, ["passkey"], [512], 2, seed=0)
-    cfg = EvalConfig(model=str(smollm2_model), policies=["key_norm", "snapkv"], ratios=[0.5])
+    cfg = EvalConfig(model=str(smollm2_model), policies=["key_norm", "snapkv",
+                                                          "expected_attention"], ratios=[0.5])
     summary, records = run_reference(cfg, smollm2_model, samples, tok, samples[0].header,
                                      workers=1)
     assert summary["kvpress"] == "0.5.5"
     assert {(r["policy"], r["press"]) for r in summary["results"]} == {
-        ("KeyNorm", "KnormPress"), ("SnapKV", "SnapKVPress"), ("AdaKV", "AdaKVPress")}
+        ("KeyNorm", "KnormPress"), ("SnapKV", "SnapKVPress"), ("AdaKV", "AdaKVPress"),
+        ("ExpectedAttention", "ExpectedAttentionPress")}
     assert summary["baseline"]["n"] == 2 and all(r["n"] == 2 for r in summary["results"])
     base = [r for r in records if r["press"] is None]
     for s in samples:  # kvpress's uncompressed answer is transformers' greedy answer

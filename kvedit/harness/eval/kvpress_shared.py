@@ -57,6 +57,8 @@ class Prefill:
         self.model, self.length = model, len(ids)
         self.cache, self.inputs = DynamicCache(), {}
         layers = model.model.layers
+        for layer in layers:   # as a press's own hook context sets it: ExpectedAttentionPress
+            layer.self_attn.rotary_emb = model.model.rotary_emb   # reads the RoPE from there
         zipper = _ScoresKept(compression_ratio=0.5, n_sink=kvzip_sink) \
             if kvzip_sink is not None else None
 
