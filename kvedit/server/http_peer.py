@@ -61,14 +61,11 @@ def netlink() -> socket.socket:
 def loopback_uid(sockname, peername, nl: socket.socket | None = None) -> int | None:
     """The uid owning the client socket of a loopback TCP connection, or None (not found,
     or no process holds it any more)."""
-    if nl is not None:
-        try:
-            return _ask(nl, sockname, peername)
-        except (OSError, ValueError, struct.error):
-            return None
     try:
-        with netlink() as nl:
+        if nl is not None:
             return _ask(nl, sockname, peername)
+        with netlink() as own:
+            return _ask(own, sockname, peername)
     except (OSError, AttributeError, ValueError, struct.error):
         return None
 

@@ -29,6 +29,7 @@ def run(args, prompts: Prompts, plan: Plan, log, extra=()) -> dict:
     n, o, b = args.streams, args.max_tokens, args.budget
     dtype = sizing.dtype(args, prompts)
     cap = plan.kv_blocks * plan.block_size
+    overrides = connector_settings(args)   # --connector-setting (run.main refused bad ones)
     max_len = max(map(len, prompts.ids)) + o + 64
     t0 = time.perf_counter()
     out: dict = {"bench": "long", "model": prompts.served, "dtype": dtype,
@@ -38,7 +39,7 @@ def run(args, prompts: Prompts, plan: Plan, log, extra=()) -> dict:
                             "policy": args.policy, "block_size": plan.block_size,
                             "preset": args.preset,
                             "connector_store": TransferSettings().store,
-                            "connector_settings": connector_settings(args)},
+                            "connector_settings": overrides},
                  "sizing": plan.to_dict()}
     configs = {}
     if args.vllm_full:
@@ -56,7 +57,7 @@ def run(args, prompts: Prompts, plan: Plan, log, extra=()) -> dict:
     conn = {"store": TransferSettings().store, "stats_interval_s": logs.STATS_INTERVAL_S}
     if args.in_engine:
         conn["in_engine"] = True
-    conn.update(connector_settings(args))
+    conn.update(overrides)
     with engines(model=prompts.model_dir, served_model_name=prompts.served, dtype=dtype,
                  kv_tokens=cap, max_model_len=max_len, chunk_size=args.chunk_size, log=log,
                  connector_config=conn, vllm_args=args.vllm_args,
