@@ -211,6 +211,39 @@ def test_groups_split_until_each_fits_what_the_server_can_be_given(tiny_model, t
     more = memory.group_need(tiny_model, sz.dtype, sz.groups[0], context_rows=512,
                              cells_at_once=4)
     assert more > sz.need(sz.groups[0])
+    # so do the repair cell's compressed and repaired copies
+    assert memory.group_need(tiny_model, sz.dtype, sz.groups[0], repair=True) > \
+        sz.need(sz.groups[0])
+
+
+def test_a_cpu_hosts_l1_leaves_room_for_the_vllm_it_starts(tmp_path):
+    """The OOM kill of 2026-12-07 (results/eval/cpu-qwen25-repair-4k-2026-12-07): the L1 was
+    60% of the memory available before vLLM started, and vLLM's worker (12.5 GiB of its own,
+    float32 Qwen2.5-1.5B) plus its other two processes (1.4 GiB) did not fit beside it. Here
+    the same model's shape (a sparse checkpoint of its size) must reserve at least that."""
+    import json
+    from types import SimpleNamespace
+
+    from kvedit.harness.eval import memory
+
+    qwen = {"num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+            "hidden_size": 1536, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(qwen))
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.truncate(3_087_467_520)                  # the checkpoint's size in bf16, sparse
+    pool = 16 * 4608                               # 16 requests in flight of a 4k prompt
+    reserve = memory.engine_host_bytes(tmp_path, "float32", pool)
+    assert reserve >= (12.5 + 1.4) * 2**30
+    assert memory.engine_host_bytes(tmp_path, "bfloat16", pool) < reserve   # half the weights
+    avail = memory.l1_budget()
+    if avail is not None:   # the reserve comes off the memory available, never below zero
+        assert memory.l1_budget(reserve) < avail
+        assert memory.l1_budget(1e15) == 0.0
+    # that run's group: 12 prompts of 4k with the context pass and a repair cell
+    group = [SimpleNamespace(length=4096, prompt_ids=[0] * 4120)] * 12
+    need = memory.group_need(tmp_path, "float32", group, context_rows=512, repair=True)
+    without = memory.group_need(tmp_path, "float32", group, context_rows=512)
+    assert need > 1.5 * without
 
 
 def test_the_side_by_side_chart_draws_a_policy_that_answered_nothing(tmp_path):

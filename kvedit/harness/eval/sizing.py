@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvedit.harness.eval import memory
-from kvedit.harness.eval.policyspec import needs_context, needs_reconstruction, \
+from kvedit.harness.eval.policyspec import needs_context, needs_reconstruction, parse_spec, \
     reconstruction_for
 from kvedit.harness.eval.schedule import rounds
 
@@ -47,7 +47,8 @@ class Sizing:
     """The run's sizes (module docstring): `groups`, `dtype`, `at_once` at construction;
     the engine's arguments (`kw`), `in_flight` and `modify_concurrency` after `engines`."""
 
-    def __init__(self, cfg, model_dir: Path, tok, samples: list, log):
+    def __init__(self, cfg, model_dir: Path, tok, samples: list, log, *,
+                 engine_here: bool = True):
         from kvedit.harness.experiment import block_size
         from kvedit.sdk.context_pass import ROWS
 
@@ -58,18 +59,28 @@ class Sizing:
         self.at_once = cfg.cells_at_once or (1 if self.bs == 128 else 4)
         self.edit_device = edit_device(cfg.edit_device)
         self.samples = samples
-        per_round = len(cfg.seeds) * len(cfg.tasks) * len(cfg.lengths)
-        size = cfg.group_size or (per_round if cfg.deadline_s else len(samples))
-        self.groups = memory.fit(rounds(samples, size), memory.l1_budget(), self.need, log)
         self.kw: dict = {}
         self.in_flight = cfg.in_flight or (16 if self.bs == 128 else 64)
         self.modify_concurrency = cfg.modify_concurrency or (2 if self.bs == 128 else 4)
+        per_round = len(cfg.seeds) * len(cfg.tasks) * len(cfg.lengths)
+        size = cfg.group_size or (per_round if cfg.deadline_s else len(samples))
+        # On a CPU host the vLLM this run starts shares the RAM the server's L1 comes from
+        # (memory.py); on a GPU host its weights and pool are on the card.
+        reserve = memory.engine_host_bytes(model_dir, self.dtype, self.kv_tokens()) \
+            if self.bs == 128 and engine_here else 0.0
+        budget = memory.l1_budget(reserve)
+        if reserve and budget is not None:
+            log(f"kvedit server's L1 may take {budget / 1e9:.1f} GB: 60% of the memory "
+                f"available less vLLM's ~{reserve / 1e9:.1f} GB on this CPU host")
+        self.groups = memory.fit(rounds(samples, size), budget, self.need, log)
 
     def need(self, group: list) -> float:
         """Bytes of L1 `group` needs (memory.group_need)."""
         return memory.group_need(self.model_dir, self.dtype, group,
                                  reconstruction=needs_reconstruction(self.cfg.policies),
-                                 context_rows=self.context_rows, cells_at_once=self.at_once)
+                                 context_rows=self.context_rows, cells_at_once=self.at_once,
+                                 repair=any(parse_spec(p)[0] == "repair"
+                                            for p in self.cfg.policies))
 
     def server_gb(self) -> float:
         """L1 for the server eval starts: the largest group's need; at least 2 GB."""
@@ -80,10 +91,7 @@ class Sizing:
         """The arguments of kvedit.harness.experiment.engines for the accuracy phase
         (`overrides` last: tests pass the session's server and vLLM); kept as `kw`."""
         cfg = self.cfg
-        longest = max(len(s.prompt_ids) for s in self.samples) + max(
-            s.max_tokens for s in self.samples)
-        if needs_reconstruction(cfg.policies):  # context + repeat prompt + context
-            longest = max(longest, self._reconstruction_length())
+        longest = self.longest()
         self.kw = dict(model=str(self.model_dir), served_model_name=served, dtype=self.dtype,
                        max_model_len=longest + self.bs, chunk_size=cfg.chunk_size, log=self.log)
         if self.bs != 128 and self.edit_device is not None:
@@ -97,9 +105,21 @@ class Sizing:
             # model and the server's L1, got vLLM's worker OOM-killed on a 24 GiB box).
             self.kw["vllm_args"] = ["--max-num-batched-tokens", str(CPU_STEP_TOKENS)]
             self.kw["vllm_env"] = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "900"}
-            self.kw["kv_tokens"] = self.in_flight * longest
+            self.kw["kv_tokens"] = self.kv_tokens()
         self.kw.update(overrides)
         return self.kw
+
+    def longest(self) -> int:
+        """The longest request the engine serves: a prompt and its answer, or KVzip's pass."""
+        longest = max(len(s.prompt_ids) for s in self.samples) + max(
+            s.max_tokens for s in self.samples)
+        if needs_reconstruction(self.cfg.policies):  # context + repeat prompt + context
+            longest = max(longest, self._reconstruction_length())
+        return longest
+
+    def kv_tokens(self) -> int:
+        """The KV pool a CPU host's vLLM gets: the requests in flight, no more."""
+        return self.in_flight * self.longest()
 
     def _reconstruction_length(self) -> int:
         """KVzip's pass prompt length; refuses a window past the query-capture bound."""
