@@ -36,6 +36,9 @@ def register(sub) -> None:
                    help=f"context tokens, multiples of {CHUNK} (default %(default)s)")
     p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
                    help="samples per task and length; depths cycle 0.1..0.9 (default %(default)s)")
+    p.add_argument("--sample-offset", type=int, default=0, metavar="K",
+                   help="skip the first K samples of every task x length x seed (sample "
+                        "i is the same in every run): finish a cut run, then pool the two")
     p.add_argument("--policies", default="all",
                    help="comma-separated names of kvedit.edits.POLICIES (default: all)")
     p.add_argument("--ratios", default=",".join(map(str, DEFAULT_RATIOS)),
@@ -223,6 +226,9 @@ def _main(args) -> int:
             raise SystemExit(f"--ratios: each must be in (0, 1), got {ratios}")
         if args.samples <= 0:
             raise SystemExit(f"--samples must be positive, got {args.samples}")
+        if not 0 <= args.sample_offset < args.samples:
+            raise SystemExit(f"--sample-offset must be in [0, --samples) = [0, {args.samples}),"
+                             f" got {args.sample_offset}")
         seeds = _list(args.seeds, int, "seeds") if args.seeds else [args.seed]
         if len(set(seeds)) != len(seeds):
             raise SystemExit(f"--seeds: each seed once, got {seeds}")
@@ -241,6 +247,7 @@ def _main(args) -> int:
         if ref_ratios and any(not 0 < r < 1 for r in ref_ratios):
             raise SystemExit(f"--reference-ratios: each must be in (0, 1), got {ref_ratios}")
         cfg = EvalConfig(model=args.model, tasks=tasks, lengths=lengths, samples=args.samples,
+                         sample_offset=args.sample_offset,
                          policies=policy_names(args.policies), ratios=ratios,
                          granularity=args.granularity, seeds=seeds, gain=not args.no_gain,
                          gain_prompts=args.gain_prompts, gain_each=args.gain_each,

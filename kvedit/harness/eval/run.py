@@ -28,6 +28,9 @@ class EvalConfig:
     tasks: list[str] = field(default_factory=lambda: ["passkey"])
     lengths: list[int] = field(default_factory=lambda: [512])
     samples: int = 5
+    # The first `sample_offset` samples of every task x length x seed are skipped: a run cut
+    # short (a deadline, the box) is finished by a second run over the rest, then pooled.
+    sample_offset: int = 0
     policies: list[str] = field(default_factory=list)
     ratios: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75])
     granularity: str = "token"
@@ -86,7 +89,8 @@ def run_eval(cfg: EvalConfig, out: Path, *, log=print, engines_kw: dict | None =
     t0 = time.perf_counter()
     engines_kw = dict(engines_kw or {})
     model_dir, served = resolve_model(cfg.model)
-    run = EvalRun(cfg, model_dir, load(model_dir), log, t0, out)
+    run = EvalRun(cfg, model_dir, load(model_dir), log, t0, out,
+                  engine_here="vllm_url" not in engines_kw)
     kw = run.sizing.engines(engines_kw.get("served_model_name", served), engines_kw)
     with ExitStack() as stack:
         if "server_url" not in kw:
@@ -108,20 +112,23 @@ class EvalRun:
     """One eval, phase by phase: the suite and its sizes (`sizing`), the accuracy cells
     (`acc`), the gain arms, the kvpress reference, and what it leaves (result.py)."""
 
-    def __init__(self, cfg: EvalConfig, model_dir: Path, tok, log, t0: float, out: Path):
+    def __init__(self, cfg: EvalConfig, model_dir: Path, tok, log, t0: float, out: Path, *,
+                 engine_here: bool = True):
         from kvedit.harness.eval.gain import GainConfig
         from kvedit.harness.eval.tasks import suite
 
         self.cfg, self.model_dir, self.tok, self.log, self.t0 = cfg, model_dir, tok, log, t0
         self.out = out
         self.samples = [s for seed in cfg.seeds
-                        for s in suite(tok, cfg.tasks, cfg.lengths, cfg.samples, seed=seed)]
+                        for s in suite(tok, cfg.tasks, cfg.lengths, cfg.samples, seed=seed)
+                        if s.index >= cfg.sample_offset]
         self.sink = header_sink(self.samples, cfg.keep_header)
         self.tails = [len(s.prompt_ids) - s.length for s in self.samples]
         if max(self.tails) >= cfg.chunk_size:
             raise ValueError(f"a question takes {max(self.tails)} tokens, more than a chunk "
                              f"({cfg.chunk_size}): it would be editable")
-        self.sizing = Sizing(cfg, model_dir, tok, self.samples, log)
+        # engine_here: this run starts its vLLM (not --vllm-url's), whose host memory counts
+        self.sizing = Sizing(cfg, model_dir, tok, self.samples, log, engine_here=engine_here)
         # The accuracy phase's deadline: the run's, less the kvpress arm's share.
         share = cfg.reference_share if cfg.reference else 0.0
         self.deadline = Deadline(None if cfg.deadline_s is None
