@@ -73,7 +73,8 @@ class Prefill:
         try:
             with zipper(model) if zipper is not None else _nothing(), torch.no_grad():
                 try:
-                    model.model(input_ids=torch.tensor([ids]), past_key_values=self.cache)
+                    model.model(input_ids=torch.tensor([ids], device=model.device),
+                                past_key_values=self.cache)
                 finally:
                     for h in hooks:   # before KVzip's passes, which run on exit
                         h.remove()
@@ -123,7 +124,8 @@ def _global_mask(scores: torch.Tensor, ratio: float):
     masks = []
     for layer in range(L):
         mine = pruned[(pruned // (H * T)) == layer] % (H * T)
-        masks.append((torch.zeros(len(mine), dtype=torch.long), mine // T, mine % T))
+        masks.append((torch.zeros(len(mine), dtype=torch.long, device=mine.device), mine // T,
+                      mine % T))
     return masks
 
 
@@ -156,15 +158,17 @@ def _batch(model, tokenizer, rows, question, start, max_tokens) -> list[str]:
     out = []
     try:
         with torch.no_grad():
-            pos = torch.arange(start, start + len(question))[None].expand(B, -1)
-            logits = model(input_ids=torch.tensor([question] * B), past_key_values=cache,
+            dev = model.device   # the ids where the model is (CUDA on a GPU host)
+            pos = torch.arange(start, start + len(question), device=dev)[None].expand(B, -1)
+            logits = model(input_ids=torch.tensor([question] * B, device=dev),
+                           past_key_values=cache,
                            position_ids=pos, logits_to_keep=1).logits[:, -1]
             nxt = logits.argmax(-1)
             for i in range(max_tokens):
                 out.append(nxt)
                 if i == max_tokens - 1:
                     break
-                p = torch.full((B, 1), start + len(question) + i)
+                p = torch.full((B, 1), start + len(question) + i, device=dev)
                 nxt = model(input_ids=nxt[:, None], past_key_values=cache,
                             position_ids=p).logits[:, -1].argmax(-1)
     finally:
