@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -322,6 +323,31 @@ def start_vllm(model_dir, *, server=None, served_model_name: str = "tiny-qwen3",
         vp.stop()
         raise
     return vp
+
+
+def engine_down(base_url: str, log_path: Path | None = None,
+                timeout: float = 5.0) -> str | None:
+    """None while the vLLM at `base_url` answers /health with 200; else what is wrong, with
+    the first error its log holds. When an engine dies mid-run every request in flight fails
+    alike (HTTP 500s, refused connections); this names the engine and its cause instead."""
+    try:
+        with urllib.request.urlopen(base_url + "/health", timeout=timeout) as r:
+            if r.status == 200:
+                return None
+            why = f"its /health answered HTTP {r.status}"
+    except urllib.error.HTTPError as e:
+        why = f"its /health answered HTTP {e.code}"
+    except OSError as e:
+        why = f"its /health is unreachable ({getattr(e, 'reason', e)})"
+    cause = ""
+    if log_path is not None:
+        try:
+            cause = first_error(Path(log_path).read_text(errors="replace").splitlines())
+        except OSError:
+            pass
+    return (f"vLLM at {base_url} stopped serving: {why}"
+            + (f"; the first error in its log: {cause}" if cause else "")
+            + (f"; log {log_path}" if log_path is not None else ""))
 
 
 _ERROR = re.compile(r"\b\w*(Error|Exception)\b(: |$)")

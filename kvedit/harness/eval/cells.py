@@ -82,7 +82,7 @@ class Accuracy:
                                          f"{ctx.chunk_size} tokens: part of a question would "
                                          "be editable")
                     for k, group in enumerate(groups):
-                        if not self._group(ctx, completion, k, group):
+                        if not self._guarded(eng, ctx, completion, k, group):
                             break
         finally:
             self._samples_file.close()
@@ -96,6 +96,23 @@ class Accuracy:
             if t.groups:
                 out.append({**t.row(), **((gains or {}).get(i) or {})})
         return out
+
+    def _guarded(self, eng, ctx, completion, k: int, group: list) -> bool:
+        """`_group`, and if it fails because vLLM stopped serving, an error that says so (with
+        the first error of vLLM's log) rather than the streams' many HTTP failures."""
+        from kvedit.launch.vllm import engine_down
+
+        try:
+            return self._group(ctx, completion, k, group)
+        except Exception as e:
+            down = engine_down(eng.vllm_url, eng.log_path)
+            if down is None:
+                raise
+            raise RuntimeError(
+                f"group {k + 1}/{len(self.sizing.groups)}: {down}. A worker the kernel's OOM "
+                f"killer ended leaves no error of its own there (`dmesg` names it); a smaller "
+                f"--group-size asks less of the machine. The answers so far are in "
+                f"samples.jsonl and results.json.") from e
 
     def _group(self, ctx, completion, k: int, group: list) -> bool:
         """Run one group whole (as far as the deadline lets cells start); False: stop."""
