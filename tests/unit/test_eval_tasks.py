@@ -151,3 +151,21 @@ def test_near_numbers_are_one_digit_away_and_keep_their_length():
         v = str(rng.randrange(10000, 100000))
         n = near_number(rng, v)
         assert len(n) == len(v) and n[0] != "0" and sum(a != b for a, b in zip(n, v)) == 1
+
+
+def test_a_sample_offset_run_asks_the_prompts_the_whole_run_would_after_k(tiny_model, tmp_path):
+    """`--sample-offset K` finishes a cut run: its samples are exactly the whole run's samples
+    with index >= K, prompt for prompt, so the two runs pool without repeats or gaps."""
+    import time
+
+    from kvedit.harness.eval.run import EvalConfig, EvalRun
+
+    cfg = EvalConfig(model=str(tiny_model), tasks=["passkey", "multikey"], lengths=[512],
+                     samples=4, seeds=[0, 1], policies=["keydiff"], ratios=[0.5])
+    tok = load(tiny_model)
+    whole = EvalRun(cfg, tiny_model, tok, print, time.perf_counter(), tmp_path).samples
+    cfg.sample_offset = 3
+    rest = EvalRun(cfg, tiny_model, tok, print, time.perf_counter(), tmp_path).samples
+    assert len(whole) == 16 and len(rest) == 4
+    assert [(s.task, s.index, s.prompt_ids) for s in rest] == \
+        [(s.task, s.index, s.prompt_ids) for s in whole if s.index >= 3]
