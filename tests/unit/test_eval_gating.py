@@ -332,3 +332,20 @@ def test_runs_pooled_from_their_answers(tmp_path):
                  str(tmp_path / "pooled")]) == 0
     written = json.loads((tmp_path / "pooled" / "results.json").read_text())
     assert written["results"][0]["correct"] == 9
+
+
+def test_a_seed_with_a_baseline_and_no_cell_yet_does_not_break_the_checkpoint():
+    """Groups cut to fit the server's memory can end mid-seed: after group 2's baseline its
+    new seed has full-KV answers and no cell's yet, and the results.json written then
+    (report.acceptance on the per-seed block) divided None by its baseline (the CPU 4k run of
+    2026-12-07, groups of 6 over 3 seeds x 4 tasks)."""
+    from kvedit.harness.eval import report
+
+    base = [rec("passkey", 4096, 0, True, seed=s) for s in (0, 1)]
+    cells = [{"policy": "KeyDiff", "ratio": 0.5, "records": [
+        {**base[0], "policy": "KeyDiff", "ratio": 0.5}]}]          # seed 0's answer only
+    b, results = report.summarize(base, cells)
+    seeds = report.by_seed(base, cells, [0, 1])
+    assert seeds[1]["results"][0]["accuracy"] is None
+    a = report.acceptance(b, results, seeds)["best_at_0.5_vs_each_seed_baseline"]
+    assert a["values"] == {"0": 1.0, "1": None} and not a["ok"]

@@ -188,7 +188,10 @@ def acceptance(base: dict, results: list[dict], seeds: list[dict] | None = None,
             row = next((r for r in s["results"] if r["policy"] == best["policy"]
                         and abs(r["ratio"] - 0.5) < 1e-9), None)
             sb = s["baseline"]["accuracy"]
-            per[str(s["seed"])] = row["accuracy"] / sb if row and sb else None
+            # a seed whose baseline ran but no cell yet (a group ending mid-seed, between
+            # its baseline and its cells) has no accuracy to divide
+            per[str(s["seed"])] = row["accuracy"] / sb \
+                if row and row["accuracy"] is not None and sb else None
         out["best_at_0.5_vs_each_seed_baseline"] = {
             "policy": best["policy"], "values": per, "target": ">= 0.9",
             "ok": all(v is not None and v >= 0.9 for v in per.values())}
