@@ -135,7 +135,12 @@ def test_the_budget_lets_the_oldest_original_go_and_its_repair_is_skipped_or_rec
     m = first.repair(HOW, originals=ledger, sampling_params=GREEDY, if_evicted="recompute",
                      first_token=False)
     assert m.streams_repaired == 1 and m.recomputed_tokens == N
-    assert s.prompt[:N // 2] == expected(ctx, hf_queries, s, kv1)
+    # The capture pass computed the original again (one prefill of it and the question):
+    # the same KV up to float32 rounding, which can flip a near-tie of the selection (index
+    # 391 of 512 on the EPYC box of 2026-12-07), so the reference scores what it computed.
+    kv_again = stored(ctx, ledger.record(s).original.keys)
+    assert torch.allclose(kv_again, kv1, atol=1e-4, rtol=1e-4)
+    assert s.prompt[:N // 2] == expected(ctx, hf_queries, s, kv_again)
     assert ledger.report()["let_go"] == 2            # the second one went to make room
     assert first.decode({**GREEDY, "max_tokens": 2}).output_tokens == 2
 
